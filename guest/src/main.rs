@@ -1,0 +1,350 @@
+//! `gpt2.wasm`: GPT-2 text generation and scoring over WASI-NN.
+//!
+//! The module tokenizes the prompt, then for each new token hands the whole sequence to the
+//! host's graph (input 0, `I32 [1, T]`), reads the last position's logits (output 0,
+//! `F32 [1, vocab]`; a backend that returns `F32 [1, T, vocab]` works too) and samples the next
+//! token. The host's backend caches the prefix, so each step costs one position.
+
+use gpt2_guest::sampling::{Sampler, SamplingParams};
+use gpt2_guest::text::{StopMatcher, StopState, Utf8Stream};
+use gpt2_guest::tokenizer::Gpt2Tokenizer;
+use std::io::Write;
+use std::time::Instant;
+use wasi_nn::{ExecutionTarget, GraphBuilder, GraphEncoding, GraphExecutionContext, TensorType};
+
+const USAGE: &str = "\
+usage: gpt2.wasm [OPTIONS] PROMPT
+       gpt2.wasm --perplexity FILE --window W [--max-scored N] [OPTIONS]
+
+options:
+  --graph NAME         wasi-nn graph to load by name (default: gpt2)
+  --target cpu|gpu     wasi-nn execution target (default: cpu)
+  --max-tokens N       tokens to generate (default: 100)
+  --temperature T      0 = greedy (default: 0)
+  --top-k K            keep the K most likely tokens (default: 0 = all)
+  --top-p P            nucleus sampling mass (default: 1.0)
+  --seed S             sampling seed (default: 0)
+  --stop TEXT          stop when TEXT appears (repeatable); <|endoftext|> always stops
+  --json               print one JSON line with ids, text and timings instead of streaming
+  --tokenizer FILE     an HF tokenizer.json instead of the embedded GPT-2 vocabulary
+  --perplexity FILE    score FILE in windows: feed tokens[i..i+W], score tokens[i+1..i+W+1]
+  --window W           window for --perplexity (default: 512)
+  --max-scored N       stop after N scored tokens (default: all)
+";
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+struct Options {
+    graph: String,
+    target: ExecutionTarget,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stops: Vec<String>,
+    json: bool,
+    tokenizer: Option<String>,
+    perplexity: Option<String>,
+    window: usize,
+    max_scored: Option<usize>,
+    prompt: Option<String>,
+}
+
+fn parse_args() -> Result<Options, Error> {
+    use lexopt::prelude::*;
+    let mut o = Options {
+        graph: "gpt2".into(),
+        target: ExecutionTarget::CPU,
+        max_tokens: 100,
+        sampling: SamplingParams::default(),
+        stops: Vec::new(),
+        json: false,
+        tokenizer: None,
+        perplexity: None,
+        window: 512,
+        max_scored: None,
+        prompt: None,
+    };
+    let mut parser = lexopt::Parser::from_env();
+    while let Some(arg) = parser.next()? {
+        match arg {
+            Long("graph") => o.graph = parser.value()?.string()?,
+            Long("target") => {
+                o.target = match parser.value()?.string()?.as_str() {
+                    "cpu" => ExecutionTarget::CPU,
+                    "gpu" => ExecutionTarget::GPU,
+                    other => return Err(format!("--target: `{other}` is not cpu or gpu").into()),
+                }
+            }
+            Long("max-tokens") => o.max_tokens = parser.value()?.parse()?,
+            Long("temperature") => o.sampling.temperature = parser.value()?.parse()?,
+            Long("top-k") => o.sampling.top_k = parser.value()?.parse()?,
+            Long("top-p") => o.sampling.top_p = parser.value()?.parse()?,
+            Long("seed") => o.sampling.seed = parser.value()?.parse()?,
+            Long("stop") => o.stops.push(parser.value()?.string()?),
+            Long("json") => o.json = true,
+            Long("tokenizer") => o.tokenizer = Some(parser.value()?.string()?),
+            Long("perplexity") => o.perplexity = Some(parser.value()?.string()?),
+            Long("window") => o.window = parser.value()?.parse()?,
+            Long("max-scored") => o.max_scored = Some(parser.value()?.parse()?),
+            Short('h') | Long("help") => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
+            Value(v) if o.prompt.is_none() => o.prompt = Some(v.string()?),
+            _ => return Err(arg.unexpected().into()),
+        }
+    }
+    let t = o.sampling.temperature;
+    if !(t.is_finite() && t >= 0.0) {
+        return Err(format!("--temperature {t} must be a finite number >= 0").into());
+    }
+    let p = o.sampling.top_p;
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(format!("--top-p {p} must be in (0, 1]").into());
+    }
+    if o.window == 0 {
+        return Err("--window must be at least 1".into());
+    }
+    if o.perplexity.is_none() && o.prompt.is_none() {
+        return Err("missing PROMPT (see --help)".into());
+    }
+    Ok(o)
+}
+
+fn main() {
+    let result = parse_args().and_then(|options| {
+        let tokenizer = match &options.tokenizer {
+            Some(path) => {
+                let bytes = std::fs::read(path).map_err(|e| format!("--tokenizer {path}: {e}"))?;
+                Gpt2Tokenizer::from_json(&bytes)?
+            }
+            None => Gpt2Tokenizer::embedded()?,
+        };
+        match &options.perplexity {
+            Some(path) => perplexity(&options, &tokenizer, path),
+            None => generate(&options, &tokenizer),
+        }
+    });
+    if let Err(e) = result {
+        eprintln!("gpt2.wasm: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// A graph's execution context plus the buffer its logits are read into.
+struct Model<'g> {
+    context: GraphExecutionContext<'g>,
+    vocab: usize,
+    buffer: Vec<f32>,
+}
+
+fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
+    GraphBuilder::new(GraphEncoding::Autodetec, options.target)
+        .build_from_cache(&options.graph)
+        .map_err(|e| format!("cannot load graph `{}` by name: {e}", options.graph).into())
+}
+
+impl<'g> Model<'g> {
+    fn new(graph: &'g wasi_nn::Graph, vocab: usize) -> Result<Self, Error> {
+        let context = graph
+            .init_execution_context()
+            .map_err(|e| format!("init_execution_context: {e}"))?;
+        Ok(Self {
+            context,
+            vocab,
+            buffer: vec![0.0; vocab],
+        })
+    }
+
+    fn set_tokens(&mut self, tokens: &[u32]) -> Result<(), Error> {
+        self.context
+            .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
+            .map_err(|e| format!("set_input (sequence of {} tokens): {e}", tokens.len()).into())
+    }
+
+    /// The logits of the last position of `tokens`.
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], Error> {
+        self.set_tokens(tokens)?;
+        self.context
+            .compute()
+            .map_err(|e| format!("compute: {e}"))?;
+        let bytes = match self.context.get_output(0, &mut self.buffer) {
+            Ok(n) => n,
+            // Too small for a backend that returns every position (F32 [1, T, vocab]):
+            // retry once with room for all of them.
+            Err(first) if tokens.len() > 1 => {
+                self.buffer.resize(tokens.len() * self.vocab, 0.0);
+                self.context
+                    .get_output(0, &mut self.buffer)
+                    .map_err(|_| format!("get_output: {first}"))?
+            }
+            Err(e) => return Err(format!("get_output: {e}").into()),
+        };
+        let n = bytes / 4;
+        let row = if n == tokens.len() * self.vocab && tokens.len() > 1 {
+            &self.buffer[n - self.vocab..n]
+        } else {
+            &self.buffer[..n]
+        };
+        Ok(row)
+    }
+
+    /// Logits of every position of `tokens` (`[T * vocab]`) from one prefill via output 1;
+    /// `None` if the backend has no such output.
+    fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, Error> {
+        self.set_tokens(tokens)?;
+        if self
+            .context
+            .set_input(1, TensorType::I32, &[1], [0i32])
+            .is_err()
+        {
+            return Ok(None);
+        }
+        self.context
+            .compute()
+            .map_err(|e| format!("compute: {e}"))?;
+        let mut all = vec![0.0f32; tokens.len() * self.vocab];
+        match self.context.get_output(1, &mut all) {
+            Ok(bytes) if bytes == all.len() * 4 => Ok(Some(all)),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
+    let prompt = options.prompt.as_deref().unwrap_or_default();
+    let mut prompt_ids = tokenizer.encode(prompt)?;
+    if prompt_ids.is_empty() {
+        // Nothing to condition on: start from <|endoftext|>, as GPT-2 was trained.
+        prompt_ids.extend(tokenizer.end_of_text());
+    }
+    let graph = load_graph(options)?;
+    let mut model = Model::new(&graph, tokenizer.vocab_size())?;
+    let mut sampler = Sampler::new(options.sampling);
+    let mut stops = StopMatcher::new(options.stops.clone());
+    let mut utf8 = Utf8Stream::default();
+    let mut stdout = std::io::stdout();
+
+    let mut sequence = prompt_ids.clone();
+    let mut generated: Vec<u32> = Vec::new();
+    let mut finish_reason = "length";
+    let start = Instant::now();
+    let mut prompt_ms = 0.0;
+    let mut sampling_s = 0.0;
+    let show = |piece: &str, stdout: &mut std::io::Stdout| -> Result<(), Error> {
+        if !options.json && !piece.is_empty() {
+            stdout.write_all(piece.as_bytes())?;
+            stdout.flush()?;
+        }
+        Ok(())
+    };
+    for step in 0..options.max_tokens {
+        let logits = model.last_logits(&sequence)?;
+        let sample_start = Instant::now();
+        let next = sampler.sample(logits) as u32;
+        sampling_s += sample_start.elapsed().as_secs_f64();
+        if step == 0 {
+            prompt_ms = start.elapsed().as_secs_f64() * 1e3;
+        }
+        if Some(next) == tokenizer.end_of_text() {
+            finish_reason = "eos";
+            break;
+        }
+        sequence.push(next);
+        generated.push(next);
+        let piece = utf8.push(tokenizer.token_bytes().get(next));
+        match stops.push(&piece) {
+            StopState::Continue(text) => show(&text, &mut stdout)?,
+            StopState::Stopped(text) => {
+                show(&text, &mut stdout)?;
+                finish_reason = "stop";
+                break;
+            }
+        }
+    }
+    if finish_reason != "stop" {
+        let tail = utf8.finish();
+        let (StopState::Continue(text) | StopState::Stopped(text)) = stops.push(&tail);
+        show(&text, &mut stdout)?;
+        let rest = stops.finish();
+        show(&rest, &mut stdout)?;
+    }
+    let total_ms = start.elapsed().as_secs_f64() * 1e3;
+    if options.json {
+        let decode_tokens = generated.len().saturating_sub(1);
+        let decode_ms = total_ms - prompt_ms;
+        let ms_per_token = if decode_tokens > 0 {
+            decode_ms / decode_tokens as f64
+        } else {
+            0.0
+        };
+        let line = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "ids": generated,
+            "text": stops.text(),
+            "finish_reason": finish_reason,
+            "timings": {
+                "prompt_tokens": prompt_ids.len(),
+                "generated_tokens": generated.len(),
+                "prompt_ms": prompt_ms,
+                "total_ms": total_ms,
+                "ms_per_token": ms_per_token,
+                "tokens_per_s": if ms_per_token > 0.0 { 1e3 / ms_per_token } else { 0.0 },
+                "sampling_ms_per_token": if generated.is_empty() { 0.0 } else { sampling_s * 1e3 / generated.len() as f64 },
+            }
+        });
+        writeln!(stdout, "{line}")?;
+    } else {
+        writeln!(stdout)?;
+    }
+    Ok(())
+}
+
+fn perplexity(options: &Options, tokenizer: &Gpt2Tokenizer, path: &str) -> Result<(), Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!("--perplexity {path}: {e} (did the host grant the directory with --dir?)")
+    })?;
+    let ids = tokenizer.encode(&text)?;
+    let graph = load_graph(options)?;
+    let mut model = Model::new(&graph, tokenizer.vocab_size())?;
+    let vocab = model.vocab;
+    let limit = options.max_scored.unwrap_or(usize::MAX);
+    let (mut scored, mut nll) = (0usize, 0.0f64);
+    let start = Instant::now();
+    let mut i = 0;
+    while i + 1 < ids.len() && scored < limit {
+        let n = options.window.min(ids.len() - 1 - i).min(limit - scored);
+        let window = &ids[i..i + n];
+        let targets = &ids[i + 1..i + 1 + n];
+        let rows = match model.all_logits(window)? {
+            Some(all) => all,
+            // No range output: one call per prefix (slow, but any backend can do it).
+            None => {
+                let mut all = Vec::with_capacity(n * vocab);
+                for j in 1..=n {
+                    all.extend_from_slice(model.last_logits(&window[..j])?);
+                }
+                all
+            }
+        };
+        for (row, &target) in rows.chunks_exact(vocab).zip(targets) {
+            nll += gpt2_guest::log_sum_exp(row) - row[target as usize] as f64;
+        }
+        scored += n;
+        i += options.window;
+    }
+    let per_token = if scored > 0 {
+        nll / scored as f64
+    } else {
+        f64::NAN
+    };
+    let line = serde_json::json!({
+        "tokens_total": ids.len(),
+        "tokens_scored": scored,
+        "window": options.window,
+        "nll_per_token": per_token,
+        "perplexity": per_token.exp(),
+        "ms": start.elapsed().as_secs_f64() * 1e3,
+    });
+    println!("{line}");
+    Ok(())
+}

@@ -1,0 +1,514 @@
+//! Our GPT-2 backend behind wasmtime-wasi-nn's traits
+//! ([`BackendInner`] -> [`BackendGraph`] -> [`BackendExecutionContext`]).
+//!
+//! The graph contract (also in the README):
+//! - input 0: the whole token sequence so far, `I32 [1, T]` (or `[T]`), `1 <= T <= n_ctx`,
+//!   every id in `0..vocab`;
+//! - input 1 (optional): `I32 [1]` `logits_from`, the first position whose logits output 1
+//!   must hold; it stays set until set again;
+//! - output 0: the logits of the last position, `F32 [1, vocab]`;
+//! - output 1 (only after input 1 was set): the logits of positions `logits_from..T`,
+//!   `F32 [1, T - logits_from, vocab]`, from one batched prefill.
+//!
+//! A graph holds the weights once ([`Executor`]); every execution context holds its own KV
+//! cache ([`Session`]). `compute` keeps the longest common prefix of the cached sequence and
+//! the new one, rewinds the cache to it and runs only the rest as one batch.
+
+use crate::model::{self, Gpt2Config, LoadError};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use wasmtime_wasi_nn::backend::{
+    BackendError, BackendExecutionContext, BackendFromDir, BackendGraph, BackendInner, Id,
+    NamedTensor,
+};
+use wasmtime_wasi_nn::wit::{ExecutionTarget, GraphEncoding, TensorType};
+use wasmtime_wasi_nn::{ExecutionContext, Graph, GraphRegistry, Tensor};
+
+/// Where the forward pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Errors of the GPT-2 backend; each reaches the guest as a wasi-nn error code and is logged
+/// on the host with this message.
+#[derive(Debug, thiserror::Error)]
+pub enum Gpt2Error {
+    #[error("input {index} must be an I32 tensor, got {found:?}")]
+    WrongTensorType { index: u32, found: TensorType },
+    #[error("input {index}: dimensions {dims:?} do not fit {bytes} bytes of data ({expected})")]
+    WrongShape {
+        index: u32,
+        dims: Vec<u32>,
+        bytes: usize,
+        expected: &'static str,
+    },
+    #[error("the token sequence is empty")]
+    EmptySequence,
+    #[error("sequence of {len} tokens is longer than the model's context of {n_ctx}")]
+    TooLong { len: usize, n_ctx: usize },
+    #[error("token id {id} at position {position} is outside the vocabulary (0..{vocab})")]
+    TokenOutOfRange {
+        position: usize,
+        id: i64,
+        vocab: usize,
+    },
+    #[error("logits_from {from} is outside the sequence of {len} tokens")]
+    LogitsFromOutOfRange { from: i64, len: usize },
+    #[error("no input {0}: this graph takes input 0 (token ids) and input 1 (logits_from)")]
+    NoSuchInput(String),
+    #[error("no output {0}: this graph has output 0 (last logits) and output 1 (logits from logits_from)")]
+    NoSuchOutput(String),
+    #[error("compute called before input 0 (token ids) was set")]
+    NoInput,
+    #[error("output {0} requested before compute")]
+    NotComputed(u32),
+    #[error("output 1 needs input 1 (logits_from) to be set before compute")]
+    NoAllLogits,
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("device: {0}")]
+    Device(String),
+}
+
+impl From<Gpt2Error> for BackendError {
+    fn from(e: Gpt2Error) -> Self {
+        // The guest only sees an error code; the host's log keeps the reason.
+        tracing::warn!("wasi-nn: {e}");
+        BackendError::BackendAccess(wasmtime::Error::new(e))
+    }
+}
+
+/// A model loaded on a device, shared by every execution context of its graph.
+pub trait Executor: Send + Sync {
+    fn config(&self) -> Gpt2Config;
+    fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error>;
+}
+
+/// One sequence's KV cache on a device.
+pub trait Session: Send + Sync {
+    /// Number of cached positions.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forget every position from `len` on.
+    fn truncate(&mut self, len: usize);
+    /// Run `tokens` at the next positions; return the last position's logits `[V]`, or every
+    /// new position's (`[n, V]`) when `all_positions`.
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error>;
+}
+
+/// The CPU reference as an [`Executor`].
+pub struct CpuExecutor(crate::cpu::CpuModel);
+
+impl CpuExecutor {
+    pub fn new(weights: Arc<model::Gpt2Weights>) -> Self {
+        Self(crate::cpu::CpuModel::new(weights))
+    }
+}
+
+struct CpuSession {
+    model: crate::cpu::CpuModel,
+    cache: crate::cpu::CpuKvCache,
+}
+
+impl Executor for CpuExecutor {
+    fn config(&self) -> Gpt2Config {
+        self.0.weights().config
+    }
+    fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error> {
+        Ok(Box::new(CpuSession {
+            model: self.0.clone(),
+            cache: Default::default(),
+        }))
+    }
+}
+
+impl Session for CpuSession {
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+    fn truncate(&mut self, len: usize) {
+        self.cache.truncate(len, self.model.weights().config.n_embd);
+    }
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error> {
+        Ok(self.model.forward(&mut self.cache, tokens, all_positions))
+    }
+}
+
+/// Build an executor for `weights` on `device`.
+pub fn executor_for(
+    weights: model::Gpt2Weights,
+    device: Device,
+) -> Result<Arc<dyn Executor>, Gpt2Error> {
+    match device {
+        Device::Cpu => Ok(Arc::new(CpuExecutor::new(Arc::new(weights)))),
+        Device::Cuda => Err(Gpt2Error::Device(
+            "this build has no CUDA backend yet; use --device cpu".to_owned(),
+        )),
+    }
+}
+
+/// The wasi-nn backend: registered for the `autodetect` encoding; loads llm.c bytes or
+/// safetensors + config.json bytes from the guest, and HF folders or llm.c files from disk.
+#[derive(Clone)]
+pub struct Gpt2Backend {
+    device: Device,
+    max_load_bytes: usize,
+}
+
+impl Gpt2Backend {
+    /// Guests may `load` models of at most this many bytes by default.
+    pub const DEFAULT_MAX_LOAD_BYTES: usize = 1 << 30;
+
+    pub fn new(device: Device, max_load_bytes: usize) -> Self {
+        Self {
+            device,
+            max_load_bytes,
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Load a graph from a path (HF folder or llm.c file) onto this backend's device.
+    pub fn load_path(&self, path: &Path) -> Result<Graph, Gpt2Error> {
+        let weights = model::load_path(path)?;
+        self.graph_from(weights)
+    }
+
+    /// Wrap already-loaded weights as a graph on this backend's device.
+    pub fn graph_from(&self, weights: model::Gpt2Weights) -> Result<Graph, Gpt2Error> {
+        let executor = executor_for(weights, self.device)?;
+        let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
+        Ok(graph.into())
+    }
+}
+
+impl BackendInner for Gpt2Backend {
+    fn encoding(&self) -> GraphEncoding {
+        GraphEncoding::Autodetect
+    }
+
+    fn load(
+        &mut self,
+        builders: &[&[u8]],
+        _target: ExecutionTarget,
+    ) -> Result<Graph, BackendError> {
+        let size: usize = builders.iter().map(|b| b.len()).sum();
+        if size > self.max_load_bytes {
+            return Err(Gpt2Error::Load(LoadError::TooLarge {
+                source_name: "guest buffer".into(),
+                size,
+                limit: self.max_load_bytes,
+            })
+            .into());
+        }
+        let weights = model::load_buffers(builders).map_err(Gpt2Error::from)?;
+        Ok(self.graph_from(weights)?)
+    }
+
+    fn as_dir_loadable(&mut self) -> Option<&mut dyn BackendFromDir> {
+        Some(self)
+    }
+}
+
+impl BackendFromDir for Gpt2Backend {
+    fn load_from_dir(
+        &mut self,
+        path: &Path,
+        _target: ExecutionTarget,
+    ) -> Result<Graph, BackendError> {
+        Ok(self.load_path(path)?)
+    }
+}
+
+struct Gpt2Graph {
+    executor: Arc<dyn Executor>,
+}
+
+impl BackendGraph for Gpt2Graph {
+    fn init_execution_context(&self) -> Result<ExecutionContext, BackendError> {
+        let context: Box<dyn BackendExecutionContext> =
+            Box::new(Gpt2Context::new(self.executor.clone())?);
+        Ok(context.into())
+    }
+}
+
+/// One execution context: its own KV cache, inputs and last outputs.
+pub struct Gpt2Context {
+    config: Gpt2Config,
+    session: Box<dyn Session>,
+    /// The tokens whose keys and values `session` holds.
+    cached: Vec<u32>,
+    tokens: Option<Vec<u32>>,
+    logits_from: Option<usize>,
+    last_logits: Option<Vec<f32>>,
+    /// Logits of positions `logits_from..T` from the last compute, when asked for.
+    range_logits: Option<Vec<f32>>,
+}
+
+impl Gpt2Context {
+    pub fn new(executor: Arc<dyn Executor>) -> Result<Self, Gpt2Error> {
+        Ok(Self {
+            config: executor.config(),
+            session: executor.new_session()?,
+            cached: Vec::new(),
+            tokens: None,
+            logits_from: None,
+            last_logits: None,
+            range_logits: None,
+        })
+    }
+
+    /// Number of positions whose keys and values are cached.
+    pub fn cached_len(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Set input `index` (0: token ids, 1: logits_from) from a wasi-nn tensor.
+    pub fn set_input_tensor(&mut self, index: u32, tensor: &Tensor) -> Result<(), Gpt2Error> {
+        let values = i32_values(index, tensor)?;
+        match index {
+            0 => {
+                if values.is_empty() {
+                    return Err(Gpt2Error::EmptySequence);
+                }
+                if values.len() > self.config.n_ctx {
+                    return Err(Gpt2Error::TooLong {
+                        len: values.len(),
+                        n_ctx: self.config.n_ctx,
+                    });
+                }
+                let vocab = self.config.vocab_size;
+                let tokens = values
+                    .iter()
+                    .enumerate()
+                    .map(|(position, &id)| {
+                        u32::try_from(id)
+                            .ok()
+                            .filter(|&t| (t as usize) < vocab)
+                            .ok_or(Gpt2Error::TokenOutOfRange {
+                                position,
+                                id: id as i64,
+                                vocab,
+                            })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                self.tokens = Some(tokens);
+            }
+            1 => {
+                let [from] = values[..] else {
+                    return Err(Gpt2Error::WrongShape {
+                        index,
+                        dims: tensor.dimensions.clone(),
+                        bytes: tensor.data.len(),
+                        expected: "I32 [1]",
+                    });
+                };
+                let from = usize::try_from(from).map_err(|_| Gpt2Error::LogitsFromOutOfRange {
+                    from: from as i64,
+                    len: 0,
+                })?;
+                self.logits_from = Some(from);
+            }
+            _ => return Err(Gpt2Error::NoSuchInput(index.to_string())),
+        }
+        Ok(())
+    }
+
+    /// Run the forward pass over the current inputs, reusing the cached prefix.
+    pub fn run(&mut self) -> Result<(), Gpt2Error> {
+        let tokens = self.tokens.as_ref().ok_or(Gpt2Error::NoInput)?;
+        let len = tokens.len();
+        // At least the last position is recomputed: its logits are the output.
+        let mut keep = common_prefix(&self.cached, tokens).min(len - 1);
+        if let Some(from) = self.logits_from {
+            if from >= len {
+                return Err(Gpt2Error::LogitsFromOutOfRange {
+                    from: from as i64,
+                    len,
+                });
+            }
+            keep = keep.min(from);
+        }
+        self.session.truncate(keep);
+        self.cached.truncate(keep);
+        self.last_logits = None;
+        self.range_logits = None;
+        let want_range = self.logits_from.is_some();
+        let logits = match self.session.extend(&tokens[keep..], want_range) {
+            Ok(logits) => logits,
+            Err(e) => {
+                // The cache may hold part of the failed step; start over next time.
+                self.session.truncate(0);
+                self.cached.clear();
+                return Err(e);
+            }
+        };
+        self.cached.extend_from_slice(&tokens[keep..]);
+        let vocab = self.config.vocab_size;
+        self.last_logits = Some(logits[logits.len() - vocab..].to_vec());
+        if let Some(from) = self.logits_from {
+            // Rows computed cover keep..len; output 1 starts at `from >= keep`.
+            self.range_logits = Some(logits[(from - keep) * vocab..].to_vec());
+        }
+        Ok(())
+    }
+
+    /// Output `index` as a wasi-nn tensor.
+    pub fn output_tensor(&self, index: u32) -> Result<Tensor, Gpt2Error> {
+        let vocab = self.config.vocab_size as u32;
+        let (dims, values) = match index {
+            0 => (
+                vec![1, vocab],
+                self.last_logits.as_ref().ok_or(Gpt2Error::NotComputed(0))?,
+            ),
+            1 => {
+                let values = self
+                    .range_logits
+                    .as_ref()
+                    .ok_or(if self.logits_from.is_none() {
+                        Gpt2Error::NoAllLogits
+                    } else {
+                        Gpt2Error::NotComputed(1)
+                    })?;
+                (vec![1, values.len() as u32 / vocab, vocab], values)
+            }
+            _ => return Err(Gpt2Error::NoSuchOutput(index.to_string())),
+        };
+        Ok(Tensor::new(
+            dims,
+            TensorType::Fp32,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ))
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The values of an `I32` tensor whose dimensions match its data.
+fn i32_values(index: u32, tensor: &Tensor) -> Result<Vec<i32>, Gpt2Error> {
+    if tensor.ty != TensorType::I32 {
+        return Err(Gpt2Error::WrongTensorType {
+            index,
+            found: tensor.ty,
+        });
+    }
+    let expected = if index == 0 {
+        "I32 [1, T] or [T]"
+    } else {
+        "I32 [1]"
+    };
+    let wrong = || Gpt2Error::WrongShape {
+        index,
+        dims: tensor.dimensions.clone(),
+        bytes: tensor.data.len(),
+        expected,
+    };
+    let elements = match tensor.dimensions[..] {
+        [t] => t as usize,
+        [1, t] => t as usize,
+        _ => return Err(wrong()),
+    };
+    if tensor.data.len() % 4 != 0 || tensor.data.len() / 4 != elements {
+        return Err(wrong());
+    }
+    Ok(tensor
+        .data
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+fn input_index(id: &Id) -> Result<u32, Gpt2Error> {
+    match id {
+        Id::Index(i) => Ok(*i),
+        Id::Name(name) => match name.as_str() {
+            "input_ids" | "0" => Ok(0),
+            "logits_from" | "1" => Ok(1),
+            other => Err(Gpt2Error::NoSuchInput(other.to_owned())),
+        },
+    }
+}
+
+fn output_index(id: &Id) -> Result<u32, Gpt2Error> {
+    match id {
+        Id::Index(i) => Ok(*i),
+        Id::Name(name) => match name.as_str() {
+            "logits" | "0" => Ok(0),
+            "range_logits" | "1" => Ok(1),
+            other => Err(Gpt2Error::NoSuchOutput(other.to_owned())),
+        },
+    }
+}
+
+impl BackendExecutionContext for Gpt2Context {
+    fn set_input(&mut self, id: Id, tensor: &Tensor) -> Result<(), BackendError> {
+        let index = input_index(&id)?;
+        Ok(self.set_input_tensor(index, tensor)?)
+    }
+
+    fn get_output(&mut self, id: Id) -> Result<Tensor, BackendError> {
+        let index = output_index(&id)?;
+        Ok(self.output_tensor(index)?)
+    }
+
+    fn compute(
+        &mut self,
+        inputs: Option<Vec<NamedTensor>>,
+    ) -> Result<Option<Vec<NamedTensor>>, BackendError> {
+        let Some(inputs) = inputs else {
+            self.run()?;
+            return Ok(None);
+        };
+        // The WIT ABI passes named inputs and wants named outputs back.
+        for (position, input) in inputs.iter().enumerate() {
+            let index = match input_index(&Id::Name(input.name.clone())) {
+                Ok(i) => i,
+                Err(_) => position as u32,
+            };
+            self.set_input_tensor(index, &input.tensor)?;
+        }
+        self.run()?;
+        let mut outputs = vec![NamedTensor {
+            name: "logits".to_owned(),
+            tensor: self.output_tensor(0)?,
+        }];
+        if self.range_logits.is_some() {
+            outputs.push(NamedTensor {
+                name: "range_logits".to_owned(),
+                tensor: self.output_tensor(1)?,
+            });
+        }
+        Ok(Some(outputs))
+    }
+}
+
+/// Named graphs preloaded by the host, shared (weights and all) by every guest instance.
+#[derive(Clone, Default)]
+pub struct GraphSet(HashMap<String, Graph>);
+
+impl GraphSet {
+    pub fn insert(&mut self, name: impl Into<String>, graph: Graph) {
+        self.0.insert(name.into(), graph);
+    }
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
+    }
+}
+
+impl GraphRegistry for GraphSet {
+    fn get(&self, name: &str) -> Option<&Graph> {
+        self.0.get(name)
+    }
+    fn get_mut(&mut self, name: &str) -> Option<&mut Graph> {
+        self.0.get_mut(name)
+    }
+}

@@ -1,0 +1,251 @@
+//! `wasi-nn-host`: run WASI-NN guests over our GPT-2 backend, write random checkpoints,
+//! and measure the backend.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+use wasi_nn_host::backend::{executor_for, Device};
+use wasi_nn_host::model::{self, Gpt2Config, StorageDtype};
+use wasi_nn_host::runtime::{HostBuilder, RunOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "wasi-nn-host",
+    version,
+    about = "Run WebAssembly guests with WASI-NN over our GPT-2 backend"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a guest module (`_start`) with WASI preview 1 and wasi-nn.
+    Run {
+        /// The guest, e.g. gpt2.wasm.
+        module: PathBuf,
+        /// Preload a graph: NAME=PATH (HF folder or llm.c .bin). Without any, `gpt2` is the
+        /// embedded default model (models/gpt2-shakespeare).
+        #[arg(long = "graph", value_name = "NAME=PATH")]
+        graphs: Vec<String>,
+        /// Where forward passes run.
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: Device,
+        /// Grant the guest read access to a host directory: HOST[::GUEST] (GUEST defaults to HOST).
+        #[arg(long = "dir", value_name = "HOST[::GUEST]")]
+        dirs: Vec<String>,
+        /// Largest model (bytes) a guest may pass to wasi-nn `load`.
+        #[arg(long, default_value_t = wasi_nn_host::Gpt2Backend::DEFAULT_MAX_LOAD_BYTES)]
+        max_load_bytes: usize,
+        /// Arguments for the guest (after `--`).
+        #[arg(last = true)]
+        guest_args: Vec<String>,
+    },
+    /// Write deterministic random weights of a GPT-2 size (124M, 355M, 774M, 1558M).
+    RandomCheckpoint {
+        #[arg(long, default_value = "124M")]
+        size: String,
+        /// Output: a folder (HF layout) or, with --llmc, a .bin file.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: StorageDtype,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write an llm.c checkpoint (f32 = version 3, bf16 = version 5) instead.
+        #[arg(long)]
+        llmc: bool,
+    },
+    /// Measure backend-only decode time per token (no guest), and the memory-bandwidth floor.
+    Bench {
+        /// A model path, or `random:SIZE` (e.g. random:124M) for deterministic random weights.
+        #[arg(long, default_value = "random:124M")]
+        model: String,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: Device,
+        /// Context length before the timed decode steps.
+        #[arg(long, default_value_t = 128)]
+        context: usize,
+        /// Timed decode steps (after 3 warm-up steps).
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Run {
+            module,
+            graphs,
+            device,
+            dirs,
+            max_load_bytes,
+            guest_args,
+        } => {
+            let mut builder = HostBuilder::new(device).max_load_bytes(max_load_bytes);
+            if graphs.is_empty() {
+                let dir = wasi_nn_host::find_default_model().with_context(|| {
+                    format!(
+                        "the default model ({}) was not found under the current directory or the \
+                         executable's; pass --graph gpt2=PATH",
+                        wasi_nn_host::DEFAULT_MODEL_DIR
+                    )
+                })?;
+                builder = builder.graph("gpt2", &dir)?;
+            }
+            for spec in &graphs {
+                let (name, path) = spec
+                    .split_once('=')
+                    .with_context(|| format!("--graph {spec}: expected NAME=PATH"))?;
+                builder = builder.graph(name, &PathBuf::from(path))?;
+            }
+            let host = builder.build()?;
+            let options = RunOptions {
+                args: guest_args,
+                dirs: dirs
+                    .iter()
+                    .map(|d| match d.split_once("::") {
+                        Some((h, g)) => (PathBuf::from(h), g.to_owned()),
+                        None => (PathBuf::from(d), d.clone()),
+                    })
+                    .collect(),
+                capture: None,
+            };
+            let wasm = host.load_module(&module)?;
+            let program = module
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "guest.wasm".into());
+            let outcome = host.run(&wasm, &program, &options)?;
+            std::process::exit(outcome.exit_code);
+        }
+        Command::RandomCheckpoint {
+            size,
+            out,
+            dtype,
+            seed,
+            llmc,
+        } => {
+            let config =
+                Gpt2Config::preset(&size).with_context(|| format!("unknown size {size}"))?;
+            let weights = model::random_weights(config, seed);
+            if llmc {
+                let bf16 = match dtype {
+                    StorageDtype::F32 => false,
+                    StorageDtype::Bf16 => true,
+                    StorageDtype::F16 => bail!("llm.c checkpoints are f32 or bf16"),
+                };
+                std::fs::write(&out, model::write_llmc(&weights, bf16))
+                    .with_context(|| format!("writing {}", out.display()))?;
+            } else {
+                model::write_hf_checkpoint(&weights, &out, dtype)?;
+            }
+            eprintln!(
+                "wrote {} ({} parameters)",
+                out.display(),
+                config.num_params()
+            );
+        }
+        Command::Bench {
+            model,
+            device,
+            context,
+            steps,
+        } => bench(&model, device, context, steps)?,
+    }
+    Ok(())
+}
+
+fn load_model_spec(spec: &str) -> Result<model::Gpt2Weights> {
+    Ok(match spec.strip_prefix("random:") {
+        Some(size) => {
+            let config =
+                Gpt2Config::preset(size).with_context(|| format!("unknown size {size}"))?;
+            model::random_weights(config, 0)
+        }
+        None => model::load_path(std::path::Path::new(spec))?,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Memory copy bandwidth (read + write bytes per second) over a buffer much larger than cache.
+fn copy_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let n = 1 << 27; // 512 MiB of f32
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            dst.par_chunks_mut(1 << 16)
+                .zip(src.par_chunks(1 << 16))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    std::hint::black_box(&dst);
+    2.0 * (n * 4) as f64 / median(times)
+}
+
+fn bench(spec: &str, device: Device, context: usize, steps: usize) -> Result<()> {
+    let weights = load_model_spec(spec)?;
+    let config = weights.config;
+    let weight_bytes = weights.nbytes(4);
+    let executor = executor_for(weights, device)?;
+    let mut session = executor.new_session()?;
+    if context + 3 + steps > config.n_ctx {
+        bail!(
+            "context {context} + {steps} steps exceeds n_ctx {}",
+            config.n_ctx
+        );
+    }
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919) % config.vocab_size as u32)
+        .collect();
+    let t = Instant::now();
+    session.extend(&prompt, false)?;
+    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut next = 50u32;
+    for _ in 0..3 {
+        session.extend(&[next], false)?;
+    }
+    let times: Vec<f64> = (0..steps)
+        .map(|i| {
+            next = (next + 101 * i as u32) % config.vocab_size as u32;
+            let t = Instant::now();
+            let r = session.extend(&[next], false);
+            std::hint::black_box(&r);
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    let decode_ms = median(times);
+    let bw = if device == Device::Cpu {
+        copy_bandwidth()
+    } else {
+        f64::NAN
+    };
+    let floor_ms = weight_bytes as f64 / bw * 1e3;
+    let line = serde_json::json!({
+        "model": spec, "device": format!("{device:?}").to_lowercase(), "threads": rayon::current_num_threads(),
+        "params": config.num_params(), "weight_MB": weight_bytes as f64 / 1e6,
+        "context": context, "prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
+        "copy_GBps": bw / 1e9, "floor_ms_per_token": floor_ms,
+    });
+    println!("{line}");
+    let _ = Arc::new(());
+    Ok(())
+}

@@ -1,0 +1,224 @@
+//! The wasmtime side: one [`Host`] holds the engine, the linker (WASI preview 1 + wasi-nn's
+//! witx ABI) and the preloaded graphs; [`Host::run`] starts a fresh, sandboxed instance of a
+//! guest module with its own WASI context and its own wasi-nn state (its own execution
+//! contexts and KV caches) over the shared weights.
+
+use crate::backend::{Device, Gpt2Backend, Gpt2Error, GraphSet};
+use std::path::{Path, PathBuf};
+use wasmtime::{Engine, Linker, Module, Store};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+use wasmtime_wasi_nn::witx::WasiNnCtx;
+use wasmtime_wasi_nn::{Backend, Registry};
+
+/// Errors of the host library.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("graph `{name}`: {source}")]
+    Graph {
+        name: String,
+        #[source]
+        source: Gpt2Error,
+    },
+    #[error("{path}: {message}")]
+    Module { path: PathBuf, message: String },
+    #[error("cannot pre-open directory {path}: {message}")]
+    Dir { path: PathBuf, message: String },
+    #[error("wasmtime: {0}")]
+    Wasmtime(String),
+    #[error("guest trapped: {0}")]
+    Trap(String),
+}
+
+fn wasmtime_err(e: wasmtime::Error) -> HostError {
+    HostError::Wasmtime(format!("{e:?}"))
+}
+
+/// Builds a [`Host`]: graphs by name, the device, limits.
+pub struct HostBuilder {
+    device: Device,
+    max_load_bytes: usize,
+    graphs: GraphSet,
+}
+
+impl HostBuilder {
+    pub fn new(device: Device) -> Self {
+        Self {
+            device,
+            max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
+            graphs: GraphSet::default(),
+        }
+    }
+
+    /// The largest model a guest may pass to wasi-nn `load` as bytes.
+    pub fn max_load_bytes(mut self, bytes: usize) -> Self {
+        self.max_load_bytes = bytes;
+        self
+    }
+
+    /// Load the model at `path` (HF folder or llm.c file) and register it as `name`.
+    pub fn graph(mut self, name: &str, path: &Path) -> Result<Self, HostError> {
+        let graph = self
+            .backend()
+            .load_path(path)
+            .map_err(|source| HostError::Graph {
+                name: name.to_owned(),
+                source,
+            })?;
+        self.graphs.insert(name, graph);
+        Ok(self)
+    }
+
+    /// Register already-loaded weights as `name`.
+    pub fn graph_from_weights(
+        mut self,
+        name: &str,
+        weights: crate::model::Gpt2Weights,
+    ) -> Result<Self, HostError> {
+        let graph = self
+            .backend()
+            .graph_from(weights)
+            .map_err(|source| HostError::Graph {
+                name: name.to_owned(),
+                source,
+            })?;
+        self.graphs.insert(name, graph);
+        Ok(self)
+    }
+
+    fn backend(&self) -> Gpt2Backend {
+        Gpt2Backend::new(self.device, self.max_load_bytes)
+    }
+
+    pub fn build(self) -> Result<Host, HostError> {
+        let engine = Engine::default();
+        let mut linker: Linker<GuestState> = Linker::new(&engine);
+        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut GuestState| &mut s.wasi)
+            .map_err(wasmtime_err)?;
+        wasmtime_wasi_nn::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)
+            .map_err(wasmtime_err)?;
+        Ok(Host {
+            backend: self.backend(),
+            engine,
+            linker,
+            graphs: self.graphs,
+        })
+    }
+}
+
+/// Per-instance state: the guest's WASI context and wasi-nn state.
+pub struct GuestState {
+    wasi: WasiP1Ctx,
+    nn: WasiNnCtx,
+}
+
+/// A loaded host: compile guests with [`Host::load_module`], run them with [`Host::run`].
+pub struct Host {
+    backend: Gpt2Backend,
+    engine: Engine,
+    linker: Linker<GuestState>,
+    graphs: GraphSet,
+}
+
+/// How to run one guest instance.
+#[derive(Default, Clone)]
+pub struct RunOptions {
+    /// Arguments after the program name.
+    pub args: Vec<String>,
+    /// Host directories and the guest path each is pre-opened at (read-only).
+    pub dirs: Vec<(PathBuf, String)>,
+    /// Capture stdout and stderr (up to this many bytes each) instead of inheriting them.
+    pub capture: Option<usize>,
+}
+
+/// What a guest run ended with.
+#[derive(Debug)]
+pub struct RunOutcome {
+    pub exit_code: i32,
+    /// Captured output (empty unless [`RunOptions::capture`] was set).
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+impl Host {
+    /// Names of the preloaded graphs.
+    pub fn graph_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.graphs.names().map(str::to_owned).collect();
+        names.sort();
+        names
+    }
+
+    pub fn device(&self) -> Device {
+        self.backend.device()
+    }
+
+    /// Compile a guest module (`.wasm` or `.wat`) from a file.
+    pub fn load_module(&self, path: &Path) -> Result<Module, HostError> {
+        Module::from_file(&self.engine, path).map_err(|e| HostError::Module {
+            path: path.to_owned(),
+            message: format!("{e:?}"),
+        })
+    }
+
+    /// Run `module`'s `_start` in a fresh instance; returns its exit code (0 when `_start`
+    /// returns normally, the `proc_exit` code otherwise).
+    pub fn run(
+        &self,
+        module: &Module,
+        program: &str,
+        options: &RunOptions,
+    ) -> Result<RunOutcome, HostError> {
+        let mut wasi = WasiCtxBuilder::new();
+        let mut argv = vec![program.to_owned()];
+        argv.extend(options.args.iter().cloned());
+        wasi.args(&argv);
+        let pipes = options
+            .capture
+            .map(|cap| (MemoryOutputPipe::new(cap), MemoryOutputPipe::new(cap)));
+        match &pipes {
+            Some((out, err)) => {
+                wasi.stdout(out.clone()).stderr(err.clone());
+            }
+            None => {
+                wasi.inherit_stdout().inherit_stderr();
+            }
+        }
+        for (host_path, guest_path) in &options.dirs {
+            wasi.preopened_dir(host_path, guest_path, FsPerms::ReadOnly)
+                .map_err(|e| HostError::Dir {
+                    path: host_path.clone(),
+                    message: format!("{e}"),
+                })?;
+        }
+        let backends = [Backend::from(self.backend.clone())];
+        let state = GuestState {
+            wasi: wasi.build_p1(),
+            nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
+        };
+        let mut store = Store::new(&self.engine, state);
+        let instance = self
+            .linker
+            .instantiate(&mut store, module)
+            .map_err(wasmtime_err)?;
+        let start = instance
+            .get_typed_func::<(), ()>(&mut store, "_start")
+            .map_err(wasmtime_err)?;
+        let exit_code = match start.call(&mut store, ()) {
+            Ok(()) => 0,
+            Err(e) => match e.downcast_ref::<I32Exit>() {
+                Some(exit) => exit.0,
+                None => return Err(HostError::Trap(format!("{e:?}"))),
+            },
+        };
+        let (stdout, stderr) = match pipes {
+            Some((out, err)) => (out.contents().to_vec(), err.contents().to_vec()),
+            None => Default::default(),
+        };
+        Ok(RunOutcome {
+            exit_code,
+            stdout,
+            stderr,
+        })
+    }
+}
