@@ -26,6 +26,7 @@ options:
   --seed S             sampling seed (default: 0)
   --stop TEXT          stop when TEXT appears (repeatable); <|endoftext|> always stops
   --json               print one JSON line with ids, text and timings instead of streaming
+  --logits             print the prompt's next-token logits as one JSON line, generate nothing
   --tokenizer FILE     an HF tokenizer.json instead of the embedded GPT-2 vocabulary
   --perplexity FILE    score FILE in windows: feed tokens[i..i+W], score tokens[i+1..i+W+1]
   --window W           window for --perplexity (default: 512)
@@ -41,6 +42,7 @@ struct Options {
     sampling: SamplingParams,
     stops: Vec<String>,
     json: bool,
+    logits: bool,
     tokenizer: Option<String>,
     perplexity: Option<String>,
     window: usize,
@@ -57,6 +59,7 @@ fn parse_args() -> Result<Options, Error> {
         sampling: SamplingParams::default(),
         stops: Vec::new(),
         json: false,
+        logits: false,
         tokenizer: None,
         perplexity: None,
         window: 512,
@@ -81,6 +84,7 @@ fn parse_args() -> Result<Options, Error> {
             Long("seed") => o.sampling.seed = parser.value()?.parse()?,
             Long("stop") => o.stops.push(parser.value()?.string()?),
             Long("json") => o.json = true,
+            Long("logits") => o.logits = true,
             Long("tokenizer") => o.tokenizer = Some(parser.value()?.string()?),
             Long("perplexity") => o.perplexity = Some(parser.value()?.string()?),
             Long("window") => o.window = parser.value()?.parse()?,
@@ -219,6 +223,14 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     }
     let graph = load_graph(options)?;
     let mut model = Model::new(&graph, tokenizer.vocab_size())?;
+    if options.logits {
+        let logits = model.last_logits(&prompt_ids)?;
+        println!(
+            "{}",
+            serde_json::json!({ "prompt_ids": prompt_ids, "logits": logits })
+        );
+        return Ok(());
+    }
     let mut sampler = Sampler::new(options.sampling);
     let mut stops = StopMatcher::new(options.stops.clone());
     let mut utf8 = Utf8Stream::default();

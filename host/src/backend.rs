@@ -250,6 +250,8 @@ pub struct Gpt2Context {
     last_logits: Option<Vec<f32>>,
     /// Logits of positions `logits_from..T` from the last compute, when asked for.
     range_logits: Option<Vec<f32>>,
+    /// Positions the last compute took from the cache instead of computing.
+    last_reused: usize,
 }
 
 impl Gpt2Context {
@@ -262,12 +264,18 @@ impl Gpt2Context {
             logits_from: None,
             last_logits: None,
             range_logits: None,
+            last_reused: 0,
         })
     }
 
     /// Number of positions whose keys and values are cached.
     pub fn cached_len(&self) -> usize {
         self.cached.len()
+    }
+
+    /// How many positions the last compute reused from the KV cache.
+    pub fn last_reused(&self) -> usize {
+        self.last_reused
     }
 
     /// Set input `index` (0: token ids, 1: logits_from) from a wasi-nn tensor.
@@ -351,6 +359,7 @@ impl Gpt2Context {
             }
         };
         self.cached.extend_from_slice(&tokens[keep..]);
+        self.last_reused = keep;
         let vocab = self.config.vocab_size;
         self.last_logits = Some(logits[logits.len() - vocab..].to_vec());
         if let Some(from) = self.logits_from {

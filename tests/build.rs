@@ -1,0 +1,56 @@
+//! Builds the guest, `gpt2.wasm`, for the tests (as wasmtime builds its test programs): a
+//! nested cargo for wasm32-wasip1 in its own target directory, so it never waits on the lock
+//! of the outer build. The path reaches the tests as `GPT2_WASM`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let manifest =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root = manifest
+        .parent()
+        .expect("tests/ sits in the workspace root")
+        .to_owned();
+    let target_dir = root.join("target").join("guest");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&root)
+        .args([
+            "build",
+            "-p",
+            "gpt2-guest",
+            "--bin",
+            "gpt2",
+            "--target",
+            "wasm32-wasip1",
+        ])
+        .args(["--profile", "release-wasm", "--target-dir"])
+        .arg(&target_dir);
+    // Flags meant for the host build must not leak into the wasm build.
+    for var in [
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+        "RUSTC_WRAPPER",
+    ] {
+        cmd.env_remove(var);
+    }
+    let status = cmd.status().expect("run cargo to build the guest");
+    assert!(
+        status.success(),
+        "building gpt2.wasm failed; is the wasm32-wasip1 target installed? (`rustup toolchain install` in the repository root adds it)"
+    );
+    let wasm = target_dir.join("wasm32-wasip1/release-wasm/gpt2.wasm");
+    println!("cargo:rustc-env=GPT2_WASM={}", wasm.display());
+    for path in [
+        "guest/src",
+        "guest/assets",
+        "guest/Cargo.toml",
+        "Cargo.toml",
+        "Cargo.lock",
+    ] {
+        println!("cargo:rerun-if-changed={}", root.join(path).display());
+    }
+}
