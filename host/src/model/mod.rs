@@ -200,8 +200,11 @@ struct HfConfig {
     n_layer: usize,
     n_head: usize,
     n_embd: usize,
-    #[serde(alias = "n_ctx")]
-    n_positions: usize,
+    // The original GPT-2 configs carry both; newer ones only n_positions.
+    #[serde(default)]
+    n_positions: Option<usize>,
+    #[serde(default)]
+    n_ctx: Option<usize>,
     vocab_size: usize,
     #[serde(default)]
     layer_norm_epsilon: Option<f64>,
@@ -259,7 +262,9 @@ pub fn parse_hf_config(bytes: &[u8], source_name: &str) -> Result<Gpt2Config, Lo
         n_layer: hf.n_layer,
         n_head: hf.n_head,
         n_embd: hf.n_embd,
-        n_ctx: hf.n_positions,
+        n_ctx: hf.n_positions.or(hf.n_ctx).ok_or_else(|| {
+            LoadError::malformed(source_name, "neither n_positions nor n_ctx is given")
+        })?,
         vocab_size: hf.vocab_size,
     };
     config

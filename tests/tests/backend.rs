@@ -1,0 +1,233 @@
+//! The wasi-nn backend through its traits: prefix-cache reuse and rewind, the range output,
+//! loading from bytes, and every kind of bad input, each refused with a clear error while the
+//! backend keeps serving.
+
+use integration_tests::*;
+use std::sync::Arc;
+use wasi_nn_host::backend::{CpuExecutor, Device, Gpt2Backend, Gpt2Context, Gpt2Error};
+use wasi_nn_host::model;
+use wasmtime_wasi_nn::backend::{BackendExecutionContext, BackendInner, Id};
+use wasmtime_wasi_nn::wit::{ExecutionTarget, TensorType};
+use wasmtime_wasi_nn::Tensor;
+
+fn tiny_context() -> Gpt2Context {
+    let weights = model::load_path(&fixture("tiny")).expect("tiny");
+    Gpt2Context::new(Arc::new(CpuExecutor::new(Arc::new(weights)))).expect("context")
+}
+
+fn tokens_tensor(ids: &[i32]) -> Tensor {
+    Tensor::new(
+        vec![1, ids.len() as u32],
+        TensorType::I32,
+        ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    )
+}
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn compute(ctx: &mut Gpt2Context, ids: &[u32]) -> Vec<f32> {
+    let ids: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+    ctx.set_input_tensor(0, &tokens_tensor(&ids))
+        .expect("set_input");
+    ctx.run().expect("compute");
+    f32s(&ctx.output_tensor(0).expect("output 0"))
+}
+
+fn sequence(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + salt * 11 + 5) % 1000)
+        .collect()
+}
+
+#[test]
+fn step_by_step_equals_one_prefill() {
+    let seq = sequence(40, 1);
+    let mut stepwise = tiny_context();
+    let mut last = Vec::new();
+    for n in 1..=seq.len() {
+        last = compute(&mut stepwise, &seq[..n]);
+        assert_eq!(
+            stepwise.last_reused(),
+            n - 1,
+            "each step reuses the whole prefix"
+        );
+    }
+    let mut prefill = tiny_context();
+    let once = compute(&mut prefill, &seq);
+    assert_eq!(prefill.last_reused(), 0);
+    assert_close(&last, &once, 1e-5, "stepwise vs prefill");
+}
+
+#[test]
+fn rewind_after_divergence_equals_a_fresh_run() {
+    let first = sequence(30, 2);
+    let mut second = first[..12].to_vec();
+    second.extend(sequence(20, 3));
+    let mut ctx = tiny_context();
+    compute(&mut ctx, &first);
+    let rewound = compute(&mut ctx, &second);
+    assert_eq!(ctx.last_reused(), 12, "kept exactly the common prefix");
+    assert_eq!(ctx.cached_len(), second.len());
+    let fresh = compute(&mut tiny_context(), &second);
+    assert_close(&rewound, &fresh, 1e-6, "rewound vs fresh");
+    // A shorter sequence that is a prefix of the cache: only its last position is recomputed.
+    let shorter = compute(&mut ctx, &second[..5]);
+    assert_eq!(ctx.last_reused(), 4);
+    assert_close(
+        &shorter,
+        &compute(&mut tiny_context(), &second[..5]),
+        1e-6,
+        "prefix of cache",
+    );
+    // The same sequence again recomputes only its last position.
+    compute(&mut ctx, &second[..5]);
+    assert_eq!(ctx.last_reused(), 4);
+}
+
+#[test]
+fn range_output_holds_every_position_from_logits_from() {
+    let seq = sequence(16, 4);
+    let mut ctx = tiny_context();
+    compute(&mut ctx, &seq[..10]); // a cached prefix that logits_from must override
+    ctx.set_input_tensor(
+        1,
+        &Tensor::new(vec![1], TensorType::I32, 3i32.to_le_bytes().to_vec()),
+    )
+    .expect("logits_from");
+    let ids: Vec<i32> = seq.iter().map(|&v| v as i32).collect();
+    ctx.set_input_tensor(0, &tokens_tensor(&ids))
+        .expect("input");
+    ctx.run().expect("compute");
+    assert_eq!(ctx.last_reused(), 3);
+    let range = ctx.output_tensor(1).expect("output 1");
+    assert_eq!(range.dimensions, vec![1, 13, 1000]);
+    let rows = f32s(&range);
+    for (i, row) in rows.chunks_exact(1000).enumerate() {
+        let want = compute(&mut tiny_context(), &seq[..3 + i + 1]);
+        assert_close(row, &want, 1e-5, &format!("range row {i}"));
+    }
+    let last = f32s(&ctx.output_tensor(0).expect("output 0"));
+    assert_eq!(last, rows[12 * 1000..].to_vec());
+}
+
+#[test]
+fn bad_inputs_get_clear_errors_and_the_context_keeps_serving() {
+    let mut ctx = tiny_context();
+    let good = tokens_tensor(&[1, 2, 3]);
+    let check = |ctx: &mut Gpt2Context, tensor: Tensor, want: &str| {
+        let err = ctx.set_input_tensor(0, &tensor).expect_err(want);
+        let msg = err.to_string();
+        assert!(msg.contains(want), "`{msg}` should mention `{want}`");
+        // still serving
+        ctx.set_input_tensor(0, &good).expect("good input");
+        ctx.run().expect("compute after a refused input");
+    };
+    // compute before any input
+    let mut fresh = tiny_context();
+    assert!(matches!(fresh.run(), Err(Gpt2Error::NoInput)));
+    assert!(matches!(
+        fresh.output_tensor(0),
+        Err(Gpt2Error::NotComputed(0))
+    ));
+    check(
+        &mut ctx,
+        tokens_tensor(&[1, -1, 3]),
+        "token id -1 at position 1",
+    );
+    check(
+        &mut ctx,
+        tokens_tensor(&[1, 1000]),
+        "token id 1000 at position 1",
+    );
+    check(&mut ctx, tokens_tensor(&[]), "empty");
+    check(
+        &mut ctx,
+        tokens_tensor(&vec![7; 129]),
+        "longer than the model's context of 128",
+    );
+    check(
+        &mut ctx,
+        Tensor::new(vec![1, 2], TensorType::Fp32, vec![0; 8]),
+        "must be an I32 tensor",
+    );
+    check(
+        &mut ctx,
+        Tensor::new(vec![2, 2], TensorType::I32, vec![0; 16]),
+        "dimensions [2, 2]",
+    );
+    check(
+        &mut ctx,
+        Tensor::new(vec![1, 3], TensorType::I32, vec![0; 8]),
+        "do not fit 8 bytes",
+    );
+    check(
+        &mut ctx,
+        Tensor::new(vec![1, u32::MAX], TensorType::I32, vec![0; 8]),
+        "do not fit",
+    );
+    // unknown input and output indices, and output 1 without logits_from
+    assert!(ctx.set_input_tensor(2, &good).is_err());
+    assert!(matches!(
+        ctx.output_tensor(7),
+        Err(Gpt2Error::NoSuchOutput(_))
+    ));
+    assert!(matches!(ctx.output_tensor(1), Err(Gpt2Error::NoAllLogits)));
+    // logits_from past the end of the sequence
+    ctx.set_input_tensor(
+        1,
+        &Tensor::new(vec![1], TensorType::I32, 9i32.to_le_bytes().to_vec()),
+    )
+    .expect("logits_from");
+    assert!(matches!(
+        ctx.run(),
+        Err(Gpt2Error::LogitsFromOutOfRange { .. })
+    ));
+    // Through the wasi-nn trait, errors come back as values too.
+    let err = BackendExecutionContext::set_input(&mut ctx, Id::Name("nope".into()), &good);
+    assert!(err.is_err());
+}
+
+#[test]
+fn backend_loads_guest_bytes_and_refuses_bad_ones() {
+    let mut backend = Gpt2Backend::new(Device::Cpu, 1 << 20);
+    let bin = std::fs::read(fixture("tiny_llmc.bin")).expect("read");
+    let graph = backend
+        .load(&[&bin], ExecutionTarget::Cpu)
+        .expect("llm.c bytes");
+    let mut ctx = graph.init_execution_context().expect("context");
+    ctx.set_input(Id::Index(0), &tokens_tensor(&[5, 6]))
+        .expect("input");
+    ctx.compute().expect("compute");
+    assert_eq!(
+        ctx.get_output(Id::Index(0)).expect("out").dimensions,
+        vec![1, 1000]
+    );
+
+    let st = std::fs::read(fixture("tiny/model.safetensors")).expect("read");
+    let cfg = std::fs::read(fixture("tiny/config.json")).expect("read");
+    assert!(backend.load(&[&st, &cfg], ExecutionTarget::Cpu).is_ok());
+    assert!(
+        backend.load(&[&st], ExecutionTarget::Cpu).is_err(),
+        "safetensors without config"
+    );
+    assert!(
+        backend
+            .load(&[&bin[..bin.len() - 4]], ExecutionTarget::Cpu)
+            .is_err(),
+        "truncated"
+    );
+    assert!(backend.load(&[b"garbage"], ExecutionTarget::Cpu).is_err());
+    assert!(backend.load(&[], ExecutionTarget::Cpu).is_err());
+    let mut small = Gpt2Backend::new(Device::Cpu, 1000);
+    assert!(
+        small.load(&[&bin], ExecutionTarget::Cpu).is_err(),
+        "over the size limit"
+    );
+    // still serving after all of that
+    assert!(backend.load(&[&bin], ExecutionTarget::Cpu).is_ok());
+}
