@@ -204,12 +204,25 @@ impl Host {
         let start = instance
             .get_typed_func::<(), ()>(&mut store, "_start")
             .map_err(wasmtime_err)?;
-        let exit_code = match start.call(&mut store, ()) {
-            Ok(()) => 0,
-            Err(e) => match e.downcast_ref::<I32Exit>() {
+        // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
+        // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
+        // away either way; catching the panic keeps one bad guest from taking down the host.
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
+        let exit_code = match result {
+            Ok(Ok(())) => 0,
+            Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
                 Some(exit) => exit.0,
                 None => return Err(HostError::Trap(format!("{e:?}"))),
             },
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                return Err(HostError::Trap(format!("a host call panicked: {message}")));
+            }
         };
         let (stdout, stderr) = match pipes {
             Some((out, err)) => (out.contents().to_vec(), err.contents().to_vec()),

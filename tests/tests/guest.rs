@@ -1,0 +1,267 @@
+//! The full path: `gpt2.wasm` under our wasmtime host, forward passes through wasi-nn on the
+//! CPU backend; compared with HF transformers' numbers.
+
+use integration_tests::*;
+use std::sync::OnceLock;
+use wasi_nn_host::backend::Device;
+use wasi_nn_host::runtime::{Host, HostBuilder, RunOptions, RunOutcome};
+
+fn host() -> &'static (Host, wasmtime::Module) {
+    static HOST: OnceLock<(Host, wasmtime::Module)> = OnceLock::new();
+    HOST.get_or_init(|| {
+        let host = HostBuilder::new(Device::Cpu)
+            .graph("gpt2", &shakespeare_dir())
+            .expect("load the default model")
+            .graph("tiny", &fixture("tiny"))
+            .expect("load tiny")
+            .build()
+            .expect("host");
+        let module = host.load_module(&gpt2_wasm()).expect("compile gpt2.wasm");
+        (host, module)
+    })
+}
+
+fn run_with(args: &[&str], dirs: Vec<(std::path::PathBuf, String)>) -> RunOutcome {
+    let (host, module) = host();
+    let options = RunOptions {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        dirs,
+        capture: Some(1 << 30),
+    };
+    host.run(module, "gpt2.wasm", &options).expect("guest ran")
+}
+
+fn run(args: &[&str]) -> RunOutcome {
+    run_with(args, Vec::new())
+}
+
+/// Run and parse the last stdout line as JSON; the run must succeed.
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let out = run(args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.exit_code,
+        0,
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
+#[test]
+fn greedy_text_through_the_guest_equals_hf() {
+    let fixture = read_json("shakespeare.json");
+    let prompts = fixture["prompts"].as_array().expect("prompts").clone();
+    let greedy = id_lists(&fixture["greedy_64"]);
+    for (i, prompt) in prompts.iter().enumerate().take(2) {
+        let prompt = prompt.as_str().expect("prompt");
+        let out = run_json(&["--json", "--max-tokens", "64", prompt]);
+        assert_eq!(
+            ids(&out["prompt_ids"]),
+            ids(&fixture["prompt_ids"][i]),
+            "tokenizer, prompt {i}"
+        );
+        assert_eq!(ids(&out["ids"]), greedy[i], "greedy ids, prompt {i}");
+        assert_eq!(out["timings"]["generated_tokens"], 64);
+    }
+    // The streamed text is the decoded ids.
+    let streamed = run(&["--max-tokens", "64", "ROMEO:"]);
+    let text = String::from_utf8(streamed.stdout).expect("utf-8");
+    let want = fixture["greedy_64_text"][0].as_str().expect("text");
+    assert_eq!(text.trim_end_matches('\n'), want.trim_end_matches('\n'));
+}
+
+#[test]
+fn logits_through_the_guest_equal_hf_and_tokenizer_matches() {
+    let fixture = read_json("shakespeare.json");
+    let reference = read_f32_rows("shakespeare_logits.bin", 50257);
+    for (i, prompt) in fixture["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .enumerate()
+    {
+        let out = run_json(&["--logits", prompt.as_str().expect("prompt")]);
+        assert_eq!(
+            ids(&out["prompt_ids"]),
+            ids(&fixture["prompt_ids"][i]),
+            "tokenizer, prompt {i}"
+        );
+        let logits: Vec<f32> = out["logits"]
+            .as_array()
+            .expect("logits")
+            .iter()
+            .map(|v| v.as_f64().expect("number") as f32)
+            .collect();
+        assert_close(
+            &logits,
+            &reference[i],
+            1e-4,
+            &format!("guest logits, prompt {i}"),
+        );
+    }
+}
+
+#[test]
+fn perplexity_through_the_guest_equals_pytorch() {
+    let text = std::fs::read(repo_root().join("tests/data/tinyshakespeare.txt")).expect("data");
+    let dir = std::env::temp_dir().join(format!("gpt2-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    std::fs::write(dir.join("val.txt"), &text[1_011_177..]).expect("write split");
+    let out = run_with(
+        &[
+            "--perplexity",
+            "data/val.txt",
+            "--window",
+            "512",
+            "--max-scored",
+            "8192",
+        ],
+        vec![(dir, "data".into())],
+    );
+    assert_eq!(out.exit_code, 0, "{}", String::from_utf8_lossy(&out.stderr));
+    let ours: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let want = &read_json("shakespeare.json")["perplexity"];
+    assert_eq!(ours["tokens_total"], 33803, "validation split tokens");
+    assert_eq!(ours["tokens_scored"], 8192);
+    let (a, b) = (
+        ours["perplexity"].as_f64().expect("ppl"),
+        want["perplexity"].as_f64().expect("ppl"),
+    );
+    eprintln!("perplexity: ours {a}, PyTorch {b}");
+    assert!((a - b).abs() / b < 1e-4, "perplexity {a} vs PyTorch {b}");
+}
+
+#[test]
+fn the_guest_sees_no_files_unless_granted() {
+    let out = run(&["--perplexity", "/etc/hostname", "--window", "8"]);
+    assert_eq!(out.exit_code, 1);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dir"));
+}
+
+#[test]
+fn sampling_is_seeded_and_stops_where_asked() {
+    let sample = |seed: &str| {
+        run_json(&[
+            "--json",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "200",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "40",
+            "JULIET:",
+        ])
+    };
+    let a = sample("7");
+    assert_eq!(
+        ids(&a["ids"]),
+        ids(&sample("7")["ids"]),
+        "same seed, same text"
+    );
+    assert_ne!(
+        ids(&a["ids"]),
+        ids(&sample("8")["ids"]),
+        "another seed, another text"
+    );
+    assert_eq!(ids(&a["ids"]).len(), 40);
+
+    // Greedy after "ROMEO:" is "\nNurse:\nNurse:..."; stop at the first "Nurse".
+    let stopped = run_json(&["--json", "--stop", "Nurse", "--max-tokens", "30", "ROMEO:"]);
+    assert_eq!(stopped["text"], "\n");
+    assert_eq!(stopped["finish_reason"], "stop");
+    let streamed = run(&["--stop", "Nurse", "--max-tokens", "30", "ROMEO:"]);
+    assert_eq!(
+        String::from_utf8_lossy(&streamed.stdout),
+        "\n\n",
+        "stop text is never printed"
+    );
+
+    // An empty prompt starts from <|endoftext|>.
+    let empty = run_json(&["--json", "--max-tokens", "3", ""]);
+    assert_eq!(ids(&empty["prompt_ids"]), vec![50256]);
+}
+
+#[test]
+fn unknown_graph_and_bad_options_fail_cleanly_and_the_host_keeps_serving() {
+    let out = run(&["--graph", "nope", "hello"]);
+    assert_eq!(out.exit_code, 1);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot load graph `nope`"));
+    for bad in [
+        &["--top-p", "0", "x"][..],
+        &["--temperature", "-1", "x"],
+        &["--bogus"],
+        &[],
+    ] {
+        let out = run(bad);
+        assert_eq!(out.exit_code, 1, "{bad:?}");
+    }
+    // A prompt longer than the tiny model's context: a clear error, not a crash.
+    let long = "a ".repeat(200);
+    let out = run(&["--graph", "tiny", "--max-tokens", "1", &long]);
+    assert_eq!(out.exit_code, 1);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("set_input"));
+    let ok = run_json(&["--json", "--max-tokens", "2", "ROMEO:"]);
+    assert_eq!(ids(&ok["ids"]).len(), 2);
+}
+
+#[test]
+fn raw_witx_calls_with_bad_arguments_get_error_codes() {
+    let (host, _) = host();
+    let module = host
+        .load_module(&repo_root().join("tests/guests/witx_bad_input.wat"))
+        .expect("compile wat");
+    let out = host
+        .run(
+            &module,
+            "bad.wasm",
+            &RunOptions {
+                capture: Some(1 << 16),
+                ..Default::default()
+            },
+        )
+        .expect("run");
+    let codes = String::from_utf8(out.stdout).expect("ascii");
+    // unknown name (unsupported-operation, as wasmtime maps it), load ok, init ok, compute
+    // without input (runtime-error), F32 input, id >= vocab, id < 0 (runtime-error each),
+    // valid input, compute, too-small buffer (too-large), get_output, size check, no output 3,
+    // garbage model bytes (runtime-error), compute again.
+    assert_eq!(codes.trim_end(), "600555500700550");
+}
+
+#[test]
+fn a_guest_that_crashes_a_host_call_does_not_take_the_host_down() {
+    let (host, module) = host();
+    let bad = host
+        .load_module(&repo_root().join("tests/guests/witx_bad_pointer.wat"))
+        .expect("compile wat");
+    let result = host.run(
+        &bad,
+        "bad.wasm",
+        &RunOptions {
+            capture: Some(1 << 16),
+            ..Default::default()
+        },
+    );
+    assert!(
+        result.is_err() || result.as_ref().is_ok_and(|o| o.exit_code != 0),
+        "{result:?}"
+    );
+    let ok = host
+        .run(
+            module,
+            "gpt2.wasm",
+            &RunOptions {
+                args: vec!["--max-tokens".into(), "3".into(), "x".into()],
+                capture: Some(1 << 20),
+                ..Default::default()
+            },
+        )
+        .expect("run after");
+    assert_eq!(ok.exit_code, 0);
+}
