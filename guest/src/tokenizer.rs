@@ -66,7 +66,7 @@ impl Gpt2Tokenizer {
 
     /// Full decode (lossy on broken UTF-8), the same as HF's `decode`.
     pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
-        Ok(self.tokenizer.decode(ids, false)?)
+        self.tokenizer.decode(ids, false)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -426,7 +426,7 @@ fn i32_values(index: u32, tensor: &Tensor) -> Result<Vec<i32>, Gpt2Error> {
         [1, t] => t as usize,
         _ => return Err(wrong()),
     };
-    if tensor.data.len() % 4 != 0 || tensor.data.len() / 4 != elements {
+    if !tensor.data.len().is_multiple_of(4) || tensor.data.len() / 4 != elements {
         return Err(wrong());
     }
     Ok(tensor

@@ -67,7 +67,7 @@ impl Gpt2Config {
         {
             return Err(format!("every dimension must be positive: {self:?}"));
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 self.n_embd, self.n_head
