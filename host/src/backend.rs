@@ -14,6 +14,7 @@
 //! cache ([`Session`]). `compute` keeps the longest common prefix of the cached sequence and
 //! the new one, rewinds the cache to it and runs only the rest as one batch.
 
+pub use crate::cuda::GpuDtype;
 use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
@@ -139,16 +140,16 @@ impl Session for CpuSession {
     }
 }
 
-/// Build an executor for `weights` on `device`.
+/// Build an executor for `weights` on `device` (GPU weights stored as `dtype`).
 pub fn executor_for(
     weights: model::Gpt2Weights,
     device: Device,
+    dtype: GpuDtype,
+    max_kv_bytes: usize,
 ) -> Result<Arc<dyn Executor>, Gpt2Error> {
     match device {
         Device::Cpu => Ok(Arc::new(CpuExecutor::new(Arc::new(weights)))),
-        Device::Cuda => Err(Gpt2Error::Device(
-            "this build has no CUDA backend yet; use --device cpu".to_owned(),
-        )),
+        Device::Cuda => Ok(Arc::new(crate::cuda::CudaExecutor::new(&weights, dtype, max_kv_bytes)?)),
     }
 }
 
@@ -157,18 +158,37 @@ pub fn executor_for(
 #[derive(Clone)]
 pub struct Gpt2Backend {
     device: Device,
+    dtype: GpuDtype,
     max_load_bytes: usize,
+    max_kv_bytes: usize,
 }
 
 impl Gpt2Backend {
     /// Guests may `load` models of at most this many bytes by default.
     pub const DEFAULT_MAX_LOAD_BYTES: usize = 1 << 30;
 
+    /// Each execution context's KV cache may hold at most this many bytes by default.
+    pub const DEFAULT_MAX_KV_BYTES: usize = 2 << 30;
+
     pub fn new(device: Device, max_load_bytes: usize) -> Self {
         Self {
             device,
+            dtype: GpuDtype::F32,
             max_load_bytes,
+            max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
         }
+    }
+
+    /// Store weights on the GPU as `dtype` (the CPU backend always computes in f32).
+    pub fn with_dtype(mut self, dtype: GpuDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Cap each execution context's KV cache (GPU).
+    pub fn with_max_kv_bytes(mut self, bytes: usize) -> Self {
+        self.max_kv_bytes = bytes;
+        self
     }
 
     pub fn device(&self) -> Device {
@@ -183,7 +203,7 @@ impl Gpt2Backend {
 
     /// Wrap already-loaded weights as a graph on this backend's device.
     pub fn graph_from(&self, weights: model::Gpt2Weights) -> Result<Graph, Gpt2Error> {
-        let executor = executor_for(weights, self.device)?;
+        let executor = executor_for(weights, self.device, self.dtype, self.max_kv_bytes)?;
         let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
         Ok(graph.into())
     }

@@ -21,10 +21,12 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
+pub mod gpu_check;
 pub mod model;
 pub mod runtime;
 
-pub use backend::{Device, Gpt2Backend, Gpt2Error};
+pub use backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype};
 pub use runtime::{Host, HostBuilder, HostError, RunOptions, RunOutcome};
 
 /// Where the embedded default model lives, relative to the repository root.

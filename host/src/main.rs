@@ -4,9 +4,8 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
-use wasi_nn_host::backend::{executor_for, Device};
+use wasi_nn_host::backend::{executor_for, Device, GpuDtype};
 use wasi_nn_host::model::{self, Gpt2Config, StorageDtype};
 use wasi_nn_host::runtime::{HostBuilder, RunOptions};
 
@@ -27,13 +26,17 @@ enum Command {
     Run {
         /// The guest, e.g. gpt2.wasm.
         module: PathBuf,
-        /// Preload a graph: NAME=PATH (HF folder or llm.c .bin). Without any, `gpt2` is the
-        /// embedded default model (models/gpt2-shakespeare).
+        /// Preload a graph: NAME=PATH (HF folder, llm.c .bin, or random:SIZE for deterministic
+        /// random weights). Without any, `gpt2` is the embedded default model
+        /// (models/gpt2-shakespeare).
         #[arg(long = "graph", value_name = "NAME=PATH")]
         graphs: Vec<String>,
         /// Where forward passes run.
         #[arg(long, value_enum, default_value = "cpu")]
         device: Device,
+        /// Storage type of the weights on the GPU (converted at load).
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: GpuDtype,
         /// Grant the guest read access to a host directory: HOST[::GUEST] (GUEST defaults to HOST).
         #[arg(long = "dir", value_name = "HOST[::GUEST]")]
         dirs: Vec<String>,
@@ -66,12 +69,33 @@ enum Command {
         model: String,
         #[arg(long, value_enum, default_value = "cpu")]
         device: Device,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: GpuDtype,
         /// Context length before the timed decode steps.
         #[arg(long, default_value_t = 128)]
         context: usize,
         /// Timed decode steps (after 3 warm-up steps).
         #[arg(long, default_value_t = 20)]
         steps: usize,
+        /// Also time a prefill of this many tokens (GPU).
+        #[arg(long)]
+        prefill: Option<usize>,
+    },
+    /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
+    CheckCuda {
+        /// Models to compare besides the kernel sweep: paths or random:SIZE.
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// Prompt tokens and greedy steps per model.
+        #[arg(long, default_value_t = 16)]
+        prompt: usize,
+        #[arg(long, default_value_t = 64)]
+        steps: usize,
+    },
+    /// Compile every CUDA kernel with NVRTC (no GPU needed), e.g. --arch compute_90.
+    CompileKernels {
+        #[arg(long, default_value = "compute_90")]
+        arch: String,
     },
 }
 
@@ -88,11 +112,12 @@ fn main() -> Result<()> {
             module,
             graphs,
             device,
+            dtype,
             dirs,
             max_load_bytes,
             guest_args,
         } => {
-            let mut builder = HostBuilder::new(device).max_load_bytes(max_load_bytes);
+            let mut builder = HostBuilder::new(device).dtype(dtype).max_load_bytes(max_load_bytes);
             if graphs.is_empty() {
                 let dir = wasi_nn_host::find_default_model().with_context(|| {
                     format!(
@@ -107,7 +132,7 @@ fn main() -> Result<()> {
                 let (name, path) = spec
                     .split_once('=')
                     .with_context(|| format!("--graph {spec}: expected NAME=PATH"))?;
-                builder = builder.graph(name, &PathBuf::from(path))?;
+                builder = builder.graph_from_weights(name, load_model_spec(path)?)?;
             }
             let host = builder.build()?;
             let options = RunOptions {
@@ -159,9 +184,20 @@ fn main() -> Result<()> {
         Command::Bench {
             model,
             device,
+            dtype,
             context,
             steps,
-        } => bench(&model, device, context, steps)?,
+            prefill,
+        } => match device {
+            Device::Cpu => bench(&model, context, steps)?,
+            Device::Cuda => bench_cuda(&model, dtype, context, steps, prefill)?,
+        },
+        Command::CheckCuda { models, prompt, steps } => check_cuda(&models, prompt, steps)?,
+        Command::CompileKernels { arch } => {
+            let ptx = wasi_nn_host::cuda::compile_kernels(&arch)?;
+            let kernels = ptx.lines().filter(|l| l.contains(".entry")).count();
+            println!("compiled {kernels} kernels for {arch} ({} bytes of PTX)", ptx.len());
+        }
     }
     Ok(())
 }
@@ -201,11 +237,12 @@ fn copy_bandwidth() -> f64 {
     2.0 * (n * 4) as f64 / median(times)
 }
 
-fn bench(spec: &str, device: Device, context: usize, steps: usize) -> Result<()> {
+fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
+    let device = Device::Cpu;
     let weights = load_model_spec(spec)?;
     let config = weights.config;
     let weight_bytes = weights.nbytes(4);
-    let executor = executor_for(weights, device)?;
+    let executor = executor_for(weights, device, GpuDtype::F32, usize::MAX)?;
     let mut session = executor.new_session()?;
     if context + 3 + steps > config.n_ctx {
         bail!(
@@ -246,6 +283,90 @@ fn bench(spec: &str, device: Device, context: usize, steps: usize) -> Result<()>
         "copy_GBps": bw / 1e9, "floor_ms_per_token": floor_ms,
     });
     println!("{line}");
-    let _ = Arc::new(());
+    Ok(())
+}
+
+/// GPU decode timing: the graph step alone (synchronised clock over batches of steps) and the
+/// backend step as the guest gets it (graph + logits copy back), plus prefill.
+fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill: Option<usize>) -> Result<()> {
+    use wasi_nn_host::backend::Session;
+    let weights = load_model_spec(spec)?;
+    let config = weights.config;
+    let executor = wasi_nn_host::cuda::CudaExecutor::new(&weights, dtype, usize::MAX)?;
+    drop(weights);
+    if context + 10 * (steps + 2) > config.n_ctx {
+        bail!("context {context} + {} steps exceeds n_ctx {}", 10 * (steps + 2), config.n_ctx);
+    }
+    let prompt: Vec<u32> = (0..context as u32).map(|i| (i * 7919) % config.vocab_size as u32).collect();
+    let mut session = executor.open()?;
+    session.extend(&prompt, false)?;
+    // graph-only steps, 10 per sample
+    let mut samples = Vec::new();
+    for i in 0..steps + 2 {
+        session.synchronize()?;
+        let t = Instant::now();
+        for j in 0..5 {
+            session.decode_only(((i * 5 + j) * 131 % config.vocab_size) as u32)?;
+        }
+        session.synchronize()?;
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let graph_ms = median(samples);
+    session.truncate(context);
+    let mut samples = Vec::new();
+    for i in 0..steps + 2 {
+        let t = Instant::now();
+        for j in 0..5 {
+            session.extend(&[((i * 5 + j) * 577 % config.vocab_size) as u32], false)?;
+        }
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let step_ms = median(samples);
+    let mut prefill_ms = None;
+    if let Some(n) = prefill {
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % config.vocab_size as u32).collect();
+        let mut times = Vec::new();
+        for _ in 0..7 {
+            session.truncate(0);
+            session.synchronize()?;
+            let t = Instant::now();
+            session.extend(&ids, false)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        prefill_ms = Some(median(times[2..].to_vec()));
+    }
+    let line = serde_json::json!({
+        "model": spec, "device": "cuda", "gpu": executor.gpu_name(), "dtype": format!("{dtype:?}").to_lowercase(),
+        "params": config.num_params(), "weight_MB": wasi_nn_host::cuda::weight_bytes(&config, dtype) as f64 / 1e6,
+        "context": context, "graph_ms_per_token": graph_ms, "backend_ms_per_token": step_ms,
+        "prefill_tokens": prefill, "prefill_ms": prefill_ms,
+    });
+    println!("{line}");
+    Ok(())
+}
+
+fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> {
+    use wasi_nn_host::gpu_check;
+    println!("GPU: {}", wasi_nn_host::cuda::describe()?);
+    let mut reports = gpu_check::kernel_sweep(std::process::id() as u64)?;
+    for spec in models {
+        let weights = load_model_spec(spec)?;
+        let p = gpu_check::prompt(prompt_len, weights.config.vocab_size, 1);
+        reports.push(gpu_check::compare(spec, weights.clone(), GpuDtype::F32, &p, steps, 1e-3)?);
+        reports.push(gpu_check::compare(spec, weights, GpuDtype::Bf16, &p, steps, 5e-2)?);
+    }
+    let mut failed = 0;
+    for r in &reports {
+        println!("{}", serde_json::to_string(r)?);
+        failed += usize::from(!r.passed);
+    }
+    if failed > 0 {
+        bail!("{failed} of {} GPU checks failed", reports.len());
+    }
+    println!("all {} GPU checks passed", reports.len());
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! guest module with its own WASI context and its own wasi-nn state (its own execution
 //! contexts and KV caches) over the shared weights.
 
-use crate::backend::{Device, Gpt2Backend, Gpt2Error, GraphSet};
+use crate::backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype, GraphSet};
 use std::path::{Path, PathBuf};
 use wasmtime::{Engine, Linker, Module, Store};
 use wasmtime_wasi::p1::WasiP1Ctx;
@@ -38,7 +38,9 @@ fn wasmtime_err(e: wasmtime::Error) -> HostError {
 /// Builds a [`Host`]: graphs by name, the device, limits.
 pub struct HostBuilder {
     device: Device,
+    dtype: GpuDtype,
     max_load_bytes: usize,
+    max_kv_bytes: usize,
     graphs: GraphSet,
 }
 
@@ -46,7 +48,9 @@ impl HostBuilder {
     pub fn new(device: Device) -> Self {
         Self {
             device,
+            dtype: GpuDtype::F32,
             max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
+            max_kv_bytes: Gpt2Backend::DEFAULT_MAX_KV_BYTES,
             graphs: GraphSet::default(),
         }
     }
@@ -54,6 +58,18 @@ impl HostBuilder {
     /// The largest model a guest may pass to wasi-nn `load` as bytes.
     pub fn max_load_bytes(mut self, bytes: usize) -> Self {
         self.max_load_bytes = bytes;
+        self
+    }
+
+    /// Storage type of GPU weights (`--dtype`): f32, or bf16 converted at load.
+    pub fn dtype(mut self, dtype: GpuDtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Cap on each execution context's KV cache (GPU).
+    pub fn max_kv_bytes(mut self, bytes: usize) -> Self {
+        self.max_kv_bytes = bytes;
         self
     }
 
@@ -89,6 +105,8 @@ impl HostBuilder {
 
     fn backend(&self) -> Gpt2Backend {
         Gpt2Backend::new(self.device, self.max_load_bytes)
+            .with_dtype(self.dtype)
+            .with_max_kv_bytes(self.max_kv_bytes)
     }
 
     pub fn build(self) -> Result<Host, HostError> {

@@ -1,0 +1,690 @@
+//! The CUDA backend: GPT-2 forward passes on our own kernels (`kernels/*.cu`).
+//!
+//! - The kernels are compiled once per process with NVRTC for the GPU at hand (PTX cached on
+//!   disk by source hash and architecture) and loaded with the driver API through cudarc,
+//!   which finds libcuda and libnvrtc at run time (the binary builds without CUDA).
+//! - [`CudaExecutor`] holds the weights on the GPU once (f32, or bf16 converted at load); every
+//!   [`CudaSession`] (one per wasi-nn execution context) has its own stream, KV cache and
+//!   activation buffers.
+//! - A decode step is one CUDA graph (captured on the session's first step) of
+//!   `1 + 6 * n_layer + 1` kernels that read the token and position from device memory; only
+//!   the last position's logits come back. Several new tokens go through as one batched
+//!   prefill of matrix-matrix kernels.
+//!
+//! Unsafe code here is kernel launches: each launch passes device pointers that point into
+//! allocations owned by the executor or the session (alive for the call), with sizes checked
+//! on the host before the first launch (see `CudaSession::extend`).
+
+use crate::backend::{Executor, Gpt2Error, Session};
+use crate::model::{Gpt2Config, Gpt2Weights};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Storage type of the weights on the GPU. Activations, the KV cache and logits stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum GpuDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+const KERNEL_SOURCES: [(&str, &str); 5] = [
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("embed_norm.cu", include_str!("../../kernels/embed_norm.cu")),
+    ("matvec.cu", include_str!("../../kernels/matvec.cu")),
+    ("matmul.cu", include_str!("../../kernels/matmul.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+];
+
+/// Positions per block in decode attention (ATT_CHUNK in attention.cu).
+const ATT_CHUNK: usize = 64;
+/// Epilogue modes (enum Epilogue in common.cuh).
+const EPI_STORE: i32 = 0;
+const EPI_GELU: i32 = 1;
+const EPI_RESIDUAL: i32 = 2;
+const EPI_QKV: i32 = 3;
+/// Matrix-vector rows per block (MV_WARPS * MV_ROWS_PER_WARP in matvec.cu).
+const MV_ROWS_PER_BLOCK: usize = 8;
+
+fn device_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Gpt2Error + '_ {
+    move |e| {
+        let text = format!("{e:?}");
+        if text.contains("OUT_OF_MEMORY") {
+            Gpt2Error::Device(format!("{what}: out of GPU memory"))
+        } else {
+            Gpt2Error::Device(format!("{what}: {text}"))
+        }
+    }
+}
+
+/// One translation unit of every kernel file: the header pasted in place of its includes.
+pub fn kernel_source() -> String {
+    let mut src = String::new();
+    for (name, text) in KERNEL_SOURCES {
+        src.push_str(&format!("// ---- {name}\n"));
+        for line in text.lines() {
+            if !line.starts_with("#include \"common.cuh\"") && !line.starts_with("#pragma once") {
+                src.push_str(line);
+                src.push('\n');
+            }
+        }
+    }
+    src
+}
+
+/// Compile all kernels to PTX for `arch` (e.g. `compute_90`) with NVRTC. Used at start-up
+/// (through a disk cache) and by the CI check that every kernel compiles.
+pub fn compile_kernels(arch: &str) -> Result<String, Gpt2Error> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        ..Default::default()
+    };
+    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts))
+        .map_err(|_| Gpt2Error::Device("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH".into()))?;
+    let ptx = compiled.map_err(|e| Gpt2Error::Device(format!("NVRTC failed to compile the kernels: {e:?}")))?;
+    Ok(ptx.to_src())
+}
+
+fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("WASI_NN_HOST_CACHE") {
+        return Some(dir.into());
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+    Some(base.join("wasi-nn-host"))
+}
+
+/// PTX for `arch`, from the disk cache when the same source was compiled before.
+fn cached_ptx(arch: &str) -> Result<String, Gpt2Error> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    kernel_source().hash(&mut hasher);
+    arch.hash(&mut hasher);
+    let file = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", hasher.finish())));
+    if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(ptx);
+    }
+    let ptx = compile_kernels(arch)?;
+    if let Some(file) = file {
+        // A cache we cannot write is only slower.
+        let _ = file.parent().map(std::fs::create_dir_all);
+        let _ = std::fs::write(&file, &ptx);
+    }
+    Ok(ptx)
+}
+
+struct Kernels {
+    embed: CudaFunction,
+    layernorm: CudaFunction,
+    matvec: CudaFunction,
+    matmul: CudaFunction,
+    att_partial: CudaFunction,
+    att_combine: CudaFunction,
+    att_prefill: CudaFunction,
+}
+
+/// The GPU and its compiled kernels, shared by every graph in the process.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    module: Arc<cudarc::driver::CudaModule>,
+    name: String,
+}
+
+impl Gpu {
+    /// The first GPU (device 0), once per process.
+    pub fn get() -> Result<Arc<Gpu>, Gpt2Error> {
+        static GPU: OnceLock<Mutex<Option<Arc<Gpu>>>> = OnceLock::new();
+        let slot = GPU.get_or_init(|| Mutex::new(None));
+        let mut slot = slot.lock().map_err(|_| Gpt2Error::Device("GPU state poisoned".into()))?;
+        if let Some(gpu) = slot.as_ref() {
+            return Ok(gpu.clone());
+        }
+        let gpu = Arc::new(Self::open()?);
+        *slot = Some(gpu.clone());
+        Ok(gpu)
+    }
+
+    fn open() -> Result<Gpu, Gpt2Error> {
+        // cudarc panics when libcuda cannot be loaded: turn that into an error.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+            .map_err(|_| Gpt2Error::Device("no CUDA driver (libcuda.so) found on this machine".into()))?
+            .map_err(|e| Gpt2Error::Device(format!("no usable GPU: {e:?}")))?;
+        // We order work on each session's stream ourselves; cudarc's per-buffer event
+        // tracking would add events to every launch and to captured graphs.
+        // SAFETY: called before any allocation or launch on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(device_err("compute capability"))?;
+        let name = ctx.name().unwrap_or_default();
+        let ptx = cached_ptx(&format!("compute_{major}{minor}"))?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(device_err("loading the kernels"))?;
+        Ok(Gpu { ctx, module, name })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kernels(&self, dtype: GpuDtype) -> Result<Kernels, Gpt2Error> {
+        let suffix = match dtype {
+            GpuDtype::F32 => "f32",
+            GpuDtype::Bf16 => "bf16",
+        };
+        let f = |name: &str| {
+            self.module
+                .load_function(name)
+                .map_err(|e| Gpt2Error::Device(format!("kernel {name}: {e:?}")))
+        };
+        Ok(Kernels {
+            embed: f(&format!("embed_{suffix}"))?,
+            layernorm: f(&format!("layernorm_{suffix}"))?,
+            matvec: f(&format!("matvec_{suffix}"))?,
+            matmul: f(&format!("matmul_{suffix}"))?,
+            att_partial: f("attention_decode_partial")?,
+            att_combine: f("attention_decode_combine")?,
+            att_prefill: f("attention_prefill")?,
+        })
+    }
+}
+
+/// A weight tensor on the GPU: its device address and the allocation that owns it.
+struct DevTensor {
+    ptr: u64,
+    _f32: Option<CudaSlice<f32>>,
+    _bf16: Option<CudaSlice<u16>>,
+}
+
+impl DevTensor {
+    fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: GpuDtype) -> Result<Self, Gpt2Error> {
+        let err = device_err("uploading weights");
+        Ok(match dtype {
+            GpuDtype::F32 => {
+                let slice = stream.clone_htod(values).map_err(&err)?;
+                let ptr = slice.device_ptr(stream).0;
+                DevTensor {
+                    ptr,
+                    _f32: Some(slice),
+                    _bf16: None,
+                }
+            }
+            GpuDtype::Bf16 => {
+                let bits: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+                let slice = stream.clone_htod(&bits).map_err(&err)?;
+                let ptr = slice.device_ptr(stream).0;
+                DevTensor {
+                    ptr,
+                    _f32: None,
+                    _bf16: Some(slice),
+                }
+            }
+        })
+    }
+}
+
+struct DevLayer {
+    ln1_w: DevTensor,
+    ln1_b: DevTensor,
+    qkv_w: DevTensor,
+    qkv_b: DevTensor,
+    proj_w: DevTensor,
+    proj_b: DevTensor,
+    ln2_w: DevTensor,
+    ln2_b: DevTensor,
+    fc_w: DevTensor,
+    fc_b: DevTensor,
+    fc_proj_w: DevTensor,
+    fc_proj_b: DevTensor,
+}
+
+struct DevWeights {
+    wte: DevTensor,
+    wpe: DevTensor,
+    layers: Vec<DevLayer>,
+    lnf_w: DevTensor,
+    lnf_b: DevTensor,
+}
+
+struct ExecutorInner {
+    gpu: Arc<Gpu>,
+    config: Gpt2Config,
+    kernels: Kernels,
+    weights: DevWeights,
+    max_kv_bytes: usize,
+}
+
+/// GPT-2 on the GPU: weights uploaded once, shared by every session.
+pub struct CudaExecutor(Arc<ExecutorInner>);
+
+impl CudaExecutor {
+    /// Upload `weights` (converted to `dtype`) to the GPU. `max_kv_bytes` caps each session's KV cache.
+    pub fn new(weights: &Gpt2Weights, dtype: GpuDtype, max_kv_bytes: usize) -> Result<Self, Gpt2Error> {
+        let config = weights.config;
+        if !config.n_embd.is_multiple_of(8) || config.head_dim() % 4 != 0 || config.head_dim() > 128 {
+            return Err(Gpt2Error::Device(format!(
+                "the CUDA kernels need n_embd % 8 == 0 and head_dim % 4 == 0, <= 128 (got {config:?})"
+            )));
+        }
+        let gpu = Gpu::get()?;
+        let kernels = gpu.kernels(dtype)?;
+        let stream = gpu.ctx.default_stream();
+        let up = |values: &[f32]| DevTensor::upload(&stream, values, dtype);
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DevLayer {
+                    ln1_w: up(&l.ln1_w)?,
+                    ln1_b: up(&l.ln1_b)?,
+                    qkv_w: up(&l.qkv_w)?,
+                    qkv_b: up(&l.qkv_b)?,
+                    proj_w: up(&l.proj_w)?,
+                    proj_b: up(&l.proj_b)?,
+                    ln2_w: up(&l.ln2_w)?,
+                    ln2_b: up(&l.ln2_b)?,
+                    fc_w: up(&l.fc_w)?,
+                    fc_b: up(&l.fc_b)?,
+                    fc_proj_w: up(&l.fc_proj_w)?,
+                    fc_proj_b: up(&l.fc_proj_b)?,
+                })
+            })
+            .collect::<Result<Vec<_>, Gpt2Error>>()?;
+        let dev = DevWeights {
+            wte: up(&weights.wte)?,
+            wpe: up(&weights.wpe)?,
+            layers,
+            lnf_w: up(&weights.lnf_w)?,
+            lnf_b: up(&weights.lnf_b)?,
+        };
+        stream.synchronize().map_err(device_err("uploading weights"))?;
+        Ok(Self(Arc::new(ExecutorInner {
+            gpu,
+            config,
+            kernels,
+            weights: dev,
+            max_kv_bytes,
+        })))
+    }
+
+    pub fn gpu_name(&self) -> &str {
+        self.0.gpu.name()
+    }
+
+    /// Open a session with its concrete type (benchmarks use its timing hooks).
+    pub fn open(&self) -> Result<CudaSession, Gpt2Error> {
+        CudaSession::new(self.0.clone())
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn config(&self) -> Gpt2Config {
+        self.0.config
+    }
+    fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error> {
+        Ok(Box::new(self.open()?))
+    }
+}
+
+/// Device buffers of one session, each with its address.
+struct Buf {
+    slice: CudaSlice<f32>,
+    ptr: u64,
+}
+
+impl Buf {
+    fn new(stream: &Arc<CudaStream>, len: usize, what: &str) -> Result<Self, Gpt2Error> {
+        let slice = stream.alloc_zeros::<f32>(len.max(1)).map_err(device_err(what))?;
+        let ptr = slice.device_ptr(stream).0;
+        Ok(Buf { slice, ptr })
+    }
+}
+
+/// One sequence on the GPU: KV cache, activations, and the captured decode graph.
+pub struct CudaSession {
+    exec: Arc<ExecutorInner>,
+    stream: Arc<CudaStream>,
+    /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
+    capacity: usize,
+    len: usize,
+    k_cache: Buf, // [L, capacity, C]
+    v_cache: Buf,
+    x: Buf,   // residual stream [capacity, C]
+    h: Buf,   // LayerNorm / attention output [capacity, C]
+    qkv: Buf, // [capacity, 3C]
+    fc: Buf,  // [capacity, 4C]
+    partial: Buf,
+    logits: Buf, // [V]
+    all_logits: Option<Buf>,
+    tokens: CudaSlice<i32>, // [capacity] prompt ids; [0] is the decode step's token
+    tokens_ptr: u64,
+    pos: CudaSlice<i32>, // [1] decode position
+    pos_ptr: u64,
+    max_chunks: usize,
+    graph: Option<CudaGraph>,
+}
+
+// SAFETY: the session's device state is only touched through `&mut self` (the `Session`
+// methods that launch work take `&mut self`); `&self` methods read plain integers. The raw
+// handles inside `CudaGraph` are used from one thread at a time as a result.
+unsafe impl Send for CudaSession {}
+unsafe impl Sync for CudaSession {}
+
+impl CudaSession {
+    fn new(exec: Arc<ExecutorInner>) -> Result<Self, Gpt2Error> {
+        let cfg = exec.config;
+        let c = cfg.n_embd;
+        let per_position = 2 * cfg.n_layer * c * 4;
+        let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position);
+        if capacity == 0 {
+            return Err(Gpt2Error::Device(format!(
+                "the per-context KV cap of {} bytes is below one position ({per_position} bytes)",
+                exec.max_kv_bytes
+            )));
+        }
+        let stream = exec.gpu.ctx.new_stream().map_err(device_err("creating a stream"))?;
+        let max_chunks = capacity.div_ceil(ATT_CHUNK);
+        let kv = cfg.n_layer * capacity * c;
+        let tokens = stream.alloc_zeros::<i32>(capacity).map_err(device_err("token buffer"))?;
+        let pos = stream.alloc_zeros::<i32>(1).map_err(device_err("position buffer"))?;
+        let tokens_ptr = tokens.device_ptr(&stream).0;
+        let pos_ptr = pos.device_ptr(&stream).0;
+        Ok(Self {
+            k_cache: Buf::new(&stream, kv, "KV cache")?,
+            v_cache: Buf::new(&stream, kv, "KV cache")?,
+            x: Buf::new(&stream, capacity * c, "activations")?,
+            h: Buf::new(&stream, capacity * c, "activations")?,
+            qkv: Buf::new(&stream, capacity * 3 * c, "activations")?,
+            fc: Buf::new(&stream, capacity * 4 * c, "activations")?,
+            partial: Buf::new(&stream, cfg.n_head * max_chunks * (cfg.head_dim() + 2), "attention scratch")?,
+            logits: Buf::new(&stream, cfg.vocab_size, "logits")?,
+            all_logits: None,
+            tokens,
+            tokens_ptr,
+            pos,
+            pos_ptr,
+            max_chunks,
+            capacity,
+            len: 0,
+            graph: None,
+            stream,
+            exec,
+        })
+    }
+
+    fn kv_layer(&self, l: usize) -> (u64, u64) {
+        let offset = (l * self.capacity * self.exec.config.n_embd * 4) as u64;
+        (self.k_cache.ptr + offset, self.v_cache.ptr + offset)
+    }
+
+    /// y = W x (+ LN prologue, epilogue) for one vector.
+    #[allow(clippy::too_many_arguments)]
+    fn matvec(
+        &self,
+        out: u64,
+        x: u64,
+        w: u64,
+        bias: u64,
+        n: usize,
+        k: usize,
+        ln: (u64, u64),
+        mode: i32,
+        kv: (u64, u64),
+    ) -> Result<(), Gpt2Error> {
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(MV_ROWS_PER_BLOCK) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (k * 4) as u32,
+        };
+        let (n, k, c) = (n as i32, k as i32, self.exec.config.n_embd as i32);
+        let pos = if mode == EPI_QKV { self.pos_ptr } else { 0u64 };
+        let mut b = self.stream.launch_builder(&self.exec.kernels.matvec);
+        b.arg(&out).arg(&x).arg(&w).arg(&bias).arg(&n).arg(&k).arg(&ln.0).arg(&ln.1);
+        b.arg(&mode).arg(&c).arg(&pos).arg(&kv.0).arg(&kv.1);
+        // SAFETY: pointers address live buffers of at least the sizes the kernel touches:
+        // x has k floats, w has n*k weights, out has n floats (or the QKV scatter targets).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("matvec"))
+    }
+
+    /// Y = X W^T (+ epilogue) for `rows` rows at positions start..start+rows.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        out: u64,
+        x: u64,
+        w: u64,
+        bias: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        mode: i32,
+        start: usize,
+        kv: (u64, u64),
+        out_stride: usize,
+    ) -> Result<(), Gpt2Error> {
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, n, k) = (rows as i32, n as i32, k as i32);
+        let (c, start, stride) = (self.exec.config.n_embd as i32, start as i32, out_stride as i32);
+        let mut b = self.stream.launch_builder(&self.exec.kernels.matmul);
+        b.arg(&out).arg(&x).arg(&w).arg(&bias).arg(&rows).arg(&n).arg(&k).arg(&mode);
+        b.arg(&c).arg(&start).arg(&kv.0).arg(&kv.1).arg(&stride);
+        // SAFETY: x has rows*k floats, w n*k weights, out rows*out_stride floats (or the QKV
+        // targets, with start+rows <= capacity checked by the caller).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("matmul"))
+    }
+
+    fn layernorm(&self, out: u64, x: u64, w: u64, b: u64, rows: usize) -> Result<(), Gpt2Error> {
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let c = self.exec.config.n_embd as i32;
+        let mut builder = self.stream.launch_builder(&self.exec.kernels.layernorm);
+        builder.arg(&out).arg(&x).arg(&w).arg(&b).arg(&c);
+        // SAFETY: out and x hold rows*C floats; w and b hold C weights.
+        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(device_err("layernorm"))
+    }
+
+    fn embed(&self, rows: usize, start: i32) -> Result<(), Gpt2Error> {
+        let w = &self.exec.weights;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let c = self.exec.config.n_embd as i32;
+        let mut b = self.stream.launch_builder(&self.exec.kernels.embed);
+        b.arg(&self.x.ptr).arg(&self.tokens_ptr).arg(&w.wte.ptr).arg(&w.wpe.ptr).arg(&c);
+        b.arg(&start).arg(&self.pos_ptr);
+        // SAFETY: token ids were checked < vocab and positions < n_ctx before upload.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("embed"))
+    }
+
+    /// The kernels of one decode step (token in tokens[0], position in pos[0]).
+    fn decode_kernels(&self) -> Result<(), Gpt2Error> {
+        let cfg = self.exec.config;
+        let w = &self.exec.weights;
+        let c = cfg.n_embd;
+        let hd = cfg.head_dim();
+        self.embed(1, -1)?;
+        for (l, lw) in w.layers.iter().enumerate() {
+            let kv = self.kv_layer(l);
+            let none = (0, 0);
+            self.matvec(self.qkv.ptr, self.x.ptr, lw.qkv_w.ptr, lw.qkv_b.ptr, 3 * c, c, (lw.ln1_w.ptr, lw.ln1_b.ptr), EPI_QKV, kv)?;
+            let (c32, hd32, chunks) = (c as i32, hd as i32, self.max_chunks as i32);
+            let mut b = self.stream.launch_builder(&self.exec.kernels.att_partial);
+            b.arg(&self.partial.ptr).arg(&self.qkv.ptr).arg(&kv.0).arg(&kv.1).arg(&self.pos_ptr);
+            b.arg(&c32).arg(&hd32).arg(&chunks);
+            let grid = LaunchConfig {
+                grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
+                block_dim: (ATT_CHUNK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the position is < capacity (checked before the step); the partial
+            // buffer holds n_head * max_chunks * (hd + 2) floats.
+            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+            let mut b = self.stream.launch_builder(&self.exec.kernels.att_combine);
+            b.arg(&self.h.ptr).arg(&self.partial.ptr).arg(&self.pos_ptr).arg(&hd32).arg(&chunks);
+            let grid = LaunchConfig {
+                grid_dim: (cfg.n_head as u32, 1, 1),
+                block_dim: (64, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; h holds C floats.
+            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+            self.matvec(self.x.ptr, self.h.ptr, lw.proj_w.ptr, lw.proj_b.ptr, c, c, none, EPI_RESIDUAL, none)?;
+            self.matvec(self.fc.ptr, self.x.ptr, lw.fc_w.ptr, lw.fc_b.ptr, 4 * c, c, (lw.ln2_w.ptr, lw.ln2_b.ptr), EPI_GELU, none)?;
+            self.matvec(self.x.ptr, self.fc.ptr, lw.fc_proj_w.ptr, lw.fc_proj_b.ptr, c, 4 * c, none, EPI_RESIDUAL, none)?;
+        }
+        self.matvec(self.logits.ptr, self.x.ptr, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, (0, 0))
+    }
+
+    /// One decode step through the captured graph (captured on first use).
+    fn decode(&mut self, token: u32) -> Result<(), Gpt2Error> {
+        let err = device_err("decode step");
+        self.stream.memcpy_htod(&[token as i32], &mut self.tokens).map_err(&err)?;
+        self.stream.memcpy_htod(&[self.len as i32], &mut self.pos).map_err(&err)?;
+        if self.graph.is_none() && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none() {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(&err)?;
+            let launched = self.decode_kernels();
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            launched?;
+            self.graph = graph.map_err(&err)?;
+        }
+        match &self.graph {
+            Some(graph) => graph.launch().map_err(&err),
+            None => self.decode_kernels(),
+        }
+    }
+
+    /// A batched prefill of `tokens` at positions len..len+n.
+    fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
+        let cfg = self.exec.config;
+        let (c, n, start) = (cfg.n_embd, tokens.len(), self.len);
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let mut dst = self.tokens.slice_mut(0..n);
+        self.stream.memcpy_htod(&ids, &mut dst).map_err(device_err("prefill"))?;
+        self.embed(n, start as i32)?;
+        let w = &self.exec.weights;
+        let none = (0, 0);
+        for (l, lw) in w.layers.iter().enumerate() {
+            let kv = self.kv_layer(l);
+            self.layernorm(self.h.ptr, self.x.ptr, lw.ln1_w.ptr, lw.ln1_b.ptr, n)?;
+            self.matmul(self.qkv.ptr, self.h.ptr, lw.qkv_w.ptr, lw.qkv_b.ptr, n, 3 * c, c, EPI_QKV, start, kv, 3 * c)?;
+            let (start32, c32, hd32) = (start as i32, c as i32, cfg.head_dim() as i32);
+            let mut b = self.stream.launch_builder(&self.exec.kernels.att_prefill);
+            b.arg(&self.h.ptr).arg(&self.qkv.ptr).arg(&kv.0).arg(&kv.1).arg(&start32).arg(&c32).arg(&hd32);
+            let grid = LaunchConfig {
+                grid_dim: (cfg.n_head as u32, n as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((start + n) * 4) as u32,
+            };
+            // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
+            // asked for; h holds n*C floats.
+            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+            self.matmul(self.x.ptr, self.h.ptr, lw.proj_w.ptr, lw.proj_b.ptr, n, c, c, EPI_RESIDUAL, start, none, c)?;
+            self.layernorm(self.h.ptr, self.x.ptr, lw.ln2_w.ptr, lw.ln2_b.ptr, n)?;
+            self.matmul(self.fc.ptr, self.h.ptr, lw.fc_w.ptr, lw.fc_b.ptr, n, 4 * c, c, EPI_GELU, start, none, 4 * c)?;
+            self.matmul(self.x.ptr, self.fc.ptr, lw.fc_proj_w.ptr, lw.fc_proj_b.ptr, n, c, 4 * c, EPI_RESIDUAL, start, none, c)?;
+        }
+        if all_positions {
+            if self.all_logits.is_none() {
+                self.all_logits = Some(Buf::new(&self.stream, self.capacity * cfg.vocab_size, "logits of every position")?);
+            }
+            let all = self.all_logits.as_ref().map_or(0, |b| b.ptr);
+            self.layernorm(self.h.ptr, self.x.ptr, w.lnf_w.ptr, w.lnf_b.ptr, n)?;
+            self.matmul(all, self.h.ptr, w.wte.ptr, 0, n, cfg.vocab_size, c, EPI_STORE, start, none, cfg.vocab_size)?;
+        }
+        let last = self.x.ptr + ((n - 1) * c * 4) as u64;
+        self.matvec(self.logits.ptr, last, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, none)
+    }
+
+    /// Wait for the session's stream (for timing).
+    pub fn synchronize(&self) -> Result<(), Gpt2Error> {
+        self.stream.synchronize().map_err(device_err("synchronize"))
+    }
+
+    /// Run one decode step without copying logits back (benchmarks of the GPU part alone).
+    pub fn decode_only(&mut self, token: u32) -> Result<(), Gpt2Error> {
+        self.check(1)?;
+        self.decode(token)?;
+        self.len += 1;
+        Ok(())
+    }
+
+    fn check(&self, n: usize) -> Result<(), Gpt2Error> {
+        if self.len + n > self.capacity {
+            return Err(Gpt2Error::Device(format!(
+                "sequence of {} tokens exceeds this context's KV capacity of {} positions",
+                self.len + n,
+                self.capacity
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Session for CudaSession {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) {
+        // Positions past `len` are simply overwritten by the next step.
+        self.len = self.len.min(len);
+    }
+
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error> {
+        let vocab = self.exec.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(Gpt2Error::EmptySequence);
+        }
+        self.check(tokens.len())?;
+        if tokens.iter().any(|&t| t as usize >= vocab) {
+            return Err(Gpt2Error::Device("token id outside the vocabulary".into()));
+        }
+        if tokens.len() == 1 && !all_positions {
+            self.decode(tokens[0])?;
+        } else {
+            self.prefill(tokens, all_positions)?;
+        }
+        self.len += tokens.len();
+        let err = device_err("reading logits");
+        let (src, count) = match (&self.all_logits, all_positions) {
+            (Some(all), true) => (&all.slice, tokens.len() * vocab),
+            _ => (&self.logits.slice, vocab),
+        };
+        let mut out = vec![0.0f32; count];
+        self.stream
+            .memcpy_dtoh(&src.slice(0..count), &mut out)
+            .map_err(&err)?;
+        self.stream.synchronize().map_err(&err)?;
+        Ok(out)
+    }
+}
+
+/// Print the GPU's name and whether it can be used; for diagnostics.
+pub fn describe() -> Result<String, Gpt2Error> {
+    let gpu = Gpu::get()?;
+    let (free, total) = gpu.ctx.mem_get_info().map_err(device_err("memory info"))?;
+    Ok(format!("{} ({} MiB free of {} MiB)", gpu.name(), free >> 20, total >> 20))
+}
+
+/// The dtype a weight tensor would have on the GPU, and the bytes of all weights.
+pub fn weight_bytes(config: &Gpt2Config, dtype: GpuDtype) -> usize {
+    config.num_params()
+        * match dtype {
+            GpuDtype::F32 => 4,
+            GpuDtype::Bf16 => 2,
+        }
+}

@@ -1,0 +1,131 @@
+//! The CUDA backend checked against the CPU reference. Used by the GPU tests
+//! (`tests/tests/cuda.rs`, which skip without a GPU) and by `wasi-nn-host check-cuda`, which runs
+//! the same checks on the GPU machine from one binary.
+//!
+//! Each check runs a prompt as one prefill and then greedy decode steps (the decode graph) on
+//! both backends and compares last-position logits after the prefill and after every step,
+//! with the error scaled as `|gpu - cpu| / max(1, |cpu|)`.
+
+use crate::backend::{executor_for, Device, Executor, GpuDtype};
+use crate::model::{random_weights, Gpt2Config, Gpt2Weights};
+use std::sync::Arc;
+
+/// What one comparison saw.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CheckReport {
+    pub model: String,
+    pub dtype: String,
+    pub prompt_tokens: usize,
+    pub steps: usize,
+    /// Worst scaled logit error after the prefill.
+    pub prefill_error: f32,
+    /// Worst scaled logit error over the decode steps (GPU graph vs CPU).
+    pub decode_error: f32,
+    /// Greedy ids that agree, from the start, between GPU and CPU (the GPU follows its own ids).
+    pub greedy_agree: usize,
+    /// Positions where the GPU's argmax differs from the CPU's on the same sequence.
+    pub argmax_mismatches: usize,
+    pub tolerance: f32,
+    pub passed: bool,
+}
+
+fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
+    ours.iter()
+        .zip(reference)
+        .map(|(a, b)| {
+            let e = (a - b).abs() / b.abs().max(1.0);
+            if e.is_nan() {
+                f32::INFINITY
+            } else {
+                e
+            }
+        })
+        .fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Compare GPU (`dtype`) and CPU on `prompt` then `steps` greedy steps. The CPU is fed the
+/// GPU's chosen tokens so both see the same sequence; `greedy_agree` counts how long the
+/// CPU's own greedy choice matches.
+pub fn compare(
+    name: &str,
+    weights: Gpt2Weights,
+    dtype: GpuDtype,
+    prompt: &[u32],
+    steps: usize,
+    tolerance: f32,
+) -> Result<CheckReport, crate::Gpt2Error> {
+    let weights = Arc::new(weights);
+    let cpu = crate::backend::CpuExecutor::new(weights.clone());
+    let gpu = executor_for((*weights).clone(), Device::Cuda, dtype, usize::MAX)?;
+    let mut cpu_s = cpu.new_session()?;
+    let mut gpu_s = gpu.new_session()?;
+    let mut cpu_logits = cpu_s.extend(prompt, false)?;
+    let mut gpu_logits = gpu_s.extend(prompt, false)?;
+    let prefill_error = scaled_error(&gpu_logits, &cpu_logits);
+    let (mut decode_error, mut mismatches, mut agree, mut diverged) = (0.0f32, 0, 0, false);
+    for _ in 0..steps {
+        let next = argmax(&gpu_logits);
+        if argmax(&cpu_logits) != next {
+            mismatches += 1;
+            diverged = true;
+        }
+        if !diverged {
+            agree += 1;
+        }
+        cpu_logits = cpu_s.extend(&[next], false)?;
+        gpu_logits = gpu_s.extend(&[next], false)?;
+        decode_error = decode_error.max(scaled_error(&gpu_logits, &cpu_logits));
+    }
+    Ok(CheckReport {
+        model: name.to_owned(),
+        dtype: format!("{dtype:?}").to_lowercase(),
+        prompt_tokens: prompt.len(),
+        steps,
+        prefill_error,
+        decode_error,
+        greedy_agree: agree,
+        argmax_mismatches: mismatches,
+        tolerance,
+        passed: prefill_error <= tolerance && decode_error <= tolerance,
+    })
+}
+
+/// A prompt of `n` ids spread over the vocabulary.
+pub fn prompt(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97)) % vocab as u32)
+        .collect()
+}
+
+/// Small random models that exercise every kernel at awkward sizes: several head counts and
+/// widths, vocabularies that are no multiple of the block sizes, contexts up to n_ctx.
+pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, crate::Gpt2Error> {
+    let configs = [(1, 1, 64, 64, 517), (2, 3, 96, 130, 1000), (1, 4, 256, 300, 2111), (2, 2, 128, 96, 50257)];
+    let mut reports = Vec::new();
+    for (i, &(n_layer, n_head, n_embd, n_ctx, vocab_size)) in configs.iter().enumerate() {
+        let config = Gpt2Config {
+            n_layer,
+            n_head,
+            n_embd,
+            n_ctx,
+            vocab_size,
+        };
+        let weights = random_weights(config, seed + i as u64);
+        let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
+        // prompt fills most of the context, then decode to the very end
+        let p = prompt(n_ctx - 20, vocab_size, i as u32);
+        reports.push(compare(&name, weights.clone(), GpuDtype::F32, &p, 20, 1e-3)?);
+        reports.push(compare(&name, weights, GpuDtype::Bf16, &p[..n_ctx / 2], 10, 5e-2)?);
+    }
+    Ok(reports)
+}

@@ -1,0 +1,58 @@
+// Matrix-matrix products for prefill: Y[t, :] = W X[t, :] + b for T rows at once, W [n, k].
+// A plain shared-memory tiled kernel (64x64 tile, 4x4 outputs per thread, f32 math), with the
+// same epilogues as the matrix-vector kernels; row t sits at absolute position start + t.
+#include "common.cuh"
+
+#define TILE 64
+#define TK 16
+
+template <typename W>
+__device__ void matmul_impl(float* out, const float* x, const W* w, const W* bias, int rows, int n, int k,
+                            int mode, int c, int start, float* k_cache, float* v_cache, int out_stride) {
+    __shared__ float xs[TK][TILE + 1];
+    __shared__ float ws[TK][TILE + 1];
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int row_base = blockIdx.y * TILE, col_base = blockIdx.x * TILE;
+    float acc[4][4] = {};
+    for (int k0 = 0; k0 < k; k0 += TK) {
+        for (int i = threadIdx.x; i < TILE * TK; i += 256) {
+            int r = i / TK, kk = i % TK;
+            int gr = row_base + r, gc = col_base + r, gk = k0 + kk;
+            xs[kk][r] = (gr < rows && gk < k) ? x[(size_t)gr * k + gk] : 0.0f;
+            ws[kk][r] = (gc < n && gk < k) ? load1(w + (size_t)gc * k + gk) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TK; kk++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) { a[i] = xs[kk][ty * 4 + i]; b[i] = ws[kk][tx * 4 + i]; }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int r = row_base + ty * 4 + i;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int col = col_base + tx * 4 + j;
+            if (col >= n) continue;
+            float v = acc[i][j] + (bias != nullptr ? load1(bias + col) : 0.0f);
+            epilogue(mode, v, out + (size_t)r * out_stride, col, c, start + r, k_cache, v_cache);
+        }
+    }
+}
+
+#define MATMUL(NAME, W)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                  \
+        NAME(float* out, const float* x, const W* w, const W* bias, int rows, int n, int k, int mode,  \
+             int c, int start, float* k_cache, float* v_cache, int out_stride) {                       \
+        matmul_impl(out, x, w, bias, rows, n, k, mode, c, start, k_cache, v_cache, out_stride);        \
+    }
+MATMUL(matmul_f32, float)
+MATMUL(matmul_bf16, bf16_t)
