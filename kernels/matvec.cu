@@ -7,6 +7,7 @@
 
 #define MV_WARPS 4
 #define MV_ROWS_PER_WARP 2
+#define MV_UNROLL 4
 
 template <typename W>
 __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bias, int n, int k,
@@ -30,21 +31,35 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int row0 = (blockIdx.x * MV_WARPS + warp) * MV_ROWS_PER_WARP;
     float acc[MV_ROWS_PER_WARP];
+    const W* rows[MV_ROWS_PER_WARP];
 #pragma unroll
-    for (int r = 0; r < MV_ROWS_PER_WARP; r++) acc[r] = 0.0f;
-    // k is a multiple of 8 for every GPT-2 shape (checked on the host).
-    for (int i = lane * 8; i < k; i += 32 * 8) {
-        float xv[8];
+    for (int r = 0; r < MV_ROWS_PER_WARP; r++) {
+        acc[r] = 0.0f;
+        // rows past n read the last row (valid memory) and are not stored
+        rows[r] = w + (size_t)min(row0 + r, n - 1) * k;
+    }
+    // k is a multiple of 8 for every GPT-2 shape (checked on the host). Each lane issues
+    // MV_UNROLL 16-byte loads per row before using any, so several are in flight at once.
+    for (int base = lane * 8; base < k; base += 32 * 8 * MV_UNROLL) {
+        float wv[MV_UNROLL][MV_ROWS_PER_WARP][8];
 #pragma unroll
-        for (int j = 0; j < 8; j++) xv[j] = xs[i + j];
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int i = base + u * 32 * 8;
+            if (i < k) {
 #pragma unroll
-        for (int r = 0; r < MV_ROWS_PER_WARP; r++) {
-            int row = row0 + r;
-            if (row < n) {
-                float wv[8];
-                load8(w + (size_t)row * k + i, wv);
+                for (int r = 0; r < MV_ROWS_PER_WARP; r++) load8(rows[r] + i, wv[u][r]);
+            }
+        }
 #pragma unroll
-                for (int j = 0; j < 8; j++) acc[r] += wv[j] * xv[j];
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int i = base + u * 32 * 8;
+            if (i < k) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float xv = xs[i + j];
+#pragma unroll
+                    for (int r = 0; r < MV_ROWS_PER_WARP; r++) acc[r] += wv[u][r][j] * xv;
+                }
             }
         }
     }
@@ -68,3 +83,36 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     }
 MATVEC(matvec_f32, float)
 MATVEC(matvec_bf16, bf16_t)
+
+// The index of the largest logit (first index on ties; NaN never wins), one block.
+extern "C" __global__ void argmax_f32(int* out, const float* logits, int n) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    float v = -INFINITY;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = logits[i];
+        if (x > v) { v = x; idx = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { best_v[warp] = v; best_i[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        int warps = blockDim.x >> 5;
+        v = lane < warps ? best_v[lane] : -INFINITY;
+        idx = lane < warps ? best_i[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        }
+        if (lane == 0) *out = idx == 0x7fffffff ? 0 : idx;
+    }
+}

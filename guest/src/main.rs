@@ -139,6 +139,8 @@ struct Model<'g> {
     context: GraphExecutionContext<'g>,
     vocab: usize,
     buffer: Vec<f32>,
+    /// Whether the backend offers output 2 (the greedy next token); cleared on first failure.
+    has_argmax: bool,
 }
 
 fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
@@ -156,6 +158,7 @@ impl<'g> Model<'g> {
             context,
             vocab,
             buffer: vec![0.0; vocab],
+            has_argmax: true,
         })
     }
 
@@ -190,6 +193,21 @@ impl<'g> Model<'g> {
             &self.buffer[..n]
         };
         Ok(row)
+    }
+
+    /// The greedy next token: output 2 where the backend has it (4 bytes cross instead of
+    /// the whole logits row), else the argmax of output 0.
+    fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, Error> {
+        if self.has_argmax {
+            self.set_tokens(tokens)?;
+            self.context.compute().map_err(|e| format!("compute: {e}"))?;
+            let mut next = [0i32; 1];
+            match self.context.get_output(2, &mut next) {
+                Ok(4) if next[0] >= 0 => return Ok(next[0] as u32),
+                _ => self.has_argmax = false,
+            }
+        }
+        Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
     }
 
     /// Logits of every position of `tokens` (`[T * vocab]`) from one prefill via output 1;
@@ -249,11 +267,17 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
         }
         Ok(())
     };
+    let greedy = options.sampling.temperature <= 0.0;
     for step in 0..options.max_tokens {
-        let logits = model.last_logits(&sequence)?;
-        let sample_start = Instant::now();
-        let next = sampler.sample(logits) as u32;
-        sampling_s += sample_start.elapsed().as_secs_f64();
+        let next = if greedy {
+            model.greedy_next(&sequence)?
+        } else {
+            let logits = model.last_logits(&sequence)?;
+            let sample_start = Instant::now();
+            let next = sampler.sample(logits) as u32;
+            sampling_s += sample_start.elapsed().as_secs_f64();
+            next
+        };
         if step == 0 {
             prompt_ms = start.elapsed().as_secs_f64() * 1e3;
         }

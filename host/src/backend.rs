@@ -8,7 +8,9 @@
 //!   must hold; it stays set until set again;
 //! - output 0: the logits of the last position, `F32 [1, vocab]`;
 //! - output 1 (only after input 1 was set): the logits of positions `logits_from..T`,
-//!   `F32 [1, T - logits_from, vocab]`, from one batched prefill.
+//!   `F32 [1, T - logits_from, vocab]`, from one batched prefill;
+//! - output 2: the greedy next token, `I32 [1]`, the argmax of output 0 computed where the
+//!   logits are (on the GPU only 4 bytes come back).
 //!
 //! A graph holds the weights once ([`Executor`]); every execution context holds its own KV
 //! cache ([`Session`]). `compute` keeps the longest common prefix of the cached sequence and
@@ -60,7 +62,7 @@ pub enum Gpt2Error {
     LogitsFromOutOfRange { from: i64, len: usize },
     #[error("no input {0}: this graph takes input 0 (token ids) and input 1 (logits_from)")]
     NoSuchInput(String),
-    #[error("no output {0}: this graph has output 0 (last logits) and output 1 (logits from logits_from)")]
+    #[error("no output {0}: this graph has outputs 0 (last logits), 1 (logits from logits_from) and 2 (argmax)")]
     NoSuchOutput(String),
     #[error("compute called before input 0 (token ids) was set")]
     NoInput,
@@ -88,7 +90,8 @@ pub trait Executor: Send + Sync {
     fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error>;
 }
 
-/// One sequence's KV cache on a device.
+/// One sequence's KV cache on a device. Logits stay on the device until asked for, so a
+/// greedy step can bring back just the argmax.
 pub trait Session: Send + Sync {
     /// Number of cached positions.
     fn len(&self) -> usize;
@@ -97,9 +100,28 @@ pub trait Session: Send + Sync {
     }
     /// Forget every position from `len` on.
     fn truncate(&mut self, len: usize);
-    /// Run `tokens` at the next positions; return the last position's logits `[V]`, or every
-    /// new position's (`[n, V]`) when `all_positions`.
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error>;
+    /// Run `tokens` at the next positions; keep the last position's logits, and every new
+    /// position's when `all_positions`.
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error>;
+    /// Logits of the last position of the last `extend`, `[V]`.
+    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error>;
+    /// Logits of every position of the last `extend(.., true)`, `[n, V]`.
+    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error>;
+    /// Index of the largest last-position logit (first index on ties, NaN never wins).
+    fn argmax(&mut self) -> Result<u32, Gpt2Error>;
+}
+
+/// The index of the largest value, first on ties, NaN never chosen (as the GPU kernel).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &v) in values.iter().enumerate() {
+        if v > best_value {
+            best = i;
+            best_value = v;
+        }
+    }
+    best as u32
 }
 
 /// The CPU reference as an [`Executor`].
@@ -114,6 +136,8 @@ impl CpuExecutor {
 struct CpuSession {
     model: crate::cpu::CpuModel,
     cache: crate::cpu::CpuKvCache,
+    /// Logits of the last extend: one row, or every new row.
+    logits: Vec<f32>,
 }
 
 impl Executor for CpuExecutor {
@@ -124,6 +148,7 @@ impl Executor for CpuExecutor {
         Ok(Box::new(CpuSession {
             model: self.0.clone(),
             cache: Default::default(),
+            logits: Vec::new(),
         }))
     }
 }
@@ -135,8 +160,20 @@ impl Session for CpuSession {
     fn truncate(&mut self, len: usize) {
         self.cache.truncate(len, self.model.weights().config.n_embd);
     }
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error> {
-        Ok(self.model.forward(&mut self.cache, tokens, all_positions))
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
+        self.logits = self.model.forward(&mut self.cache, tokens, all_positions);
+        Ok(())
+    }
+    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        let vocab = self.model.weights().config.vocab_size;
+        Ok(self.logits[self.logits.len().saturating_sub(vocab)..].to_vec())
+    }
+    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        Ok(self.logits.clone())
+    }
+    fn argmax(&mut self) -> Result<u32, Gpt2Error> {
+        let vocab = self.model.weights().config.vocab_size;
+        Ok(argmax(&self.logits[self.logits.len().saturating_sub(vocab)..]))
     }
 }
 
@@ -267,8 +304,13 @@ pub struct Gpt2Context {
     cached: Vec<u32>,
     tokens: Option<Vec<u32>>,
     logits_from: Option<usize>,
+    /// Whether a compute has run since the inputs last changed the outputs.
+    computed: bool,
+    /// Output 1's row range: logits of positions `logits_from..T` are rows `skip..` of the
+    /// session's all-position logits.
+    range_skip: Option<usize>,
+    /// Outputs fetched from the session, kept until the next compute.
     last_logits: Option<Vec<f32>>,
-    /// Logits of positions `logits_from..T` from the last compute, when asked for.
     range_logits: Option<Vec<f32>>,
     /// Positions the last compute took from the cache instead of computing.
     last_reused: usize,
@@ -282,6 +324,8 @@ impl Gpt2Context {
             cached: Vec::new(),
             tokens: None,
             logits_from: None,
+            computed: false,
+            range_skip: None,
             last_logits: None,
             range_logits: None,
             last_reused: 0,
@@ -366,55 +410,68 @@ impl Gpt2Context {
         }
         self.session.truncate(keep);
         self.cached.truncate(keep);
+        self.computed = false;
+        self.range_skip = None;
         self.last_logits = None;
         self.range_logits = None;
         let want_range = self.logits_from.is_some();
-        let logits = match self.session.extend(&tokens[keep..], want_range) {
-            Ok(logits) => logits,
-            Err(e) => {
-                // The cache may hold part of the failed step; start over next time.
-                self.session.truncate(0);
-                self.cached.clear();
-                return Err(e);
-            }
-        };
+        if let Err(e) = self.session.extend(&tokens[keep..], want_range) {
+            // The cache may hold part of the failed step; start over next time.
+            self.session.truncate(0);
+            self.cached.clear();
+            return Err(e);
+        }
         self.cached.extend_from_slice(&tokens[keep..]);
         self.last_reused = keep;
-        let vocab = self.config.vocab_size;
-        self.last_logits = Some(logits[logits.len() - vocab..].to_vec());
-        if let Some(from) = self.logits_from {
-            // Rows computed cover keep..len; output 1 starts at `from >= keep`.
-            self.range_logits = Some(logits[(from - keep) * vocab..].to_vec());
-        }
+        self.computed = true;
+        // Rows computed cover keep..len; output 1 starts at `from >= keep`.
+        self.range_skip = self.logits_from.map(|from| from - keep);
         Ok(())
     }
 
-    /// Output `index` as a wasi-nn tensor.
-    pub fn output_tensor(&self, index: u32) -> Result<Tensor, Gpt2Error> {
+    /// The last position's logits (fetched from the device once per compute).
+    pub fn last_logits(&mut self) -> Result<&[f32], Gpt2Error> {
+        if !self.computed {
+            return Err(Gpt2Error::NotComputed(0));
+        }
+        if self.last_logits.is_none() {
+            self.last_logits = Some(self.session.last_logits()?);
+        }
+        Ok(self.last_logits.as_deref().unwrap_or_default())
+    }
+
+    /// Output `index` as a wasi-nn tensor: 0 last logits, 1 range logits, 2 greedy next id.
+    pub fn output_tensor(&mut self, index: u32) -> Result<Tensor, Gpt2Error> {
         let vocab = self.config.vocab_size as u32;
-        let (dims, values) = match index {
-            0 => (
-                vec![1, vocab],
-                self.last_logits.as_ref().ok_or(Gpt2Error::NotComputed(0))?,
-            ),
+        let f32_tensor = |dims: Vec<u32>, values: &[f32]| {
+            Tensor::new(dims, TensorType::Fp32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        };
+        match index {
+            0 => Ok(f32_tensor(vec![1, vocab], self.last_logits()?)),
             1 => {
-                let values = self
-                    .range_logits
-                    .as_ref()
-                    .ok_or(if self.logits_from.is_none() {
+                let Some(skip) = self.range_skip else {
+                    return Err(if self.logits_from.is_none() {
                         Gpt2Error::NoAllLogits
                     } else {
                         Gpt2Error::NotComputed(1)
-                    })?;
-                (vec![1, values.len() as u32 / vocab, vocab], values)
+                    });
+                };
+                if self.range_logits.is_none() {
+                    let all = self.session.all_logits()?;
+                    self.range_logits = Some(all[skip * vocab as usize..].to_vec());
+                }
+                let values = self.range_logits.as_deref().unwrap_or_default();
+                Ok(f32_tensor(vec![1, values.len() as u32 / vocab, vocab], values))
             }
-            _ => return Err(Gpt2Error::NoSuchOutput(index.to_string())),
-        };
-        Ok(Tensor::new(
-            dims,
-            TensorType::Fp32,
-            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        ))
+            2 => {
+                if !self.computed {
+                    return Err(Gpt2Error::NotComputed(2));
+                }
+                let id = self.session.argmax()? as i32;
+                Ok(Tensor::new(vec![1], TensorType::I32, id.to_le_bytes().to_vec()))
+            }
+            _ => Err(Gpt2Error::NoSuchOutput(index.to_string())),
+        }
     }
 }
 
@@ -473,6 +530,7 @@ fn output_index(id: &Id) -> Result<u32, Gpt2Error> {
         Id::Name(name) => match name.as_str() {
             "logits" | "0" => Ok(0),
             "range_logits" | "1" => Ok(1),
+            "next_token" | "2" => Ok(2),
             other => Err(Gpt2Error::NoSuchOutput(other.to_owned())),
         },
     }
@@ -510,7 +568,7 @@ impl BackendExecutionContext for Gpt2Context {
             name: "logits".to_owned(),
             tensor: self.output_tensor(0)?,
         }];
-        if self.range_logits.is_some() {
+        if self.range_skip.is_some() {
             outputs.push(NamedTensor {
                 name: "range_logits".to_owned(),
                 tensor: self.output_tensor(1)?,

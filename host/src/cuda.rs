@@ -125,6 +125,7 @@ struct Kernels {
     att_partial: CudaFunction,
     att_combine: CudaFunction,
     att_prefill: CudaFunction,
+    argmax: CudaFunction,
 }
 
 /// The GPU and its compiled kernels, shared by every graph in the process.
@@ -188,6 +189,7 @@ impl Gpu {
             att_partial: f("attention_decode_partial")?,
             att_combine: f("attention_decode_combine")?,
             att_prefill: f("attention_prefill")?,
+            argmax: f("argmax_f32")?,
         })
     }
 }
@@ -363,6 +365,10 @@ pub struct CudaSession {
     tokens_ptr: u64,
     pos: CudaSlice<i32>, // [1] decode position
     pos_ptr: u64,
+    next: CudaSlice<i32>, // [1] argmax of the last logits
+    next_ptr: u64,
+    /// Rows of all-position logits from the last extend (0 when not asked for).
+    all_rows: usize,
     max_chunks: usize,
     graph: Option<CudaGraph>,
 }
@@ -390,8 +396,10 @@ impl CudaSession {
         let kv = cfg.n_layer * capacity * c;
         let tokens = stream.alloc_zeros::<i32>(capacity).map_err(device_err("token buffer"))?;
         let pos = stream.alloc_zeros::<i32>(1).map_err(device_err("position buffer"))?;
+        let next = stream.alloc_zeros::<i32>(1).map_err(device_err("argmax buffer"))?;
         let tokens_ptr = tokens.device_ptr(&stream).0;
         let pos_ptr = pos.device_ptr(&stream).0;
+        let next_ptr = next.device_ptr(&stream).0;
         Ok(Self {
             k_cache: Buf::new(&stream, kv, "KV cache")?,
             v_cache: Buf::new(&stream, kv, "KV cache")?,
@@ -406,6 +414,9 @@ impl CudaSession {
             tokens_ptr,
             pos,
             pos_ptr,
+            next,
+            next_ptr,
+            all_rows: 0,
             max_chunks,
             capacity,
             len: 0,
@@ -508,6 +519,19 @@ impl CudaSession {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("embed"))
     }
 
+    fn argmax_kernel(&self) -> Result<(), Gpt2Error> {
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = self.exec.config.vocab_size as i32;
+        let mut b = self.stream.launch_builder(&self.exec.kernels.argmax);
+        b.arg(&self.next_ptr).arg(&self.logits.ptr).arg(&n);
+        // SAFETY: logits holds V floats, next one int.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("argmax"))
+    }
+
     /// The kernels of one decode step (token in tokens[0], position in pos[0]).
     fn decode_kernels(&self) -> Result<(), Gpt2Error> {
         let cfg = self.exec.config;
@@ -544,7 +568,8 @@ impl CudaSession {
             self.matvec(self.fc.ptr, self.x.ptr, lw.fc_w.ptr, lw.fc_b.ptr, 4 * c, c, (lw.ln2_w.ptr, lw.ln2_b.ptr), EPI_GELU, none)?;
             self.matvec(self.x.ptr, self.fc.ptr, lw.fc_proj_w.ptr, lw.fc_proj_b.ptr, c, 4 * c, none, EPI_RESIDUAL, none)?;
         }
-        self.matvec(self.logits.ptr, self.x.ptr, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, (0, 0))
+        self.matvec(self.logits.ptr, self.x.ptr, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, (0, 0))?;
+        self.argmax_kernel()
     }
 
     /// One decode step through the captured graph (captured on first use).
@@ -606,7 +631,8 @@ impl CudaSession {
             self.matmul(all, self.h.ptr, w.wte.ptr, 0, n, cfg.vocab_size, c, EPI_STORE, start, none, cfg.vocab_size)?;
         }
         let last = self.x.ptr + ((n - 1) * c * 4) as u64;
-        self.matvec(self.logits.ptr, last, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, none)
+        self.matvec(self.logits.ptr, last, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, none)?;
+        self.argmax_kernel()
     }
 
     /// Wait for the session's stream (for timing).
@@ -644,7 +670,7 @@ impl Session for CudaSession {
         self.len = self.len.min(len);
     }
 
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<Vec<f32>, Gpt2Error> {
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
         let vocab = self.exec.config.vocab_size;
         if tokens.is_empty() {
             return Err(Gpt2Error::EmptySequence);
@@ -658,16 +684,41 @@ impl Session for CudaSession {
         } else {
             self.prefill(tokens, all_positions)?;
         }
+        self.all_rows = if all_positions { tokens.len() } else { 0 };
         self.len += tokens.len();
+        Ok(())
+    }
+
+    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        let vocab = self.exec.config.vocab_size;
+        self.read(vocab, false)
+    }
+
+    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        let count = self.all_rows * self.exec.config.vocab_size;
+        self.read(count, true)
+    }
+
+    fn argmax(&mut self) -> Result<u32, Gpt2Error> {
+        let err = device_err("reading the argmax");
+        let mut out = [0i32; 1];
+        self.stream.memcpy_dtoh(&self.next, &mut out).map_err(&err)?;
+        self.stream.synchronize().map_err(&err)?;
+        Ok(out[0] as u32)
+    }
+}
+
+impl CudaSession {
+    /// Copy `count` logits back (from the all-position buffer when `all`) and wait for them.
+    fn read(&self, count: usize, all: bool) -> Result<Vec<f32>, Gpt2Error> {
         let err = device_err("reading logits");
-        let (src, count) = match (&self.all_logits, all_positions) {
-            (Some(all), true) => (&all.slice, tokens.len() * vocab),
-            _ => (&self.logits.slice, vocab),
+        let src = match (&self.all_logits, all) {
+            (Some(buf), true) => &buf.slice,
+            (None, true) => return Ok(Vec::new()),
+            _ => &self.logits.slice,
         };
         let mut out = vec![0.0f32; count];
-        self.stream
-            .memcpy_dtoh(&src.slice(0..count), &mut out)
-            .map_err(&err)?;
+        self.stream.memcpy_dtoh(&src.slice(0..count), &mut out).map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         Ok(out)
     }

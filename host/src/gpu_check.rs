@@ -43,15 +43,7 @@ fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+use crate::backend::argmax;
 
 /// Compare GPU (`dtype`) and CPU on `prompt` then `steps` greedy steps. The CPU is fed the
 /// GPU's chosen tokens so both see the same sequence; `greedy_agree` counts how long the
@@ -69,8 +61,11 @@ pub fn compare(
     let gpu = executor_for((*weights).clone(), Device::Cuda, dtype, usize::MAX)?;
     let mut cpu_s = cpu.new_session()?;
     let mut gpu_s = gpu.new_session()?;
-    let mut cpu_logits = cpu_s.extend(prompt, false)?;
-    let mut gpu_logits = gpu_s.extend(prompt, false)?;
+    cpu_s.extend(prompt, false)?;
+    gpu_s.extend(prompt, false)?;
+    let mut cpu_logits = cpu_s.last_logits()?;
+    let mut gpu_logits = gpu_s.last_logits()?;
+    let (mut argmax_disagree, mut all_error) = (0usize, 0.0f32);
     let prefill_error = scaled_error(&gpu_logits, &cpu_logits);
     let (mut decode_error, mut mismatches, mut agree, mut diverged) = (0.0f32, 0, 0, false);
     for _ in 0..steps {
@@ -82,10 +77,24 @@ pub fn compare(
         if !diverged {
             agree += 1;
         }
-        cpu_logits = cpu_s.extend(&[next], false)?;
-        gpu_logits = gpu_s.extend(&[next], false)?;
+        cpu_s.extend(&[next], false)?;
+        gpu_s.extend(&[next], false)?;
+        // the GPU argmax kernel must agree with the logits it came from
+        let gpu_next = gpu_s.argmax()?;
+        cpu_logits = cpu_s.last_logits()?;
+        gpu_logits = gpu_s.last_logits()?;
+        argmax_disagree += usize::from(gpu_next != argmax(&gpu_logits));
         decode_error = decode_error.max(scaled_error(&gpu_logits, &cpu_logits));
     }
+    // The all-positions output (scoring) over the whole sequence: one prefill on each side.
+    let mut sequence = prompt.to_vec();
+    sequence.truncate(sequence.len().min(64));
+    gpu_s.truncate(0);
+    cpu_s.truncate(0);
+    gpu_s.extend(&sequence, true)?;
+    cpu_s.extend(&sequence, true)?;
+    all_error = all_error.max(scaled_error(&gpu_s.all_logits()?, &cpu_s.all_logits()?));
+    let decode_error = decode_error.max(all_error);
     Ok(CheckReport {
         model: name.to_owned(),
         dtype: format!("{dtype:?}").to_lowercase(),
@@ -96,7 +105,7 @@ pub fn compare(
         greedy_agree: agree,
         argmax_mismatches: mismatches,
         tolerance,
-        passed: prefill_error <= tolerance && decode_error <= tolerance,
+        passed: prefill_error <= tolerance && decode_error <= tolerance && argmax_disagree == 0,
     })
 }
 

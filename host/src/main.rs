@@ -259,12 +259,13 @@ fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
     let mut next = 50u32;
     for _ in 0..3 {
         session.extend(&[next], false)?;
+        session.last_logits()?;
     }
     let times: Vec<f64> = (0..steps)
         .map(|i| {
             next = (next + 101 * i as u32) % config.vocab_size as u32;
             let t = Instant::now();
-            let r = session.extend(&[next], false);
+            let r = session.extend(&[next], false).and_then(|_| session.last_logits());
             std::hint::black_box(&r);
             t.elapsed().as_secs_f64() * 1e3
         })
@@ -320,12 +321,28 @@ fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill
         let t = Instant::now();
         for j in 0..5 {
             session.extend(&[((i * 5 + j) * 577 % config.vocab_size) as u32], false)?;
+            session.last_logits()?;
         }
         if i >= 2 {
             samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
         }
     }
     let step_ms = median(samples);
+    // greedy: only the argmax comes back
+    session.truncate(context);
+    let mut samples = Vec::new();
+    let mut next = 11u32;
+    for i in 0..steps + 2 {
+        let t = Instant::now();
+        for _ in 0..5 {
+            session.extend(&[next], false)?;
+            next = session.argmax()?;
+        }
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let greedy_ms = median(samples);
     let mut prefill_ms = None;
     if let Some(n) = prefill {
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % config.vocab_size as u32).collect();
@@ -335,6 +352,7 @@ fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill
             session.synchronize()?;
             let t = Instant::now();
             session.extend(&ids, false)?;
+            session.argmax()?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
         }
         prefill_ms = Some(median(times[2..].to_vec()));
@@ -342,7 +360,7 @@ fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill
     let line = serde_json::json!({
         "model": spec, "device": "cuda", "gpu": executor.gpu_name(), "dtype": format!("{dtype:?}").to_lowercase(),
         "params": config.num_params(), "weight_MB": wasi_nn_host::cuda::weight_bytes(&config, dtype) as f64 / 1e6,
-        "context": context, "graph_ms_per_token": graph_ms, "backend_ms_per_token": step_ms,
+        "context": context, "graph_ms_per_token": graph_ms, "backend_ms_per_token": step_ms, "backend_greedy_ms_per_token": greedy_ms,
         "prefill_tokens": prefill, "prefill_ms": prefill_ms,
     });
     println!("{line}");
