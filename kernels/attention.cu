@@ -7,15 +7,32 @@
 // Prefill: one block per (head, query row), scores in shared memory.
 #include "common.cuh"
 
-#define ATT_CHUNK 64
+#define ATT_CHUNK 32
+#define ATT_THREADS 128
 #define MAX_HD 128
 
+// Score of one cached position against q (in shared memory): the `parts` threads of a
+// position each take hd/parts dimensions, all loads issued before the sums.
+__device__ __forceinline__ float partial_dot(const float* kr, const float* qs, int hd, int part, int parts) {
+    float acc = 0.0f;
+    int span = hd / parts;
+#pragma unroll 8
+    for (int d = part * span; d < (part + 1) * span; d += 4) {
+        float4 kv = *reinterpret_cast<const float4*>(kr + d);
+        acc += kv.x * qs[d] + kv.y * qs[d + 1] + kv.z * qs[d + 2] + kv.w * qs[d + 3];
+    }
+    return acc;
+}
+
 // partial layout per (h, chunk): [max, sum, out[hd]]
-extern "C" __global__ void attention_decode_partial(float* partial, const float* q, const float* k_cache,
-                                                    const float* v_cache, const int* pos_ptr, int c, int hd,
-                                                    int max_chunks) {
+// Block (h, chunk) of ATT_THREADS threads: 4 threads per position score ATT_CHUNK positions;
+// then threads split over (dimension, quarter of the positions) for the weighted values.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_decode_partial(float* partial, const float* q, const float* k_cache, const float* v_cache,
+                             const int* pos_ptr, int c, int hd, int max_chunks) {
     __shared__ float qs[MAX_HD];
     __shared__ float p[ATT_CHUNK];
+    __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
     int h = blockIdx.x, chunk = blockIdx.y;
     int len = *pos_ptr + 1;
@@ -29,71 +46,85 @@ extern "C" __global__ void attention_decode_partial(float* partial, const float*
     float scale = rsqrtf((float)hd);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[h * hd + d];
     __syncthreads();
-    // one thread per position
-    float s = -INFINITY;
-    if (threadIdx.x < count) {
-        const float* kr = k_cache + (size_t)(first + threadIdx.x) * c + h * hd;
-        float acc = 0.0f;
-        for (int d = 0; d < hd; d += 4) {
-            float4 kv = *reinterpret_cast<const float4*>(kr + d);
-            acc += kv.x * qs[d] + kv.y * qs[d + 1] + kv.z * qs[d + 2] + kv.w * qs[d + 3];
-        }
-        s = acc * scale;
-    }
+    int j = threadIdx.x >> 2, quarter = threadIdx.x & 3;
+    float s = 0.0f;
+    if (j < count) s = partial_dot(k_cache + (size_t)(first + j) * c + h * hd, qs, hd, quarter, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s = j < count ? s * scale : -INFINITY;
     float m = block_max(s, scratch);
-    float e = threadIdx.x < count ? __expf(s - m) : 0.0f;
-    if (threadIdx.x < ATT_CHUNK) p[threadIdx.x] = e;
-    float sum = block_sum(e, scratch);
+    float e = j < count ? __expf(s - m) : 0.0f;
+    if (quarter == 0 && j < ATT_CHUNK) p[j] = e;
+    float sum = block_sum(quarter == 0 ? e : 0.0f, scratch);
     __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    // weighted values: thread (d, g) sums positions g, g+4, ...
+    for (int idx = threadIdx.x; idx < 4 * hd; idx += blockDim.x) {
+        int d = idx % hd, g = idx / hd;
         float acc = 0.0f;
-        for (int j = 0; j < count; j++) acc += p[j] * v_cache[(size_t)(first + j) * c + h * hd + d];
-        part[2 + d] = acc;
+#pragma unroll 8
+        for (int jj = g; jj < count; jj += 4) acc += p[jj] * v_cache[(size_t)(first + jj) * c + h * hd + d];
+        acc_s[g][d] = acc;
     }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        part[2 + d] = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
     if (threadIdx.x == 0) { part[0] = m; part[1] = sum; }
 }
 
-extern "C" __global__ void attention_decode_combine(float* out, const float* partial, const int* pos_ptr, int hd,
-                                                    int max_chunks) {
+// One block per head: rescale each chunk by exp(m_chunk - M) and normalise.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_decode_combine(float* out, const float* partial, const int* pos_ptr, int hd, int max_chunks) {
+    extern __shared__ float weights[];  // [max_chunks]
+    __shared__ float scratch[32];
     int h = blockIdx.x;
     int chunks = (*pos_ptr + 1 + ATT_CHUNK - 1) / ATT_CHUNK;
     const float* base = partial + (size_t)h * max_chunks * (hd + 2);
     float m = -INFINITY;
-    for (int i = 0; i < chunks; i++) m = fmaxf(m, base[(size_t)i * (hd + 2)]);
+    for (int i = threadIdx.x; i < chunks; i += blockDim.x) m = fmaxf(m, base[(size_t)i * (hd + 2)]);
+    m = block_max(m, scratch);
     float denom = 0.0f;
-    for (int i = 0; i < chunks; i++) denom += base[(size_t)i * (hd + 2) + 1] * __expf(base[(size_t)i * (hd + 2)] - m);
+    for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
+        float w = __expf(base[(size_t)i * (hd + 2)] - m);
+        weights[i] = w;
+        denom += w * base[(size_t)i * (hd + 2) + 1];
+    }
+    denom = block_sum(denom, scratch);
+    __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int i = 0; i < chunks; i++) {
-            const float* part = base + (size_t)i * (hd + 2);
-            acc += part[2 + d] * __expf(part[0] - m);
-        }
+#pragma unroll 8
+        for (int i = 0; i < chunks; i++) acc += base[(size_t)i * (hd + 2) + 2 + d] * weights[i];
         out[h * hd + d] = acc / denom;
     }
 }
 
 // Prefill: q rows in qkv [rows, 3C] (q = first C columns), row t at position start + t.
-// Grid (n_head, rows); dynamic shared memory holds start + rows scores.
-extern "C" __global__ void attention_prefill(float* out, const float* qkv, const float* k_cache,
-                                             const float* v_cache, int start, int c, int hd) {
+// Grid (n_head, rows), ATT_THREADS threads; dynamic shared memory holds start + rows scores.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_prefill(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start, int c,
+                      int hd) {
     extern __shared__ float scores[];
     __shared__ float qs[MAX_HD];
+    __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
     int h = blockIdx.x, t = blockIdx.y;
     int len = start + t + 1;
     float scale = rsqrtf((float)hd);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qkv[(size_t)t * 3 * c + h * hd + d];
     __syncthreads();
+    // 4 threads per position, blockDim/4 positions per round
     float m = -INFINITY;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float* kr = k_cache + (size_t)j * c + h * hd;
-        float acc = 0.0f;
-        for (int d = 0; d < hd; d += 4) {
-            float4 kv = *reinterpret_cast<const float4*>(kr + d);
-            acc += kv.x * qs[d] + kv.y * qs[d + 1] + kv.z * qs[d + 2] + kv.w * qs[d + 3];
+    int quarter = threadIdx.x & 3;
+    for (int j0 = 0; j0 < len; j0 += blockDim.x / 4) {
+        int j = j0 + (threadIdx.x >> 2);
+        float s = 0.0f;
+        if (j < len) s = partial_dot(k_cache + (size_t)j * c + h * hd, qs, hd, quarter, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (j < len) {
+            if (quarter == 0) scores[j] = s * scale;
+            m = fmaxf(m, s * scale);
         }
-        scores[j] = acc * scale;
-        m = fmaxf(m, acc * scale);
     }
     m = block_max(m, scratch);
     float sum = 0.0f;
@@ -104,9 +135,14 @@ extern "C" __global__ void attention_prefill(float* out, const float* qkv, const
     }
     sum = block_sum(sum, scratch);
     __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    for (int idx = threadIdx.x; idx < 4 * hd; idx += blockDim.x) {
+        int d = idx % hd, g = idx / hd;
         float acc = 0.0f;
-        for (int j = 0; j < len; j++) acc += scores[j] * v_cache[(size_t)j * c + h * hd + d];
-        out[(size_t)t * c + h * hd + d] = acc / sum;
+#pragma unroll 8
+        for (int j = g; j < len; j += 4) acc += scores[j] * v_cache[(size_t)j * c + h * hd + d];
+        acc_s[g][d] = acc;
     }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        out[(size_t)t * c + h * hd + d] = (acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d]) / sum;
 }

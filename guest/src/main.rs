@@ -200,7 +200,9 @@ impl<'g> Model<'g> {
     fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, Error> {
         if self.has_argmax {
             self.set_tokens(tokens)?;
-            self.context.compute().map_err(|e| format!("compute: {e}"))?;
+            self.context
+                .compute()
+                .map_err(|e| format!("compute: {e}"))?;
             let mut next = [0i32; 1];
             match self.context.get_output(2, &mut next) {
                 Ok(4) if next[0] >= 0 => return Ok(next[0] as u32),

@@ -73,8 +73,9 @@ impl Sampler {
     }
 }
 
-/// The tokens that may be drawn with their unnormalised weights, most likely first
-/// (ties by lower id), after temperature, top-k and top-p.
+/// The tokens that may be drawn with their unnormalised weights, after temperature, top-k
+/// and top-p. Small sets come most likely first (ties by lower id); large nuclei come in the
+/// (deterministic) order the selection left them.
 pub fn candidates(logits: &[f32], top_k: usize, top_p: f32, temperature: f32) -> Vec<(usize, f64)> {
     let inv_t = 1.0 / temperature as f64;
     let max = logits[argmax(logits)] as f64;
@@ -86,71 +87,62 @@ pub fn candidates(logits: &[f32], top_k: usize, top_p: f32, temperature: f32) ->
             ((l as f64 - max) * inv_t).exp()
         }
     };
-    let k = if top_k == 0 {
-        logits.len()
-    } else {
-        top_k.min(logits.len())
-    };
-    let by_likelihood =
-        |a: &(usize, f64), b: &(usize, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    if top_p >= 1.0 {
-        if k == logits.len() {
-            // Plain temperature sampling: every token, in id order (no sort needed).
-            return logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i, weight(l)))
-                .collect();
-        }
-        let mut all: Vec<(usize, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i, weight(l)))
-            .collect();
-        all.select_nth_unstable_by(k - 1, by_likelihood);
-        all.truncate(k);
-        all.sort_unstable_by(by_likelihood);
-        return all;
-    }
-    // top-p: the nucleus is found among the `window` most likely tokens, doubling the window
-    // until it reaches the probability mass (or covers the top-k set).
-    let all: Vec<(usize, f64)> = logits
+    let mut all: Vec<(usize, f64)> = logits
         .iter()
         .enumerate()
         .map(|(i, &l)| (i, weight(l)))
         .collect();
-    let mut window = 64.min(k);
-    loop {
-        let mut top = all.clone();
-        if window < top.len() {
-            top.select_nth_unstable_by(window - 1, by_likelihood);
-            top.truncate(window);
-        }
-        top.sort_unstable_by(by_likelihood);
-        // Mass is relative to the top-k set, as HF applies top-p after top-k.
-        let total: f64 = if k == all.len() {
-            all.iter().map(|c| c.1).sum()
-        } else if window == k {
-            top.iter().map(|c| c.1).sum()
-        } else {
-            let mut kset = all.clone();
-            kset.select_nth_unstable_by(k - 1, by_likelihood);
-            kset[..k].iter().map(|c| c.1).sum()
-        };
-        let mut cumulative = 0.0;
-        for (n, c) in top.iter().enumerate() {
-            cumulative += c.1;
-            // HF keeps a token while the mass before it is below top_p.
-            if cumulative / total >= top_p as f64 {
-                top.truncate(n + 1);
-                return top;
-            }
-        }
-        if window == k {
-            return top;
-        }
-        window = (window * 2).min(k);
+    let k = if top_k == 0 {
+        all.len()
+    } else {
+        top_k.min(all.len())
+    };
+    if k < all.len() {
+        all.select_nth_unstable_by(k - 1, by_likelihood);
+        all.truncate(k);
     }
+    if top_p < 1.0 {
+        // Mass is relative to the top-k set, as HF applies top-p after top-k.
+        let total: f64 = all.iter().map(|c| c.1).sum();
+        let kept = nucleus(&mut all, top_p as f64 * total);
+        all.truncate(kept);
+    }
+    if all.len() <= 4096 {
+        all.sort_unstable_by(by_likelihood);
+    }
+    all
+}
+
+/// Most likely first; ties by lower id: a strict total order.
+fn by_likelihood(a: &(usize, f64), b: &(usize, f64)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Reorder `items` so the smallest most-likely prefix whose mass reaches `target` comes first
+/// and return its length (HF keeps a token while the mass before it is below top_p).
+/// Repeated median selection: linear time, no full sort.
+fn nucleus(items: &mut [(usize, f64)], target: f64) -> usize {
+    let (mut lo, mut hi, mut mass_before) = (0usize, items.len(), 0.0f64);
+    while hi - lo > 32 {
+        let mid = lo + (hi - lo) / 2;
+        items[lo..hi].select_nth_unstable_by(mid - lo, by_likelihood);
+        let upper: f64 = items[lo..mid].iter().map(|c| c.1).sum();
+        if mass_before + upper >= target {
+            hi = mid; // the boundary lies among the more likely half
+        } else {
+            mass_before += upper;
+            lo = mid;
+        }
+    }
+    items[lo..hi].sort_unstable_by(by_likelihood);
+    let mut cumulative = mass_before;
+    for (i, c) in items[lo..hi].iter().enumerate() {
+        cumulative += c.1;
+        if cumulative >= target {
+            return lo + i + 1;
+        }
+    }
+    hi
 }
 
 /// Draw from weighted candidates with `uniform` in [0, 1).

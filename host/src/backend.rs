@@ -173,7 +173,9 @@ impl Session for CpuSession {
     }
     fn argmax(&mut self) -> Result<u32, Gpt2Error> {
         let vocab = self.model.weights().config.vocab_size;
-        Ok(argmax(&self.logits[self.logits.len().saturating_sub(vocab)..]))
+        Ok(argmax(
+            &self.logits[self.logits.len().saturating_sub(vocab)..],
+        ))
     }
 }
 
@@ -186,7 +188,11 @@ pub fn executor_for(
 ) -> Result<Arc<dyn Executor>, Gpt2Error> {
     match device {
         Device::Cpu => Ok(Arc::new(CpuExecutor::new(Arc::new(weights)))),
-        Device::Cuda => Ok(Arc::new(crate::cuda::CudaExecutor::new(&weights, dtype, max_kv_bytes)?)),
+        Device::Cuda => Ok(Arc::new(crate::cuda::CudaExecutor::new(
+            &weights,
+            dtype,
+            max_kv_bytes,
+        )?)),
     }
 }
 
@@ -444,7 +450,11 @@ impl Gpt2Context {
     pub fn output_tensor(&mut self, index: u32) -> Result<Tensor, Gpt2Error> {
         let vocab = self.config.vocab_size as u32;
         let f32_tensor = |dims: Vec<u32>, values: &[f32]| {
-            Tensor::new(dims, TensorType::Fp32, values.iter().flat_map(|v| v.to_le_bytes()).collect())
+            Tensor::new(
+                dims,
+                TensorType::Fp32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
         };
         match index {
             0 => Ok(f32_tensor(vec![1, vocab], self.last_logits()?)),
@@ -461,14 +471,21 @@ impl Gpt2Context {
                     self.range_logits = Some(all[skip * vocab as usize..].to_vec());
                 }
                 let values = self.range_logits.as_deref().unwrap_or_default();
-                Ok(f32_tensor(vec![1, values.len() as u32 / vocab, vocab], values))
+                Ok(f32_tensor(
+                    vec![1, values.len() as u32 / vocab, vocab],
+                    values,
+                ))
             }
             2 => {
                 if !self.computed {
                     return Err(Gpt2Error::NotComputed(2));
                 }
                 let id = self.session.argmax()? as i32;
-                Ok(Tensor::new(vec![1], TensorType::I32, id.to_le_bytes().to_vec()))
+                Ok(Tensor::new(
+                    vec![1],
+                    TensorType::I32,
+                    id.to_le_bytes().to_vec(),
+                ))
             }
             _ => Err(Gpt2Error::NoSuchOutput(index.to_string())),
         }

@@ -19,7 +19,8 @@ use crate::backend::{Executor, Gpt2Error, Session};
 use crate::model::{Gpt2Config, Gpt2Weights};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -40,7 +41,9 @@ const KERNEL_SOURCES: [(&str, &str); 5] = [
 ];
 
 /// Positions per block in decode attention (ATT_CHUNK in attention.cu).
-const ATT_CHUNK: usize = 64;
+const ATT_CHUNK: usize = 32;
+/// Threads per attention block (ATT_THREADS in attention.cu).
+const ATT_THREADS: u32 = 128;
 /// Epilogue modes (enum Epilogue in common.cuh).
 const EPI_STORE: i32 = 0;
 const EPI_GELU: i32 = 1;
@@ -82,9 +85,13 @@ pub fn compile_kernels(arch: &str) -> Result<String, Gpt2Error> {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
         ..Default::default()
     };
-    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts))
-        .map_err(|_| Gpt2Error::Device("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH".into()))?;
-    let ptx = compiled.map_err(|e| Gpt2Error::Device(format!("NVRTC failed to compile the kernels: {e:?}")))?;
+    let compiled =
+        std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts))
+            .map_err(|_| {
+                Gpt2Error::Device("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH".into())
+            })?;
+    let ptx = compiled
+        .map_err(|e| Gpt2Error::Device(format!("NVRTC failed to compile the kernels: {e:?}")))?;
     Ok(ptx.to_src())
 }
 
@@ -140,7 +147,9 @@ impl Gpu {
     pub fn get() -> Result<Arc<Gpu>, Gpt2Error> {
         static GPU: OnceLock<Mutex<Option<Arc<Gpu>>>> = OnceLock::new();
         let slot = GPU.get_or_init(|| Mutex::new(None));
-        let mut slot = slot.lock().map_err(|_| Gpt2Error::Device("GPU state poisoned".into()))?;
+        let mut slot = slot
+            .lock()
+            .map_err(|_| Gpt2Error::Device("GPU state poisoned".into()))?;
         if let Some(gpu) = slot.as_ref() {
             return Ok(gpu.clone());
         }
@@ -152,13 +161,17 @@ impl Gpu {
     fn open() -> Result<Gpu, Gpt2Error> {
         // cudarc panics when libcuda cannot be loaded: turn that into an error.
         let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
-            .map_err(|_| Gpt2Error::Device("no CUDA driver (libcuda.so) found on this machine".into()))?
+            .map_err(|_| {
+                Gpt2Error::Device("no CUDA driver (libcuda.so) found on this machine".into())
+            })?
             .map_err(|e| Gpt2Error::Device(format!("no usable GPU: {e:?}")))?;
         // We order work on each session's stream ourselves; cudarc's per-buffer event
         // tracking would add events to every launch and to captured graphs.
         // SAFETY: called before any allocation or launch on this context.
         unsafe { ctx.disable_event_tracking() };
-        let (major, minor) = ctx.compute_capability().map_err(device_err("compute capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(device_err("compute capability"))?;
         let name = ctx.name().unwrap_or_default();
         let ptx = cached_ptx(&format!("compute_{major}{minor}"))?;
         let module = ctx
@@ -202,7 +215,11 @@ struct DevTensor {
 }
 
 impl DevTensor {
-    fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: GpuDtype) -> Result<Self, Gpt2Error> {
+    fn upload(
+        stream: &Arc<CudaStream>,
+        values: &[f32],
+        dtype: GpuDtype,
+    ) -> Result<Self, Gpt2Error> {
         let err = device_err("uploading weights");
         Ok(match dtype {
             GpuDtype::F32 => {
@@ -215,7 +232,10 @@ impl DevTensor {
                 }
             }
             GpuDtype::Bf16 => {
-                let bits: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect();
                 let slice = stream.clone_htod(&bits).map_err(&err)?;
                 let ptr = slice.device_ptr(stream).0;
                 DevTensor {
@@ -264,11 +284,18 @@ pub struct CudaExecutor(Arc<ExecutorInner>);
 
 impl CudaExecutor {
     /// Upload `weights` (converted to `dtype`) to the GPU. `max_kv_bytes` caps each session's KV cache.
-    pub fn new(weights: &Gpt2Weights, dtype: GpuDtype, max_kv_bytes: usize) -> Result<Self, Gpt2Error> {
+    pub fn new(
+        weights: &Gpt2Weights,
+        dtype: GpuDtype,
+        max_kv_bytes: usize,
+    ) -> Result<Self, Gpt2Error> {
         let config = weights.config;
-        if !config.n_embd.is_multiple_of(8) || config.head_dim() % 4 != 0 || config.head_dim() > 128 {
+        if !config.n_embd.is_multiple_of(8)
+            || config.head_dim() % 16 != 0
+            || config.head_dim() > 128
+        {
             return Err(Gpt2Error::Device(format!(
-                "the CUDA kernels need n_embd % 8 == 0 and head_dim % 4 == 0, <= 128 (got {config:?})"
+                "the CUDA kernels need n_embd % 8 == 0 and head_dim % 16 == 0, <= 128 (got {config:?})"
             )));
         }
         let gpu = Gpu::get()?;
@@ -302,7 +329,9 @@ impl CudaExecutor {
             lnf_w: up(&weights.lnf_w)?,
             lnf_b: up(&weights.lnf_b)?,
         };
-        stream.synchronize().map_err(device_err("uploading weights"))?;
+        stream
+            .synchronize()
+            .map_err(device_err("uploading weights"))?;
         Ok(Self(Arc::new(ExecutorInner {
             gpu,
             config,
@@ -339,7 +368,9 @@ struct Buf {
 
 impl Buf {
     fn new(stream: &Arc<CudaStream>, len: usize, what: &str) -> Result<Self, Gpt2Error> {
-        let slice = stream.alloc_zeros::<f32>(len.max(1)).map_err(device_err(what))?;
+        let slice = stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(device_err(what))?;
         let ptr = slice.device_ptr(stream).0;
         Ok(Buf { slice, ptr })
     }
@@ -391,12 +422,22 @@ impl CudaSession {
                 exec.max_kv_bytes
             )));
         }
-        let stream = exec.gpu.ctx.new_stream().map_err(device_err("creating a stream"))?;
+        let stream = exec
+            .gpu
+            .ctx
+            .new_stream()
+            .map_err(device_err("creating a stream"))?;
         let max_chunks = capacity.div_ceil(ATT_CHUNK);
         let kv = cfg.n_layer * capacity * c;
-        let tokens = stream.alloc_zeros::<i32>(capacity).map_err(device_err("token buffer"))?;
-        let pos = stream.alloc_zeros::<i32>(1).map_err(device_err("position buffer"))?;
-        let next = stream.alloc_zeros::<i32>(1).map_err(device_err("argmax buffer"))?;
+        let tokens = stream
+            .alloc_zeros::<i32>(capacity)
+            .map_err(device_err("token buffer"))?;
+        let pos = stream
+            .alloc_zeros::<i32>(1)
+            .map_err(device_err("position buffer"))?;
+        let next = stream
+            .alloc_zeros::<i32>(1)
+            .map_err(device_err("argmax buffer"))?;
         let tokens_ptr = tokens.device_ptr(&stream).0;
         let pos_ptr = pos.device_ptr(&stream).0;
         let next_ptr = next.device_ptr(&stream).0;
@@ -407,7 +448,11 @@ impl CudaSession {
             h: Buf::new(&stream, capacity * c, "activations")?,
             qkv: Buf::new(&stream, capacity * 3 * c, "activations")?,
             fc: Buf::new(&stream, capacity * 4 * c, "activations")?,
-            partial: Buf::new(&stream, cfg.n_head * max_chunks * (cfg.head_dim() + 2), "attention scratch")?,
+            partial: Buf::new(
+                &stream,
+                cfg.n_head * max_chunks * (cfg.head_dim() + 2),
+                "attention scratch",
+            )?,
             logits: Buf::new(&stream, cfg.vocab_size, "logits")?,
             all_logits: None,
             tokens,
@@ -453,11 +498,20 @@ impl CudaSession {
         let (n, k, c) = (n as i32, k as i32, self.exec.config.n_embd as i32);
         let pos = if mode == EPI_QKV { self.pos_ptr } else { 0u64 };
         let mut b = self.stream.launch_builder(&self.exec.kernels.matvec);
-        b.arg(&out).arg(&x).arg(&w).arg(&bias).arg(&n).arg(&k).arg(&ln.0).arg(&ln.1);
+        b.arg(&out)
+            .arg(&x)
+            .arg(&w)
+            .arg(&bias)
+            .arg(&n)
+            .arg(&k)
+            .arg(&ln.0)
+            .arg(&ln.1);
         b.arg(&mode).arg(&c).arg(&pos).arg(&kv.0).arg(&kv.1);
         // SAFETY: pointers address live buffers of at least the sizes the kernel touches:
         // x has k floats, w has n*k weights, out has n floats (or the QKV scatter targets).
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("matvec"))
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(device_err("matvec"))
     }
 
     /// Y = X W^T (+ epilogue) for `rows` rows at positions start..start+rows.
@@ -482,13 +536,26 @@ impl CudaSession {
             shared_mem_bytes: 0,
         };
         let (rows, n, k) = (rows as i32, n as i32, k as i32);
-        let (c, start, stride) = (self.exec.config.n_embd as i32, start as i32, out_stride as i32);
+        let (c, start, stride) = (
+            self.exec.config.n_embd as i32,
+            start as i32,
+            out_stride as i32,
+        );
         let mut b = self.stream.launch_builder(&self.exec.kernels.matmul);
-        b.arg(&out).arg(&x).arg(&w).arg(&bias).arg(&rows).arg(&n).arg(&k).arg(&mode);
+        b.arg(&out)
+            .arg(&x)
+            .arg(&w)
+            .arg(&bias)
+            .arg(&rows)
+            .arg(&n)
+            .arg(&k)
+            .arg(&mode);
         b.arg(&c).arg(&start).arg(&kv.0).arg(&kv.1).arg(&stride);
         // SAFETY: x has rows*k floats, w n*k weights, out rows*out_stride floats (or the QKV
         // targets, with start+rows <= capacity checked by the caller).
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("matmul"))
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(device_err("matmul"))
     }
 
     fn layernorm(&self, out: u64, x: u64, w: u64, b: u64, rows: usize) -> Result<(), Gpt2Error> {
@@ -501,7 +568,9 @@ impl CudaSession {
         let mut builder = self.stream.launch_builder(&self.exec.kernels.layernorm);
         builder.arg(&out).arg(&x).arg(&w).arg(&b).arg(&c);
         // SAFETY: out and x hold rows*C floats; w and b hold C weights.
-        unsafe { builder.launch(cfg) }.map(|_| ()).map_err(device_err("layernorm"))
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(device_err("layernorm"))
     }
 
     fn embed(&self, rows: usize, start: i32) -> Result<(), Gpt2Error> {
@@ -513,10 +582,16 @@ impl CudaSession {
         };
         let c = self.exec.config.n_embd as i32;
         let mut b = self.stream.launch_builder(&self.exec.kernels.embed);
-        b.arg(&self.x.ptr).arg(&self.tokens_ptr).arg(&w.wte.ptr).arg(&w.wpe.ptr).arg(&c);
+        b.arg(&self.x.ptr)
+            .arg(&self.tokens_ptr)
+            .arg(&w.wte.ptr)
+            .arg(&w.wpe.ptr)
+            .arg(&c);
         b.arg(&start).arg(&self.pos_ptr);
         // SAFETY: token ids were checked < vocab and positions < n_ctx before upload.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("embed"))
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(device_err("embed"))
     }
 
     fn argmax_kernel(&self) -> Result<(), Gpt2Error> {
@@ -529,7 +604,9 @@ impl CudaSession {
         let mut b = self.stream.launch_builder(&self.exec.kernels.argmax);
         b.arg(&self.next_ptr).arg(&self.logits.ptr).arg(&n);
         // SAFETY: logits holds V floats, next one int.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(device_err("argmax"))
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(device_err("argmax"))
     }
 
     /// The kernels of one decode step (token in tokens[0], position in pos[0]).
@@ -538,45 +615,121 @@ impl CudaSession {
         let w = &self.exec.weights;
         let c = cfg.n_embd;
         let hd = cfg.head_dim();
+        // Profiling aid: WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head leaves kernels out of the
+        // captured step (the numbers are then wrong; only the timing means something).
+        let skip = std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default();
+        let skip = |part: &str| skip.split(',').any(|s| s == part);
         self.embed(1, -1)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
             let none = (0, 0);
-            self.matvec(self.qkv.ptr, self.x.ptr, lw.qkv_w.ptr, lw.qkv_b.ptr, 3 * c, c, (lw.ln1_w.ptr, lw.ln1_b.ptr), EPI_QKV, kv)?;
-            let (c32, hd32, chunks) = (c as i32, hd as i32, self.max_chunks as i32);
-            let mut b = self.stream.launch_builder(&self.exec.kernels.att_partial);
-            b.arg(&self.partial.ptr).arg(&self.qkv.ptr).arg(&kv.0).arg(&kv.1).arg(&self.pos_ptr);
-            b.arg(&c32).arg(&hd32).arg(&chunks);
-            let grid = LaunchConfig {
-                grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
-                block_dim: (ATT_CHUNK as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the position is < capacity (checked before the step); the partial
-            // buffer holds n_head * max_chunks * (hd + 2) floats.
-            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
-            let mut b = self.stream.launch_builder(&self.exec.kernels.att_combine);
-            b.arg(&self.h.ptr).arg(&self.partial.ptr).arg(&self.pos_ptr).arg(&hd32).arg(&chunks);
-            let grid = LaunchConfig {
-                grid_dim: (cfg.n_head as u32, 1, 1),
-                block_dim: (64, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: as above; h holds C floats.
-            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
-            self.matvec(self.x.ptr, self.h.ptr, lw.proj_w.ptr, lw.proj_b.ptr, c, c, none, EPI_RESIDUAL, none)?;
-            self.matvec(self.fc.ptr, self.x.ptr, lw.fc_w.ptr, lw.fc_b.ptr, 4 * c, c, (lw.ln2_w.ptr, lw.ln2_b.ptr), EPI_GELU, none)?;
-            self.matvec(self.x.ptr, self.fc.ptr, lw.fc_proj_w.ptr, lw.fc_proj_b.ptr, c, 4 * c, none, EPI_RESIDUAL, none)?;
+            if !skip("qkv") {
+                self.matvec(
+                    self.qkv.ptr,
+                    self.x.ptr,
+                    lw.qkv_w.ptr,
+                    lw.qkv_b.ptr,
+                    3 * c,
+                    c,
+                    (lw.ln1_w.ptr, lw.ln1_b.ptr),
+                    EPI_QKV,
+                    kv,
+                )?;
+            }
+            if !skip("attn") {
+                let (c32, hd32, chunks) = (c as i32, hd as i32, self.max_chunks as i32);
+                let mut b = self.stream.launch_builder(&self.exec.kernels.att_partial);
+                b.arg(&self.partial.ptr)
+                    .arg(&self.qkv.ptr)
+                    .arg(&kv.0)
+                    .arg(&kv.1)
+                    .arg(&self.pos_ptr);
+                b.arg(&c32).arg(&hd32).arg(&chunks);
+                let grid = LaunchConfig {
+                    grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
+                    block_dim: (ATT_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: the position is < capacity (checked before the step); the partial
+                // buffer holds n_head * max_chunks * (hd + 2) floats.
+                unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+                let mut b = self.stream.launch_builder(&self.exec.kernels.att_combine);
+                b.arg(&self.h.ptr)
+                    .arg(&self.partial.ptr)
+                    .arg(&self.pos_ptr)
+                    .arg(&hd32)
+                    .arg(&chunks);
+                let grid = LaunchConfig {
+                    grid_dim: (cfg.n_head as u32, 1, 1),
+                    block_dim: (ATT_THREADS, 1, 1),
+                    shared_mem_bytes: (self.max_chunks * 4) as u32,
+                };
+                // SAFETY: as above; h holds C floats.
+                unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+            }
+            if !skip("proj") {
+                self.matvec(
+                    self.x.ptr,
+                    self.h.ptr,
+                    lw.proj_w.ptr,
+                    lw.proj_b.ptr,
+                    c,
+                    c,
+                    none,
+                    EPI_RESIDUAL,
+                    none,
+                )?;
+            }
+            if !skip("mlp") {
+                self.matvec(
+                    self.fc.ptr,
+                    self.x.ptr,
+                    lw.fc_w.ptr,
+                    lw.fc_b.ptr,
+                    4 * c,
+                    c,
+                    (lw.ln2_w.ptr, lw.ln2_b.ptr),
+                    EPI_GELU,
+                    none,
+                )?;
+                self.matvec(
+                    self.x.ptr,
+                    self.fc.ptr,
+                    lw.fc_proj_w.ptr,
+                    lw.fc_proj_b.ptr,
+                    c,
+                    4 * c,
+                    none,
+                    EPI_RESIDUAL,
+                    none,
+                )?;
+            }
         }
-        self.matvec(self.logits.ptr, self.x.ptr, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, (0, 0))?;
+        if !skip("head") {
+            self.matvec(
+                self.logits.ptr,
+                self.x.ptr,
+                w.wte.ptr,
+                0,
+                cfg.vocab_size,
+                c,
+                (w.lnf_w.ptr, w.lnf_b.ptr),
+                EPI_STORE,
+                (0, 0),
+            )?;
+        }
         self.argmax_kernel()
     }
 
     /// One decode step through the captured graph (captured on first use).
     fn decode(&mut self, token: u32) -> Result<(), Gpt2Error> {
         let err = device_err("decode step");
-        self.stream.memcpy_htod(&[token as i32], &mut self.tokens).map_err(&err)?;
-        self.stream.memcpy_htod(&[self.len as i32], &mut self.pos).map_err(&err)?;
+        self.stream
+            .memcpy_htod(&[token as i32], &mut self.tokens)
+            .map_err(&err)?;
+        self.stream
+            .memcpy_htod(&[self.len as i32], &mut self.pos)
+            .map_err(&err)?;
         if self.graph.is_none() && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none() {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -598,40 +751,122 @@ impl CudaSession {
         let (c, n, start) = (cfg.n_embd, tokens.len(), self.len);
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let mut dst = self.tokens.slice_mut(0..n);
-        self.stream.memcpy_htod(&ids, &mut dst).map_err(device_err("prefill"))?;
+        self.stream
+            .memcpy_htod(&ids, &mut dst)
+            .map_err(device_err("prefill"))?;
         self.embed(n, start as i32)?;
         let w = &self.exec.weights;
         let none = (0, 0);
         for (l, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
             self.layernorm(self.h.ptr, self.x.ptr, lw.ln1_w.ptr, lw.ln1_b.ptr, n)?;
-            self.matmul(self.qkv.ptr, self.h.ptr, lw.qkv_w.ptr, lw.qkv_b.ptr, n, 3 * c, c, EPI_QKV, start, kv, 3 * c)?;
+            self.matmul(
+                self.qkv.ptr,
+                self.h.ptr,
+                lw.qkv_w.ptr,
+                lw.qkv_b.ptr,
+                n,
+                3 * c,
+                c,
+                EPI_QKV,
+                start,
+                kv,
+                3 * c,
+            )?;
             let (start32, c32, hd32) = (start as i32, c as i32, cfg.head_dim() as i32);
             let mut b = self.stream.launch_builder(&self.exec.kernels.att_prefill);
-            b.arg(&self.h.ptr).arg(&self.qkv.ptr).arg(&kv.0).arg(&kv.1).arg(&start32).arg(&c32).arg(&hd32);
+            b.arg(&self.h.ptr)
+                .arg(&self.qkv.ptr)
+                .arg(&kv.0)
+                .arg(&kv.1)
+                .arg(&start32)
+                .arg(&c32)
+                .arg(&hd32);
             let grid = LaunchConfig {
                 grid_dim: (cfg.n_head as u32, n as u32, 1),
-                block_dim: (128, 1, 1),
+                block_dim: (ATT_THREADS, 1, 1),
                 shared_mem_bytes: ((start + n) * 4) as u32,
             };
             // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
             // asked for; h holds n*C floats.
             unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
-            self.matmul(self.x.ptr, self.h.ptr, lw.proj_w.ptr, lw.proj_b.ptr, n, c, c, EPI_RESIDUAL, start, none, c)?;
+            self.matmul(
+                self.x.ptr,
+                self.h.ptr,
+                lw.proj_w.ptr,
+                lw.proj_b.ptr,
+                n,
+                c,
+                c,
+                EPI_RESIDUAL,
+                start,
+                none,
+                c,
+            )?;
             self.layernorm(self.h.ptr, self.x.ptr, lw.ln2_w.ptr, lw.ln2_b.ptr, n)?;
-            self.matmul(self.fc.ptr, self.h.ptr, lw.fc_w.ptr, lw.fc_b.ptr, n, 4 * c, c, EPI_GELU, start, none, 4 * c)?;
-            self.matmul(self.x.ptr, self.fc.ptr, lw.fc_proj_w.ptr, lw.fc_proj_b.ptr, n, c, 4 * c, EPI_RESIDUAL, start, none, c)?;
+            self.matmul(
+                self.fc.ptr,
+                self.h.ptr,
+                lw.fc_w.ptr,
+                lw.fc_b.ptr,
+                n,
+                4 * c,
+                c,
+                EPI_GELU,
+                start,
+                none,
+                4 * c,
+            )?;
+            self.matmul(
+                self.x.ptr,
+                self.fc.ptr,
+                lw.fc_proj_w.ptr,
+                lw.fc_proj_b.ptr,
+                n,
+                c,
+                4 * c,
+                EPI_RESIDUAL,
+                start,
+                none,
+                c,
+            )?;
         }
         if all_positions {
             if self.all_logits.is_none() {
-                self.all_logits = Some(Buf::new(&self.stream, self.capacity * cfg.vocab_size, "logits of every position")?);
+                self.all_logits = Some(Buf::new(
+                    &self.stream,
+                    self.capacity * cfg.vocab_size,
+                    "logits of every position",
+                )?);
             }
             let all = self.all_logits.as_ref().map_or(0, |b| b.ptr);
             self.layernorm(self.h.ptr, self.x.ptr, w.lnf_w.ptr, w.lnf_b.ptr, n)?;
-            self.matmul(all, self.h.ptr, w.wte.ptr, 0, n, cfg.vocab_size, c, EPI_STORE, start, none, cfg.vocab_size)?;
+            self.matmul(
+                all,
+                self.h.ptr,
+                w.wte.ptr,
+                0,
+                n,
+                cfg.vocab_size,
+                c,
+                EPI_STORE,
+                start,
+                none,
+                cfg.vocab_size,
+            )?;
         }
         let last = self.x.ptr + ((n - 1) * c * 4) as u64;
-        self.matvec(self.logits.ptr, last, w.wte.ptr, 0, cfg.vocab_size, c, (w.lnf_w.ptr, w.lnf_b.ptr), EPI_STORE, none)?;
+        self.matvec(
+            self.logits.ptr,
+            last,
+            w.wte.ptr,
+            0,
+            cfg.vocab_size,
+            c,
+            (w.lnf_w.ptr, w.lnf_b.ptr),
+            EPI_STORE,
+            none,
+        )?;
         self.argmax_kernel()
     }
 
@@ -702,7 +937,9 @@ impl Session for CudaSession {
     fn argmax(&mut self) -> Result<u32, Gpt2Error> {
         let err = device_err("reading the argmax");
         let mut out = [0i32; 1];
-        self.stream.memcpy_dtoh(&self.next, &mut out).map_err(&err)?;
+        self.stream
+            .memcpy_dtoh(&self.next, &mut out)
+            .map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         Ok(out[0] as u32)
     }
@@ -718,7 +955,9 @@ impl CudaSession {
             _ => &self.logits.slice,
         };
         let mut out = vec![0.0f32; count];
-        self.stream.memcpy_dtoh(&src.slice(0..count), &mut out).map_err(&err)?;
+        self.stream
+            .memcpy_dtoh(&src.slice(0..count), &mut out)
+            .map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         Ok(out)
     }
@@ -728,7 +967,12 @@ impl CudaSession {
 pub fn describe() -> Result<String, Gpt2Error> {
     let gpu = Gpu::get()?;
     let (free, total) = gpu.ctx.mem_get_info().map_err(device_err("memory info"))?;
-    Ok(format!("{} ({} MiB free of {} MiB)", gpu.name(), free >> 20, total >> 20))
+    Ok(format!(
+        "{} ({} MiB free of {} MiB)",
+        gpu.name(),
+        free >> 20,
+        total >> 20
+    ))
 }
 
 /// The dtype a weight tensor would have on the GPU, and the bytes of all weights.

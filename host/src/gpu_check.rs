@@ -119,7 +119,12 @@ pub fn prompt(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
 /// Small random models that exercise every kernel at awkward sizes: several head counts and
 /// widths, vocabularies that are no multiple of the block sizes, contexts up to n_ctx.
 pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, crate::Gpt2Error> {
-    let configs = [(1, 1, 64, 64, 517), (2, 3, 96, 130, 1000), (1, 4, 256, 300, 2111), (2, 2, 128, 96, 50257)];
+    let configs = [
+        (1, 1, 64, 64, 517),
+        (2, 3, 96, 130, 1000),
+        (1, 4, 256, 300, 2111),
+        (2, 2, 128, 96, 50257),
+    ];
     let mut reports = Vec::new();
     for (i, &(n_layer, n_head, n_embd, n_ctx, vocab_size)) in configs.iter().enumerate() {
         let config = Gpt2Config {
@@ -133,8 +138,22 @@ pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, crate::Gpt2Error> {
         let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
         // prompt fills most of the context, then decode to the very end
         let p = prompt(n_ctx - 20, vocab_size, i as u32);
-        reports.push(compare(&name, weights.clone(), GpuDtype::F32, &p, 20, 1e-3)?);
-        reports.push(compare(&name, weights, GpuDtype::Bf16, &p[..n_ctx / 2], 10, 5e-2)?);
+        reports.push(compare(
+            &name,
+            weights.clone(),
+            GpuDtype::F32,
+            &p,
+            20,
+            1e-3,
+        )?);
+        reports.push(compare(
+            &name,
+            weights,
+            GpuDtype::Bf16,
+            &p[..n_ctx / 2],
+            10,
+            5e-2,
+        )?);
     }
     Ok(reports)
 }

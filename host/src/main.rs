@@ -117,7 +117,9 @@ fn main() -> Result<()> {
             max_load_bytes,
             guest_args,
         } => {
-            let mut builder = HostBuilder::new(device).dtype(dtype).max_load_bytes(max_load_bytes);
+            let mut builder = HostBuilder::new(device)
+                .dtype(dtype)
+                .max_load_bytes(max_load_bytes);
             if graphs.is_empty() {
                 let dir = wasi_nn_host::find_default_model().with_context(|| {
                     format!(
@@ -192,11 +194,18 @@ fn main() -> Result<()> {
             Device::Cpu => bench(&model, context, steps)?,
             Device::Cuda => bench_cuda(&model, dtype, context, steps, prefill)?,
         },
-        Command::CheckCuda { models, prompt, steps } => check_cuda(&models, prompt, steps)?,
+        Command::CheckCuda {
+            models,
+            prompt,
+            steps,
+        } => check_cuda(&models, prompt, steps)?,
         Command::CompileKernels { arch } => {
             let ptx = wasi_nn_host::cuda::compile_kernels(&arch)?;
             let kernels = ptx.lines().filter(|l| l.contains(".entry")).count();
-            println!("compiled {kernels} kernels for {arch} ({} bytes of PTX)", ptx.len());
+            println!(
+                "compiled {kernels} kernels for {arch} ({} bytes of PTX)",
+                ptx.len()
+            );
         }
     }
     Ok(())
@@ -265,7 +274,9 @@ fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
         .map(|i| {
             next = (next + 101 * i as u32) % config.vocab_size as u32;
             let t = Instant::now();
-            let r = session.extend(&[next], false).and_then(|_| session.last_logits());
+            let r = session
+                .extend(&[next], false)
+                .and_then(|_| session.last_logits());
             std::hint::black_box(&r);
             t.elapsed().as_secs_f64() * 1e3
         })
@@ -289,16 +300,28 @@ fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
 
 /// GPU decode timing: the graph step alone (synchronised clock over batches of steps) and the
 /// backend step as the guest gets it (graph + logits copy back), plus prefill.
-fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill: Option<usize>) -> Result<()> {
+fn bench_cuda(
+    spec: &str,
+    dtype: GpuDtype,
+    context: usize,
+    steps: usize,
+    prefill: Option<usize>,
+) -> Result<()> {
     use wasi_nn_host::backend::Session;
     let weights = load_model_spec(spec)?;
     let config = weights.config;
     let executor = wasi_nn_host::cuda::CudaExecutor::new(&weights, dtype, usize::MAX)?;
     drop(weights);
     if context + 10 * (steps + 2) > config.n_ctx {
-        bail!("context {context} + {} steps exceeds n_ctx {}", 10 * (steps + 2), config.n_ctx);
+        bail!(
+            "context {context} + {} steps exceeds n_ctx {}",
+            10 * (steps + 2),
+            config.n_ctx
+        );
     }
-    let prompt: Vec<u32> = (0..context as u32).map(|i| (i * 7919) % config.vocab_size as u32).collect();
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919) % config.vocab_size as u32)
+        .collect();
     let mut session = executor.open()?;
     session.extend(&prompt, false)?;
     // graph-only steps, 10 per sample
@@ -345,7 +368,9 @@ fn bench_cuda(spec: &str, dtype: GpuDtype, context: usize, steps: usize, prefill
     let greedy_ms = median(samples);
     let mut prefill_ms = None;
     if let Some(n) = prefill {
-        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31 + 7) % config.vocab_size as u32).collect();
+        let ids: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 31 + 7) % config.vocab_size as u32)
+            .collect();
         let mut times = Vec::new();
         for _ in 0..7 {
             session.truncate(0);
@@ -374,8 +399,22 @@ fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> 
     for spec in models {
         let weights = load_model_spec(spec)?;
         let p = gpu_check::prompt(prompt_len, weights.config.vocab_size, 1);
-        reports.push(gpu_check::compare(spec, weights.clone(), GpuDtype::F32, &p, steps, 1e-3)?);
-        reports.push(gpu_check::compare(spec, weights, GpuDtype::Bf16, &p, steps, 5e-2)?);
+        reports.push(gpu_check::compare(
+            spec,
+            weights.clone(),
+            GpuDtype::F32,
+            &p,
+            steps,
+            1e-3,
+        )?);
+        reports.push(gpu_check::compare(
+            spec,
+            weights,
+            GpuDtype::Bf16,
+            &p,
+            steps,
+            5e-2,
+        )?);
     }
     let mut failed = 0;
     for r in &reports {
