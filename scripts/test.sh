@@ -8,3 +8,4 @@ cargo fmt --all --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo clippy --quiet -p gpt2-guest --target wasm32-wasip1 --profile release-wasm -- -D warnings
 cargo test --release --workspace
+scripts/check-kernels.sh
