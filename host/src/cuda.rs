@@ -291,7 +291,7 @@ impl CudaExecutor {
     ) -> Result<Self, Gpt2Error> {
         let config = weights.config;
         if !config.n_embd.is_multiple_of(8)
-            || config.head_dim() % 16 != 0
+            || !config.head_dim().is_multiple_of(16)
             || config.head_dim() > 128
         {
             return Err(Gpt2Error::Device(format!(

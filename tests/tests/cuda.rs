@@ -38,9 +38,18 @@ fn shakespeare_on_the_gpu_matches_the_cpu_in_f32_and_bf16() {
     }
     let weights = model::load_path(&shakespeare_dir()).expect("load");
     let prompt = ids(&read_json("shakespeare.json")["prompt_ids"][1]);
-    let f32 = gpu_check::compare("shakespeare", weights.clone(), GpuDtype::F32, &prompt, 64, 1e-3).expect("f32");
+    let f32 = gpu_check::compare(
+        "shakespeare",
+        weights.clone(),
+        GpuDtype::F32,
+        &prompt,
+        64,
+        1e-3,
+    )
+    .expect("f32");
     assert!(f32.passed && f32.greedy_agree == 64, "{f32:?}");
-    let bf16 = gpu_check::compare("shakespeare", weights, GpuDtype::Bf16, &prompt, 64, 5e-2).expect("bf16");
+    let bf16 = gpu_check::compare("shakespeare", weights, GpuDtype::Bf16, &prompt, 64, 5e-2)
+        .expect("bf16");
     assert!(bf16.passed, "{bf16:?}");
 }
 
@@ -51,8 +60,13 @@ fn no_gpu_is_a_clear_error_not_a_crash() {
         return;
     }
     let weights = model::load_path(&fixture("tiny")).expect("tiny");
-    let err = wasi_nn_host::backend::executor_for(weights, wasi_nn_host::Device::Cuda, GpuDtype::F32, 1 << 30)
-        .err()
-        .expect("no executor without a GPU");
+    let err = wasi_nn_host::backend::executor_for(
+        weights,
+        wasi_nn_host::Device::Cuda,
+        GpuDtype::F32,
+        1 << 30,
+    )
+    .err()
+    .expect("no executor without a GPU");
     assert!(err.to_string().contains("device"), "{err}");
 }
