@@ -34,6 +34,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     __shared__ float p[ATT_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     int h = blockIdx.x, chunk = blockIdx.y;
     int len = *pos_ptr + 1;
     int first = chunk * ATT_CHUNK;
@@ -76,6 +78,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_decode_combine(float* out, const float* partial, const int* pos_ptr, int hd, int max_chunks) {
     extern __shared__ float weights[];  // [max_chunks]
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     int h = blockIdx.x;
     int chunks = (*pos_ptr + 1 + ATT_CHUNK - 1) / ATT_CHUNK;
     const float* base = partial + (size_t)h * max_chunks * (hd + 2);
@@ -107,6 +111,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     __shared__ float qs[MAX_HD];
     __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     int h = blockIdx.x, t = blockIdx.y;
     int len = start + t + 1;
     float scale = rsqrtf((float)hd);

@@ -9,6 +9,27 @@
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 
+// Programmatic dependent launch (Hopper+): a kernel launched with programmatic stream
+// serialization may start while the previous one finishes. It lets its own dependents start
+// early (`launch_dependents`), may prefetch weights (immutable), and must `wait` before reading
+// activations or writing anything. Both are no-ops without PDL or before sm_90.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Ask L2 for `bytes` starting at `p`, one 128-byte line per thread step.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes, int thread, int threads) {
+    const char* c = static_cast<const char*>(p);
+    for (size_t off = (size_t)thread * 128; off < bytes; off += (size_t)threads * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
 
 // Eight weights from 16 bytes (bf16) or two 16-byte loads (f32), as f32.

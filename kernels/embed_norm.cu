@@ -6,6 +6,8 @@
 template <typename W>
 __device__ void embed_impl(float* x, const int* tokens, const W* wte, const W* wpe, int c, int start,
                            const int* pos_ptr) {
+    pdl_launch_dependents();
+    pdl_wait();
     int t = blockIdx.x;
     int pos = (start < 0 ? *pos_ptr : start) + t;
     int tok = tokens[t];
@@ -25,6 +27,8 @@ extern "C" __global__ void embed_bf16(float* x, const int* tokens, const bf16_t*
 template <typename W>
 __device__ void layernorm_impl(float* out, const float* in, const W* w, const W* b, int c) {
     __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
     const float* x = in + (size_t)blockIdx.x * c;
     float s = 0.0f;
     for (int i = threadIdx.x; i < c; i += blockDim.x) s += x[i];

@@ -11,6 +11,8 @@ __device__ void matmul_impl(float* out, const float* x, const W* w, const W* bia
                             int mode, int c, int start, float* k_cache, float* v_cache, int out_stride) {
     __shared__ float xs[TK][TILE + 1];
     __shared__ float ws[TK][TILE + 1];
+    pdl_launch_dependents();
+    pdl_wait();
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     int row_base = blockIdx.y * TILE, col_base = blockIdx.x * TILE;
     float acc[4][4] = {};

@@ -8,24 +8,67 @@
 #define MV_WARPS 4
 #define MV_ROWS_PER_WARP 2
 #define MV_UNROLL 4
+// float4 loads of x per thread: k <= 128 * 4 * MV_X_LOADS = 8192 (checked on the host)
+#define MV_X_LOADS 16
+// with a fused LayerNorm: k <= 128 * 4 * MV_LN_LOADS = 2048
+#define MV_LN_LOADS 4
 
 template <typename W>
 __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bias, int n, int k,
                             const W* ln_w, const W* ln_b, int mode, int c, const int* pos_ptr,
                             float* k_cache, float* v_cache) {
-    extern __shared__ float xs[];
+    extern __shared__ __align__(16) float xs[];
     __shared__ float scratch[32];
-    for (int i = threadIdx.x; i < k; i += blockDim.x) xs[i] = x[i];
+    pdl_launch_dependents();
+    // Thread t owns x[i..i+4] for i = (u * blockDim + t) * 4. Every global load (LayerNorm
+    // weights first: they do not depend on the previous kernel) is issued before any is used:
+    // a plain strided loop would wait one round trip per iteration.
+    float ln_wv[MV_LN_LOADS][4], ln_bv[MV_LN_LOADS][4];
     if (ln_w != nullptr) {
-        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < MV_LN_LOADS; u++) {
+            int i = (u * blockDim.x + threadIdx.x) * 4;
+            if (i < k) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) { ln_wv[u][e] = load1(ln_w + i + e); ln_bv[u][e] = load1(ln_b + i + e); }
+            }
+        }
+    }
+    pdl_wait();
+    float4 staged[MV_X_LOADS];
+#pragma unroll
+    for (int u = 0; u < MV_X_LOADS; u++) {
+        int i = (u * blockDim.x + threadIdx.x) * 4;
+        if (i < k) staged[u] = *reinterpret_cast<const float4*>(x + i);
+    }
+    if (ln_w != nullptr) {
+        // LayerNorm from registers (k <= 128 * 4 * MV_LN_LOADS when it is fused)
         float s = 0.0f;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) s += xs[i];
+#pragma unroll
+        for (int u = 0; u < MV_LN_LOADS; u++)
+            if ((u * blockDim.x + threadIdx.x) * 4 < k) s += staged[u].x + staged[u].y + staged[u].z + staged[u].w;
         float mean = block_sum(s, scratch) / k;
         float v = 0.0f;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) { float d = xs[i] - mean; v += d * d; }
+#pragma unroll
+        for (int u = 0; u < MV_LN_LOADS; u++) {
+            if ((u * blockDim.x + threadIdx.x) * 4 < k) {
+                float a = staged[u].x - mean, b = staged[u].y - mean, c2 = staged[u].z - mean, d = staged[u].w - mean;
+                v += a * a + b * b + c2 * c2 + d * d;
+            }
+        }
         float rstd = rsqrtf(block_sum(v, scratch) / k + 1e-5f);
-        for (int i = threadIdx.x; i < k; i += blockDim.x)
-            xs[i] = (xs[i] - mean) * rstd * load1(ln_w + i) + load1(ln_b + i);
+#pragma unroll
+        for (int u = 0; u < MV_LN_LOADS; u++) {
+            staged[u].x = (staged[u].x - mean) * rstd * ln_wv[u][0] + ln_bv[u][0];
+            staged[u].y = (staged[u].y - mean) * rstd * ln_wv[u][1] + ln_bv[u][1];
+            staged[u].z = (staged[u].z - mean) * rstd * ln_wv[u][2] + ln_bv[u][2];
+            staged[u].w = (staged[u].w - mean) * rstd * ln_wv[u][3] + ln_bv[u][3];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < MV_X_LOADS; u++) {
+        int i = (u * blockDim.x + threadIdx.x) * 4;
+        if (i < k) *reinterpret_cast<float4*>(xs + i) = staged[u];
     }
     __syncthreads();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,6 +131,8 @@ MATVEC(matvec_bf16, bf16_t)
 extern "C" __global__ void argmax_f32(int* out, const float* logits, int n) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
+    pdl_launch_dependents();
+    pdl_wait();
     float v = -INFINITY;
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {

@@ -20,7 +20,6 @@ use crate::model::{Gpt2Config, Gpt2Weights};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
 };
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -51,6 +50,13 @@ const EPI_RESIDUAL: i32 = 2;
 const EPI_QKV: i32 = 3;
 /// Matrix-vector rows per block (MV_WARPS * MV_ROWS_PER_WARP in matvec.cu).
 const MV_ROWS_PER_BLOCK: usize = 8;
+
+/// Pointers to kernel arguments, in order, for `cuLaunchKernelEx`.
+macro_rules! kernel_args {
+    ($($arg:expr),* $(,)?) => {
+        [$($arg as *const _ as *mut std::ffi::c_void),*]
+    };
+}
 
 fn device_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Gpt2Error + '_ {
     move |e| {
@@ -140,6 +146,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     module: Arc<cudarc::driver::CudaModule>,
     name: String,
+    /// Programmatic dependent launch (sm_90+; WASI_NN_HOST_NO_PDL turns it off).
+    pdl: bool,
 }
 
 impl Gpu {
@@ -177,7 +185,13 @@ impl Gpu {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(device_err("loading the kernels"))?;
-        Ok(Gpu { ctx, module, name })
+        let pdl = major >= 9 && std::env::var_os("WASI_NN_HOST_NO_PDL").is_none();
+        Ok(Gpu {
+            ctx,
+            module,
+            name,
+            pdl,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -291,11 +305,12 @@ impl CudaExecutor {
     ) -> Result<Self, Gpt2Error> {
         let config = weights.config;
         if !config.n_embd.is_multiple_of(8)
+            || config.n_embd > 2048
             || !config.head_dim().is_multiple_of(16)
             || config.head_dim() > 128
         {
             return Err(Gpt2Error::Device(format!(
-                "the CUDA kernels need n_embd % 8 == 0 and head_dim % 16 == 0, <= 128 (got {config:?})"
+                "the CUDA kernels need n_embd % 8 == 0, n_embd <= 2048 and head_dim % 16 == 0, <= 128 (got {config:?})"
             )));
         }
         let gpu = Gpu::get()?;
@@ -471,6 +486,48 @@ impl CudaSession {
         })
     }
 
+    /// Launch `func` on the session's stream, with programmatic dependent launch where the GPU
+    /// has it (every kernel waits with `griddepcontrol.wait` before touching activations).
+    ///
+    /// # Safety
+    /// `args` must hold pointers to values of the kernel's parameter types, in order, and every
+    /// device pointer among them must cover what the kernel touches for `cfg`.
+    unsafe fn launch(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.exec.gpu.ctx.bind_to_thread()?;
+        // SAFETY: an all-zero launch attribute is valid (id 0 = ignored); we fill in one.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.exec.gpu.pdl),
+        };
+        // SAFETY: the caller vouches for the arguments; config and attr outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+
     fn kv_layer(&self, l: usize) -> (u64, u64) {
         let offset = (l * self.capacity * self.exec.config.n_embd * 4) as u64;
         (self.k_cache.ptr + offset, self.v_cache.ptr + offset)
@@ -497,19 +554,11 @@ impl CudaSession {
         };
         let (n, k, c) = (n as i32, k as i32, self.exec.config.n_embd as i32);
         let pos = if mode == EPI_QKV { self.pos_ptr } else { 0u64 };
-        let mut b = self.stream.launch_builder(&self.exec.kernels.matvec);
-        b.arg(&out)
-            .arg(&x)
-            .arg(&w)
-            .arg(&bias)
-            .arg(&n)
-            .arg(&k)
-            .arg(&ln.0)
-            .arg(&ln.1);
-        b.arg(&mode).arg(&c).arg(&pos).arg(&kv.0).arg(&kv.1);
         // SAFETY: pointers address live buffers of at least the sizes the kernel touches:
         // x has k floats, w has n*k weights, out has n floats (or the QKV scatter targets).
-        unsafe { b.launch(cfg) }
+        let mut args =
+            kernel_args![&out, &x, &w, &bias, &n, &k, &ln.0, &ln.1, &mode, &c, &pos, &kv.0, &kv.1];
+        unsafe { self.launch(&self.exec.kernels.matvec, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("matvec"))
     }
@@ -541,19 +590,12 @@ impl CudaSession {
             start as i32,
             out_stride as i32,
         );
-        let mut b = self.stream.launch_builder(&self.exec.kernels.matmul);
-        b.arg(&out)
-            .arg(&x)
-            .arg(&w)
-            .arg(&bias)
-            .arg(&rows)
-            .arg(&n)
-            .arg(&k)
-            .arg(&mode);
-        b.arg(&c).arg(&start).arg(&kv.0).arg(&kv.1).arg(&stride);
         // SAFETY: x has rows*k floats, w n*k weights, out rows*out_stride floats (or the QKV
         // targets, with start+rows <= capacity checked by the caller).
-        unsafe { b.launch(cfg) }
+        let mut args = kernel_args![
+            &out, &x, &w, &bias, &rows, &n, &k, &mode, &c, &start, &kv.0, &kv.1, &stride
+        ];
+        unsafe { self.launch(&self.exec.kernels.matmul, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("matmul"))
     }
@@ -565,10 +607,9 @@ impl CudaSession {
             shared_mem_bytes: 0,
         };
         let c = self.exec.config.n_embd as i32;
-        let mut builder = self.stream.launch_builder(&self.exec.kernels.layernorm);
-        builder.arg(&out).arg(&x).arg(&w).arg(&b).arg(&c);
         // SAFETY: out and x hold rows*C floats; w and b hold C weights.
-        unsafe { builder.launch(cfg) }
+        let mut args = kernel_args![&out, &x, &w, &b, &c];
+        unsafe { self.launch(&self.exec.kernels.layernorm, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("layernorm"))
     }
@@ -581,15 +622,17 @@ impl CudaSession {
             shared_mem_bytes: 0,
         };
         let c = self.exec.config.n_embd as i32;
-        let mut b = self.stream.launch_builder(&self.exec.kernels.embed);
-        b.arg(&self.x.ptr)
-            .arg(&self.tokens_ptr)
-            .arg(&w.wte.ptr)
-            .arg(&w.wpe.ptr)
-            .arg(&c);
-        b.arg(&start).arg(&self.pos_ptr);
         // SAFETY: token ids were checked < vocab and positions < n_ctx before upload.
-        unsafe { b.launch(cfg) }
+        let mut args = kernel_args![
+            &self.x.ptr,
+            &self.tokens_ptr,
+            &w.wte.ptr,
+            &w.wpe.ptr,
+            &c,
+            &start,
+            &self.pos_ptr
+        ];
+        unsafe { self.launch(&self.exec.kernels.embed, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("embed"))
     }
@@ -601,10 +644,9 @@ impl CudaSession {
             shared_mem_bytes: 0,
         };
         let n = self.exec.config.vocab_size as i32;
-        let mut b = self.stream.launch_builder(&self.exec.kernels.argmax);
-        b.arg(&self.next_ptr).arg(&self.logits.ptr).arg(&n);
         // SAFETY: logits holds V floats, next one int.
-        unsafe { b.launch(cfg) }
+        let mut args = kernel_args![&self.next_ptr, &self.logits.ptr, &n];
+        unsafe { self.launch(&self.exec.kernels.argmax, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("argmax"))
     }
@@ -638,13 +680,6 @@ impl CudaSession {
             }
             if !skip("attn") {
                 let (c32, hd32, chunks) = (c as i32, hd as i32, self.max_chunks as i32);
-                let mut b = self.stream.launch_builder(&self.exec.kernels.att_partial);
-                b.arg(&self.partial.ptr)
-                    .arg(&self.qkv.ptr)
-                    .arg(&kv.0)
-                    .arg(&kv.1)
-                    .arg(&self.pos_ptr);
-                b.arg(&c32).arg(&hd32).arg(&chunks);
                 let grid = LaunchConfig {
                     grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
                     block_dim: (ATT_THREADS, 1, 1),
@@ -652,20 +687,33 @@ impl CudaSession {
                 };
                 // SAFETY: the position is < capacity (checked before the step); the partial
                 // buffer holds n_head * max_chunks * (hd + 2) floats.
-                unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
-                let mut b = self.stream.launch_builder(&self.exec.kernels.att_combine);
-                b.arg(&self.h.ptr)
-                    .arg(&self.partial.ptr)
-                    .arg(&self.pos_ptr)
-                    .arg(&hd32)
-                    .arg(&chunks);
+                let mut args = kernel_args![
+                    &self.partial.ptr,
+                    &self.qkv.ptr,
+                    &kv.0,
+                    &kv.1,
+                    &self.pos_ptr,
+                    &c32,
+                    &hd32,
+                    &chunks
+                ];
+                unsafe { self.launch(&self.exec.kernels.att_partial, grid, &mut args) }
+                    .map_err(device_err("attention"))?;
                 let grid = LaunchConfig {
                     grid_dim: (cfg.n_head as u32, 1, 1),
                     block_dim: (ATT_THREADS, 1, 1),
                     shared_mem_bytes: (self.max_chunks * 4) as u32,
                 };
                 // SAFETY: as above; h holds C floats.
-                unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+                let mut args = kernel_args![
+                    &self.h.ptr,
+                    &self.partial.ptr,
+                    &self.pos_ptr,
+                    &hd32,
+                    &chunks
+                ];
+                unsafe { self.launch(&self.exec.kernels.att_combine, grid, &mut args) }
+                    .map_err(device_err("attention"))?;
             }
             if !skip("proj") {
                 self.matvec(
@@ -774,14 +822,6 @@ impl CudaSession {
                 3 * c,
             )?;
             let (start32, c32, hd32) = (start as i32, c as i32, cfg.head_dim() as i32);
-            let mut b = self.stream.launch_builder(&self.exec.kernels.att_prefill);
-            b.arg(&self.h.ptr)
-                .arg(&self.qkv.ptr)
-                .arg(&kv.0)
-                .arg(&kv.1)
-                .arg(&start32)
-                .arg(&c32)
-                .arg(&hd32);
             let grid = LaunchConfig {
                 grid_dim: (cfg.n_head as u32, n as u32, 1),
                 block_dim: (ATT_THREADS, 1, 1),
@@ -789,7 +829,17 @@ impl CudaSession {
             };
             // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
             // asked for; h holds n*C floats.
-            unsafe { b.launch(grid) }.map_err(device_err("attention"))?;
+            let mut args = kernel_args![
+                &self.h.ptr,
+                &self.qkv.ptr,
+                &kv.0,
+                &kv.1,
+                &start32,
+                &c32,
+                &hd32
+            ];
+            unsafe { self.launch(&self.exec.kernels.att_prefill, grid, &mut args) }
+                .map_err(device_err("attention"))?;
             self.matmul(
                 self.x.ptr,
                 self.h.ptr,
