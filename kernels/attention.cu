@@ -152,3 +152,104 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         out[(size_t)t * c + h * hd + d] = (acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d]) / sum;
 }
+
+// Prefill, tiled (flash-attention style, CUDA cores): block (h, q-tile) of 128 threads holds
+// 32 queries; key/value tiles of 32 positions pass through shared memory once per q-tile, with
+// an online softmax. Thread t owns query t/4 and, of each key tile, keys (t%4) + 4m for scores
+// and dimensions (t%4) + 4i for the output. Needs hd <= 64 and hd % 4 == 0.
+#define FA_Q 32
+#define FA_K 32
+#define FA_HD 64
+extern "C" __global__ void __launch_bounds__(128)
+    attention_prefill_tiled(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
+                            int rows, int c, int hd) {
+    __shared__ float qs[FA_Q][FA_HD + 1];  // padded: 8 queries of a warp hit 8 banks
+    __shared__ float ks[FA_K][FA_HD + 1];
+    __shared__ __align__(16) float vs[FA_K][FA_HD];
+    __shared__ float ps[FA_Q][FA_K + 1];
+    pdl_launch_dependents();
+    pdl_wait();
+    int h = blockIdx.x, q0 = blockIdx.y * FA_Q;
+    int tid = threadIdx.x, q = tid >> 2, part = tid & 3;
+    float scale = rsqrtf((float)hd);
+    for (int idx = tid; idx < FA_Q * hd; idx += blockDim.x) {
+        int r = idx / hd, d = idx % hd;
+        qs[r][d] = q0 + r < rows ? qkv[(size_t)(q0 + r) * 3 * c + h * hd + d] * scale : 0.0f;
+    }
+    int qpos = start + q0 + q;
+    int dims = hd / 4;  // output dimensions per thread
+    __syncthreads();
+    float qr[FA_HD];  // this thread's query row, in registers
+#pragma unroll
+    for (int d = 0; d < FA_HD; d++) qr[d] = d < hd ? qs[q][d] : 0.0f;
+    float acc[FA_HD / 4];
+#pragma unroll
+    for (int i = 0; i < FA_HD / 4; i++) acc[i] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    int keys = min(start + q0 + FA_Q, start + rows);  // keys 0..keys-1 are visible to some query
+    for (int k0 = 0; k0 < keys; k0 += FA_K) {
+        // Issue every load of the tile before storing any (a strided loop would wait one
+        // round trip per iteration): at most FA_K * FA_HD / 4 / 128 = 4 float4 each of K and V.
+        float4 kreg[4], vreg[4];
+        int quads = hd / 4;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int idx = u * 128 + tid, r = idx / quads, d = (idx % quads) * 4;
+            bool in = idx < FA_K * quads && k0 + r < keys;
+            size_t at = (size_t)(k0 + r) * c + h * hd + d;
+            kreg[u] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            vreg[u] = in ? *reinterpret_cast<const float4*>(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int idx = u * 128 + tid, r = idx / quads, d = (idx % quads) * 4;
+            if (idx < FA_K * quads) {
+                ks[r][d] = kreg[u].x; ks[r][d + 1] = kreg[u].y; ks[r][d + 2] = kreg[u].z; ks[r][d + 3] = kreg[u].w;
+                vs[r][d] = vreg[u].x; vs[r][d + 1] = vreg[u].y; vs[r][d + 2] = vreg[u].z; vs[r][d + 3] = vreg[u].w;
+            }
+        }
+        __syncthreads();
+        float s[FA_K / 4];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int mm = 0; mm < FA_K / 4; mm++) {
+            int j = part + 4 * mm;
+            float dot = 0.0f;
+#pragma unroll
+            for (int d = 0; d < FA_HD; d++)
+                if (d < hd) dot += qr[d] * ks[j][d];
+            s[mm] = (k0 + j <= qpos && k0 + j < keys) ? dot : -INFINITY;
+            tile_max = fmaxf(tile_max, s[mm]);
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        float m_new = fmaxf(m, tile_max);
+        float corr = m_new == -INFINITY ? 1.0f : __expf(m - m_new);
+        float psum = 0.0f;
+#pragma unroll
+        for (int mm = 0; mm < FA_K / 4; mm++) {
+            float p = s[mm] == -INFINITY ? 0.0f : __expf(s[mm] - m_new);
+            ps[q][part + 4 * mm] = p;
+            psum += p;
+        }
+        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+        psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+        l = l * corr + psum;
+        m = m_new;
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < FA_HD / 4; i++) acc[i] *= corr;
+        for (int j = 0; j < FA_K; j++) {
+            float p = ps[q][j];
+#pragma unroll
+            for (int i = 0; i < FA_HD / 4; i++)
+                if (i < dims) acc[i] += p * vs[j][part + 4 * i];
+        }
+    }
+    if (q0 + q < rows) {
+#pragma unroll
+        for (int i = 0; i < FA_HD / 4; i++)
+            if (i < dims) out[(size_t)(q0 + q) * c + h * hd + part + 4 * i] = acc[i] / l;
+    }
+}

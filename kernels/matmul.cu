@@ -58,3 +58,38 @@ __device__ void matmul_impl(float* out, const float* x, const W* w, const W* bia
     }
 MATMUL(matmul_f32, float)
 MATMUL(matmul_bf16, bf16_t)
+
+// After a library GEMM wrote tmp[r, :] = W x_r (f32), apply bias and the epilogue.
+template <typename W>
+__device__ void gemm_epilogue_impl(float* out, const float* tmp, const W* bias, int rows, int n, int mode, int c,
+                                   int start, float* k_cache, float* v_cache, int out_stride) {
+    pdl_launch_dependents();
+    pdl_wait();
+    size_t total = (size_t)rows * n;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
+        int r = idx / n, col = idx % n;
+        float v = tmp[idx] + (bias != nullptr ? load1(bias + col) : 0.0f);
+        epilogue(mode, v, out + (size_t)r * out_stride, col, c, start + r, k_cache, v_cache);
+    }
+}
+extern "C" __global__ void gemm_epilogue_f32(float* out, const float* tmp, const float* bias, int rows, int n,
+                                             int mode, int c, int start, float* k_cache, float* v_cache,
+                                             int out_stride) {
+    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride);
+}
+extern "C" __global__ void gemm_epilogue_bf16(float* out, const float* tmp, const bf16_t* bias, int rows, int n,
+                                              int mode, int c, int start, float* k_cache, float* v_cache,
+                                              int out_stride) {
+    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride);
+}
+
+// f32 -> bf16 (round to nearest even), for tensor-core GEMM inputs.
+extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
+    pdl_launch_dependents();
+    pdl_wait();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        u32 bits = __float_as_uint(in[i]);
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        out[i] = (bf16_t)(bits >> 16);
+    }
+}

@@ -51,6 +51,15 @@ const EPI_QKV: i32 = 3;
 /// Matrix-vector rows per block (MV_WARPS * MV_ROWS_PER_WARP in matvec.cu).
 const MV_ROWS_PER_BLOCK: usize = 8;
 
+/// Profiling aid: `WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` (decode graph) or `gemm,pattn`
+/// (prefill) leaves those kernels out; the results are then wrong, only the time counts.
+fn profile_skip(part: &str) -> bool {
+    static SKIP: OnceLock<String> = OnceLock::new();
+    SKIP.get_or_init(|| std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default())
+        .split(',')
+        .any(|s| s == part)
+}
+
 /// Pointers to kernel arguments, in order, for `cuLaunchKernelEx`.
 macro_rules! kernel_args {
     ($($arg:expr),* $(,)?) => {
@@ -138,7 +147,10 @@ struct Kernels {
     att_partial: CudaFunction,
     att_combine: CudaFunction,
     att_prefill: CudaFunction,
+    att_prefill_tiled: CudaFunction,
     argmax: CudaFunction,
+    gemm_epilogue: CudaFunction,
+    to_bf16: CudaFunction,
 }
 
 /// The GPU and its compiled kernels, shared by every graph in the process.
@@ -216,7 +228,10 @@ impl Gpu {
             att_partial: f("attention_decode_partial")?,
             att_combine: f("attention_decode_combine")?,
             att_prefill: f("attention_prefill")?,
+            att_prefill_tiled: f("attention_prefill_tiled")?,
             argmax: f("argmax_f32")?,
+            gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
+            to_bf16: f("f32_to_bf16")?,
         })
     }
 }
@@ -288,6 +303,7 @@ struct DevWeights {
 struct ExecutorInner {
     gpu: Arc<Gpu>,
     config: Gpt2Config,
+    dtype: GpuDtype,
     kernels: Kernels,
     weights: DevWeights,
     max_kv_bytes: usize,
@@ -350,6 +366,7 @@ impl CudaExecutor {
         Ok(Self(Arc::new(ExecutorInner {
             gpu,
             config,
+            dtype,
             kernels,
             weights: dev,
             max_kv_bytes,
@@ -417,6 +434,47 @@ pub struct CudaSession {
     all_rows: usize,
     max_chunks: usize,
     graph: Option<CudaGraph>,
+    /// cuBLAS for prefill products (None: our tiled kernel), with its scratch buffers.
+    blas: Option<Blas>,
+}
+
+/// A cuBLAS handle on the session's stream, plus GEMM scratch: f32 results before the
+/// epilogue, and bf16 copies of activations (tensor-core inputs in bf16 mode).
+struct Blas {
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    tmp: Buf,
+    _x_bf16: CudaSlice<u16>,
+    x_bf16_ptr: u64,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by us and is destroyed once.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(self.handle) };
+    }
+}
+
+impl Blas {
+    /// cuBLAS when the library loads (cudarc panics when it cannot find it).
+    fn new(stream: &Arc<CudaStream>, rows: usize, c: usize) -> Option<Blas> {
+        if std::env::var_os("WASI_NN_HOST_NO_CUBLAS").is_some() {
+            return None;
+        }
+        let handle = std::panic::catch_unwind(cudarc::cublas::result::create_handle)
+            .ok()?
+            .ok()?;
+        // SAFETY: a fresh handle and a live stream of the same context.
+        unsafe { cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _) }.ok()?;
+        let tmp = Buf::new(stream, rows * 4 * c, "GEMM scratch").ok()?;
+        let x_bf16 = stream.alloc_zeros::<u16>(rows * 4 * c).ok()?;
+        let x_bf16_ptr = x_bf16.device_ptr(stream).0;
+        Some(Blas {
+            handle,
+            tmp,
+            _x_bf16: x_bf16,
+            x_bf16_ptr,
+        })
+    }
 }
 
 // SAFETY: the session's device state is only touched through `&mut self` (the `Session`
@@ -481,6 +539,7 @@ impl CudaSession {
             capacity,
             len: 0,
             graph: None,
+            blas: Blas::new(&stream, capacity, c),
             stream,
             exec,
         })
@@ -579,6 +638,24 @@ impl CudaSession {
         kv: (u64, u64),
         out_stride: usize,
     ) -> Result<(), Gpt2Error> {
+        if profile_skip("gemm") {
+            return Ok(());
+        }
+        if let Some(blas) = &self.blas {
+            // Tensor cores for bf16 weights (activations rounded to bf16), exact f32 otherwise.
+            return self.blas_matmul(
+                blas,
+                out,
+                x,
+                w,
+                bias,
+                (rows, n, k),
+                mode,
+                start,
+                kv,
+                out_stride,
+            );
+        }
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1),
             block_dim: (256, 1, 1),
@@ -598,6 +675,103 @@ impl CudaSession {
         unsafe { self.launch(&self.exec.kernels.matmul, cfg, &mut args) }
             .map(|_| ())
             .map_err(device_err("matmul"))
+    }
+
+    /// `out = epilogue(W x + b)` through cuBLAS: GEMM into scratch, then our epilogue kernel
+    /// (or straight into `out` when the epilogue is a plain store without bias).
+    #[allow(clippy::too_many_arguments)]
+    fn blas_matmul(
+        &self,
+        blas: &Blas,
+        out: u64,
+        x: u64,
+        w: u64,
+        bias: u64,
+        (rows, n, k): (usize, usize, usize),
+        mode: i32,
+        start: usize,
+        kv: (u64, u64),
+        out_stride: usize,
+    ) -> Result<(), Gpt2Error> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        let direct = mode == EPI_STORE && bias == 0;
+        let (dst, ldc) = if direct {
+            (out, out_stride)
+        } else {
+            (blas.tmp.ptr, n)
+        };
+        let (x_ptr, dtype) = match self.exec.dtype {
+            GpuDtype::F32 => (x, cudaDataType::CUDA_R_32F),
+            GpuDtype::Bf16 => {
+                let count = (rows * k) as i32;
+                let cfg = LaunchConfig {
+                    grid_dim: ((rows * k).div_ceil(256).min(4096) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut args = kernel_args![&blas.x_bf16_ptr, &x, &count];
+                // SAFETY: x holds rows*k floats, x_bf16 at least as many u16 (capacity * 4C).
+                unsafe { self.launch(&self.exec.kernels.to_bf16, cfg, &mut args) }
+                    .map_err(device_err("to bf16"))?;
+                (blas.x_bf16_ptr, cudaDataType::CUDA_R_16BF)
+            }
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.
+        // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc); scalars are
+        // host f32 as CUBLAS_COMPUTE_32F expects.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                blas.handle,
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                w as *const std::ffi::c_void,
+                dtype,
+                k as i32,
+                x_ptr as *const std::ffi::c_void,
+                dtype,
+                k as i32,
+                (&beta as *const f32).cast(),
+                dst as *mut std::ffi::c_void,
+                cudaDataType::CUDA_R_32F,
+                ldc as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| Gpt2Error::Device(format!("cuBLAS GEMM: {e:?}")))?;
+        if direct {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * n).div_ceil(256).min(8192) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, n, c) = (rows as i32, n as i32, self.exec.config.n_embd as i32);
+        let (start, stride) = (start as i32, out_stride as i32);
+        let mut args = kernel_args![
+            &out,
+            &blas.tmp.ptr,
+            &bias,
+            &rows,
+            &n,
+            &mode,
+            &c,
+            &start,
+            &kv.0,
+            &kv.1,
+            &stride
+        ];
+        // SAFETY: tmp holds rows*n floats; out rows*out_stride (or the KV targets, start+rows <= capacity).
+        unsafe { self.launch(&self.exec.kernels.gemm_epilogue, cfg, &mut args) }
+            .map_err(device_err("GEMM epilogue"))
     }
 
     fn layernorm(&self, out: u64, x: u64, w: u64, b: u64, rows: usize) -> Result<(), Gpt2Error> {
@@ -659,8 +833,7 @@ impl CudaSession {
         let hd = cfg.head_dim();
         // Profiling aid: WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head leaves kernels out of the
         // captured step (the numbers are then wrong; only the timing means something).
-        let skip = std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default();
-        let skip = |part: &str| skip.split(',').any(|s| s == part);
+        let skip = profile_skip;
         self.embed(1, -1)?;
         for (l, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
@@ -821,25 +994,7 @@ impl CudaSession {
                 kv,
                 3 * c,
             )?;
-            let (start32, c32, hd32) = (start as i32, c as i32, cfg.head_dim() as i32);
-            let grid = LaunchConfig {
-                grid_dim: (cfg.n_head as u32, n as u32, 1),
-                block_dim: (ATT_THREADS, 1, 1),
-                shared_mem_bytes: ((start + n) * 4) as u32,
-            };
-            // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
-            // asked for; h holds n*C floats.
-            let mut args = kernel_args![
-                &self.h.ptr,
-                &self.qkv.ptr,
-                &kv.0,
-                &kv.1,
-                &start32,
-                &c32,
-                &hd32
-            ];
-            unsafe { self.launch(&self.exec.kernels.att_prefill, grid, &mut args) }
-                .map_err(device_err("attention"))?;
+            self.prefill_attention(kv, start, n)?;
             self.matmul(
                 self.x.ptr,
                 self.h.ptr,
@@ -918,6 +1073,54 @@ impl CudaSession {
             none,
         )?;
         self.argmax_kernel()
+    }
+
+    /// Causal attention of `n` new rows at positions start.. (q in qkv, keys in the cache).
+    fn prefill_attention(&self, kv: (u64, u64), start: usize, n: usize) -> Result<(), Gpt2Error> {
+        if profile_skip("pattn") {
+            return Ok(());
+        }
+        let cfg = self.exec.config;
+        let hd = cfg.head_dim();
+        let (start32, n32, c32, hd32) = (start as i32, n as i32, cfg.n_embd as i32, hd as i32);
+        if hd <= 64 && std::env::var_os("WASI_NN_HOST_NO_TILED_ATTENTION").is_none() {
+            let grid = LaunchConfig {
+                grid_dim: (cfg.n_head as u32, n.div_ceil(32) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut args = kernel_args![
+                &self.h.ptr,
+                &self.qkv.ptr,
+                &kv.0,
+                &kv.1,
+                &start32,
+                &n32,
+                &c32,
+                &hd32
+            ];
+            // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, h n rows of C.
+            return unsafe { self.launch(&self.exec.kernels.att_prefill_tiled, grid, &mut args) }
+                .map_err(device_err("attention"));
+        }
+        let grid = LaunchConfig {
+            grid_dim: (cfg.n_head as u32, n as u32, 1),
+            block_dim: (ATT_THREADS, 1, 1),
+            shared_mem_bytes: ((start + n) * 4) as u32,
+        };
+        let mut args = kernel_args![
+            &self.h.ptr,
+            &self.qkv.ptr,
+            &kv.0,
+            &kv.1,
+            &start32,
+            &c32,
+            &hd32
+        ];
+        // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
+        // asked for; h holds n*C floats.
+        unsafe { self.launch(&self.exec.kernels.att_prefill, grid, &mut args) }
+            .map_err(device_err("attention"))
     }
 
     /// Wait for the session's stream (for timing).
