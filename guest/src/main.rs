@@ -26,6 +26,8 @@ options:
   --seed S             sampling seed (default: 0)
   --stop TEXT          stop when TEXT appears (repeatable); <|endoftext|> always stops
   --json               print one JSON line with ids, text and timings instead of streaming
+  --stream-json        print each piece of text as a JSON line {\"text\": ...} as it is made,
+                       then the --json line (for programs that stream to their callers)
   --logits             print the prompt's next-token logits as one JSON line, generate nothing
   --tokenizer FILE     an HF tokenizer.json instead of the embedded GPT-2 vocabulary
   --perplexity FILE    score FILE in windows: feed tokens[i..i+W], score tokens[i+1..i+W+1]
@@ -42,6 +44,7 @@ struct Options {
     sampling: SamplingParams,
     stops: Vec<String>,
     json: bool,
+    stream_json: bool,
     logits: bool,
     tokenizer: Option<String>,
     perplexity: Option<String>,
@@ -59,6 +62,7 @@ fn parse_args() -> Result<Options, Error> {
         sampling: SamplingParams::default(),
         stops: Vec::new(),
         json: false,
+        stream_json: false,
         logits: false,
         tokenizer: None,
         perplexity: None,
@@ -84,6 +88,10 @@ fn parse_args() -> Result<Options, Error> {
             Long("seed") => o.sampling.seed = parser.value()?.parse()?,
             Long("stop") => o.stops.push(parser.value()?.string()?),
             Long("json") => o.json = true,
+            Long("stream-json") => {
+                o.stream_json = true;
+                o.json = true;
+            }
             Long("logits") => o.logits = true,
             Long("tokenizer") => o.tokenizer = Some(parser.value()?.string()?),
             Long("perplexity") => o.perplexity = Some(parser.value()?.string()?),
@@ -263,7 +271,13 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     let mut prompt_ms = 0.0;
     let mut sampling_s = 0.0;
     let show = |piece: &str, stdout: &mut std::io::Stdout| -> Result<(), Error> {
-        if !options.json && !piece.is_empty() {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        if options.stream_json {
+            writeln!(stdout, "{}", serde_json::json!({ "text": piece }))?;
+            stdout.flush()?;
+        } else if !options.json {
             stdout.write_all(piece.as_bytes())?;
             stdout.flush()?;
         }

@@ -146,7 +146,7 @@ fn main() -> Result<()> {
                         None => (PathBuf::from(d), d.clone()),
                     })
                     .collect(),
-                capture: None,
+                ..Default::default()
             };
             let wasm = host.load_module(&module)?;
             let program = module

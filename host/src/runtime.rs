@@ -5,7 +5,12 @@
 
 use crate::backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype, GraphSet};
 use std::path::{Path, PathBuf};
-use wasmtime::{Engine, Linker, Module, Store};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use wasmtime::{
+    Config, Engine, Linker, Module, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline,
+};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
@@ -29,7 +34,14 @@ pub enum HostError {
     Wasmtime(String),
     #[error("guest trapped: {0}")]
     Trap(String),
+    #[error("the guest ran past its time limit of {0:?}")]
+    Timeout(Duration),
+    #[error("the run was cancelled")]
+    Cancelled,
 }
+
+/// How often the engine's epoch advances: the granularity of time limits and cancellation.
+const EPOCH_TICK: Duration = Duration::from_millis(5);
 
 fn wasmtime_err(e: wasmtime::Error) -> HostError {
     HostError::Wasmtime(format!("{e:?}"))
@@ -110,7 +122,22 @@ impl HostBuilder {
     }
 
     pub fn build(self) -> Result<Host, HostError> {
-        let engine = Engine::default();
+        let mut config = Config::new();
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(wasmtime_err)?;
+        // A ticker advances the epoch so instances can be timed out or cancelled; it stops
+        // once the engine is gone.
+        let weak = engine.weak();
+        std::thread::Builder::new()
+            .name("wasi-nn-host-epoch".into())
+            .spawn(move || {
+                while let Some(engine) = weak.upgrade() {
+                    engine.increment_epoch();
+                    drop(engine);
+                    std::thread::sleep(EPOCH_TICK);
+                }
+            })
+            .map_err(|e| HostError::Wasmtime(format!("epoch thread: {e}")))?;
         let mut linker: Linker<GuestState> = Linker::new(&engine);
         wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut GuestState| &mut s.wasi)
             .map_err(wasmtime_err)?;
@@ -129,9 +156,76 @@ impl HostBuilder {
 pub struct GuestState {
     wasi: WasiP1Ctx,
     nn: WasiNnCtx,
+    limits: StoreLimits,
+}
+
+/// Receives a guest's stdout as it is written.
+pub type OutputCallback = Arc<dyn Fn(&[u8]) + Send + Sync>;
+
+/// A WASI stdout that hands every write to a callback (for streaming to a caller).
+#[derive(Clone)]
+struct CallbackOutput(OutputCallback);
+
+impl wasmtime_wasi::cli::IsTerminal for CallbackOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl wasmtime_wasi::cli::StdoutStream for CallbackOutput {
+    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
+        Box::new(self.clone())
+    }
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for CallbackOutput {
+    async fn ready(&mut self) {}
+}
+
+impl wasmtime_wasi::p2::OutputStream for CallbackOutput {
+    fn write(&mut self, bytes: bytes::Bytes) -> Result<(), wasmtime_wasi::p2::StreamError> {
+        (self.0)(&bytes);
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), wasmtime_wasi::p2::StreamError> {
+        Ok(())
+    }
+    fn check_write(&mut self) -> Result<usize, wasmtime_wasi::p2::StreamError> {
+        Ok(1 << 20)
+    }
+}
+
+impl tokio::io::AsyncWrite for CallbackOutput {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        (self.0)(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
 }
 
 /// A loaded host: compile guests with [`Host::load_module`], run them with [`Host::run`].
+/// `Host` is `Send + Sync`: share one (e.g. in an `Arc`) and run many instances at once from
+/// several threads; each run is a fresh sandboxed instance with its own wasi-nn contexts
+/// (KV caches) over the graphs' shared weights.
 pub struct Host {
     backend: Gpt2Backend,
     engine: Engine,
@@ -148,6 +242,14 @@ pub struct RunOptions {
     pub dirs: Vec<(PathBuf, String)>,
     /// Capture stdout and stderr (up to this many bytes each) instead of inheriting them.
     pub capture: Option<usize>,
+    /// Receive stdout as it is written (takes precedence over `capture` for stdout).
+    pub on_stdout: Option<OutputCallback>,
+    /// Cap on the instance's linear memory, in bytes.
+    pub max_memory_bytes: Option<usize>,
+    /// Wall-clock limit for the run; the instance is stopped when it passes.
+    pub timeout: Option<Duration>,
+    /// Set this flag to stop the instance (for example when the client went away).
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 /// What a guest run ended with.
@@ -202,6 +304,9 @@ impl Host {
                 wasi.inherit_stdout().inherit_stderr();
             }
         }
+        if let Some(callback) = &options.on_stdout {
+            wasi.stdout(CallbackOutput(callback.clone()));
+        }
         for (host_path, guest_path) in &options.dirs {
             wasi.preopened_dir(host_path, guest_path, FsPerms::ReadOnly)
                 .map_err(|e| HostError::Dir {
@@ -210,11 +315,28 @@ impl Host {
                 })?;
         }
         let backends = [Backend::from(self.backend.clone())];
+        let mut limits = StoreLimitsBuilder::new();
+        if let Some(bytes) = options.max_memory_bytes {
+            limits = limits.memory_size(bytes);
+        }
         let state = GuestState {
             wasi: wasi.build_p1(),
             nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
+            limits: limits.build(),
         };
         let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        // Every epoch tick the instance checks its deadline and its cancel flag.
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let cancel = options.cancel.clone();
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(wasmtime::Trap::Interrupt.into());
+            }
+            Ok(UpdateDeadline::Continue(1))
+        });
         let instance = self
             .linker
             .instantiate(&mut store, module)
@@ -231,6 +353,16 @@ impl Host {
             Ok(Ok(())) => 0,
             Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
                 Some(exit) => exit.0,
+                None if options
+                    .cancel
+                    .as_ref()
+                    .is_some_and(|c| c.load(Ordering::Relaxed)) =>
+                {
+                    return Err(HostError::Cancelled)
+                }
+                None if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
+                    return Err(HostError::Timeout(options.timeout.unwrap_or_default()))
+                }
                 None => return Err(HostError::Trap(format!("{e:?}"))),
             },
             Err(panic) => {

@@ -27,6 +27,7 @@ fn run_with(args: &[&str], dirs: Vec<(std::path::PathBuf, String)>) -> RunOutcom
         args: args.iter().map(|s| s.to_string()).collect(),
         dirs,
         capture: Some(1 << 30),
+        ..Default::default()
     };
     host.run(module, "gpt2.wasm", &options).expect("guest ran")
 }
@@ -264,4 +265,34 @@ fn a_guest_that_crashes_a_host_call_does_not_take_the_host_down() {
         )
         .expect("run after");
     assert_eq!(ok.exit_code, 0);
+}
+
+#[test]
+fn instance_limits_stop_runaway_guests() {
+    use wasi_nn_host::runtime::HostError;
+    let (host, module) = host();
+    let slow = RunOptions {
+        args: vec!["--max-tokens".into(), "400".into(), "x".into()],
+        capture: Some(1 << 20),
+        timeout: Some(std::time::Duration::from_millis(50)),
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let result = host.run(module, "gpt2.wasm", &slow);
+    assert!(matches!(result, Err(HostError::Timeout(_))), "{result:?}");
+    assert!(started.elapsed() < std::time::Duration::from_millis(500));
+    // The embedded tokenizer alone needs more than 4 MiB of linear memory.
+    let small = RunOptions {
+        args: vec!["x".into()],
+        capture: Some(1 << 20),
+        max_memory_bytes: Some(4 << 20),
+        ..Default::default()
+    };
+    match host.run(module, "gpt2.wasm", &small) {
+        Ok(out) => assert_ne!(out.exit_code, 0),
+        Err(e) => assert!(matches!(e, HostError::Trap(_)), "{e}"),
+    }
+    // and the host still serves
+    let ok = run_json(&["--json", "--max-tokens", "2", "ROMEO:"]);
+    assert_eq!(ids(&ok["ids"]).len(), 2);
 }
