@@ -160,6 +160,10 @@ pub struct Gpu {
     name: String,
     /// Programmatic dependent launch (sm_90+; WASI_NN_HOST_NO_PDL turns it off).
     pdl: bool,
+    /// Held while a session is created or destroyed and while a decode graph is captured:
+    /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
+    /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
+    setup: Mutex<()>,
 }
 
 impl Gpu {
@@ -203,11 +207,18 @@ impl Gpu {
             module,
             name,
             pdl,
+            setup: Mutex::new(()),
         })
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    fn setup_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.setup
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn kernels(&self, dtype: GpuDtype) -> Result<Kernels, Gpt2Error> {
@@ -310,7 +321,68 @@ struct ExecutorInner {
 }
 
 /// GPT-2 on the GPU: weights uploaded once, shared by every session.
-pub struct CudaExecutor(Arc<ExecutorInner>);
+pub struct CudaExecutor(Arc<ExecutorInner>, Arc<SessionPool>);
+
+/// Idle sessions of one executor, reused by new execution contexts: a request then skips the
+/// allocation of its KV cache and buffers, the cuBLAS set-up and the decode-graph capture.
+/// A reused session starts empty (length 0); nothing of the previous sequence is readable.
+struct SessionPool {
+    idle: Mutex<Vec<CudaSession>>,
+    max_idle: usize,
+}
+
+/// A pooled session: goes back to the pool when its execution context is dropped.
+struct PooledSession {
+    session: Option<CudaSession>,
+    pool: Arc<SessionPool>,
+}
+
+impl Drop for PooledSession {
+    fn drop(&mut self) {
+        if let Some(mut session) = self.session.take() {
+            session.len = 0;
+            session.all_rows = 0;
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                if idle.len() < self.pool.max_idle {
+                    idle.push(session);
+                    return;
+                }
+            }
+            drop(session);
+        }
+    }
+}
+
+impl PooledSession {
+    fn get(&mut self) -> Result<&mut CudaSession, Gpt2Error> {
+        self.session
+            .as_mut()
+            .ok_or_else(|| Gpt2Error::Device("session already released".into()))
+    }
+}
+
+impl Session for PooledSession {
+    fn len(&self) -> usize {
+        self.session.as_ref().map_or(0, |s| s.len)
+    }
+    fn truncate(&mut self, len: usize) {
+        if let Some(s) = self.session.as_mut() {
+            s.truncate(len);
+        }
+    }
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
+        self.get()?.extend(tokens, all_positions)
+    }
+    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        self.get()?.last_logits()
+    }
+    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
+        self.get()?.all_logits()
+    }
+    fn argmax(&mut self) -> Result<u32, Gpt2Error> {
+        self.get()?.argmax()
+    }
+}
 
 impl CudaExecutor {
     /// Upload `weights` (converted to `dtype`) to the GPU. `max_kv_bytes` caps each session's KV cache.
@@ -363,14 +435,24 @@ impl CudaExecutor {
         stream
             .synchronize()
             .map_err(device_err("uploading weights"))?;
-        Ok(Self(Arc::new(ExecutorInner {
-            gpu,
-            config,
-            dtype,
-            kernels,
-            weights: dev,
-            max_kv_bytes,
-        })))
+        // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
+        let session_bytes = 2 * config.n_layer * config.n_ctx * config.n_embd * 4
+            + config.n_ctx * 16 * config.n_embd * 4;
+        let pool = Arc::new(SessionPool {
+            idle: Mutex::new(Vec::new()),
+            max_idle: ((8usize << 30) / session_bytes.max(1)).clamp(1, 64),
+        });
+        Ok(Self(
+            Arc::new(ExecutorInner {
+                gpu,
+                config,
+                dtype,
+                kernels,
+                weights: dev,
+                max_kv_bytes,
+            }),
+            pool,
+        ))
     }
 
     pub fn gpu_name(&self) -> &str {
@@ -388,7 +470,15 @@ impl Executor for CudaExecutor {
         self.0.config
     }
     fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error> {
-        Ok(Box::new(self.open()?))
+        let reused = self.1.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let session = match reused {
+            Some(session) => session,
+            None => self.open()?,
+        };
+        Ok(Box::new(PooledSession {
+            session: Some(session),
+            pool: self.1.clone(),
+        }))
     }
 }
 
@@ -434,6 +524,7 @@ pub struct CudaSession {
     all_rows: usize,
     max_chunks: usize,
     graph: Option<CudaGraph>,
+    graph_failed: bool,
     /// cuBLAS for prefill products (None: our tiled kernel), with its scratch buffers.
     blas: Option<Blas>,
 }
@@ -485,6 +576,8 @@ unsafe impl Sync for CudaSession {}
 
 impl CudaSession {
     fn new(exec: Arc<ExecutorInner>) -> Result<Self, Gpt2Error> {
+        let gpu = exec.gpu.clone();
+        let _setup = gpu.setup_lock();
         let cfg = exec.config;
         let c = cfg.n_embd;
         let per_position = 2 * cfg.n_layer * c * 4;
@@ -539,6 +632,7 @@ impl CudaSession {
             capacity,
             len: 0,
             graph: None,
+            graph_failed: false,
             blas: Blas::new(&stream, capacity, c),
             stream,
             exec,
@@ -951,14 +1045,29 @@ impl CudaSession {
         self.stream
             .memcpy_htod(&[self.len as i32], &mut self.pos)
             .map_err(&err)?;
-        if self.graph.is_none() && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none() {
-            self.stream
+        if self.graph.is_none()
+            && !self.graph_failed
+            && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none()
+        {
+            let gpu = self.exec.gpu.clone();
+            let _setup = gpu.setup_lock();
+            let captured = self
+                .stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(&err)?;
-            let launched = self.decode_kernels();
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            launched?;
-            self.graph = graph.map_err(&err)?;
+                .map_err(&err)
+                .and_then(|()| {
+                    let launched = self.decode_kernels();
+                    let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+                    launched.and(graph.map_err(&err))
+                });
+            match captured {
+                Ok(graph) => self.graph = graph,
+                Err(e) => {
+                    // Run this session's steps kernel by kernel instead of failing the request.
+                    tracing::warn!("decode graph capture failed, running without a graph: {e}");
+                    self.graph_failed = true;
+                }
+            }
         }
         match &self.graph {
             Some(graph) => graph.launch().map_err(&err),
@@ -1195,6 +1304,17 @@ impl Session for CudaSession {
             .map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         Ok(out[0] as u32)
+    }
+}
+
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        // Free the graph and cuBLAS under the set-up lock; the buffers follow (stream-ordered).
+        let gpu = self.exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let _ = self.stream.synchronize();
+        self.graph = None;
+        self.blas = None;
     }
 }
 
