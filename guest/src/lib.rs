@@ -1,6 +1,7 @@
 //! The parts of `gpt2.wasm` that do not touch WASI-NN: the tokenizer, sampling, streaming text
 //! and stop strings. They build and are unit-tested natively as well as for wasm32-wasip1.
 
+pub mod generate;
 pub mod sampling;
 pub mod text;
 pub mod tokenizer;

@@ -5,8 +5,8 @@
 //! `F32 [1, vocab]`; a backend that returns `F32 [1, T, vocab]` works too) and samples the next
 //! token. The host's backend caches the prefix, so each step costs one position.
 
-use gpt2_guest::sampling::{Sampler, SamplingParams};
-use gpt2_guest::text::{StopMatcher, StopState, Utf8Stream};
+use gpt2_guest::generate::{Forward, Generation, GenerationParams};
+use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
 use std::io::Write;
 use std::time::Instant;
@@ -142,7 +142,7 @@ fn main() {
     }
 }
 
-/// A graph's execution context plus the buffer its logits are read into.
+/// A graph's execution context (wasi-nn witx ABI) plus the buffer its logits are read into.
 struct Model<'g> {
     context: GraphExecutionContext<'g>,
     vocab: usize,
@@ -170,14 +170,15 @@ impl<'g> Model<'g> {
         })
     }
 
-    fn set_tokens(&mut self, tokens: &[u32]) -> Result<(), Error> {
+    fn set_tokens(&mut self, tokens: &[u32]) -> Result<(), String> {
         self.context
             .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
-            .map_err(|e| format!("set_input (sequence of {} tokens): {e}", tokens.len()).into())
+            .map_err(|e| format!("set_input (sequence of {} tokens): {e}", tokens.len()))
     }
+}
 
-    /// The logits of the last position of `tokens`.
-    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], Error> {
+impl Forward for Model<'_> {
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
         self.set_tokens(tokens)?;
         self.context
             .compute()
@@ -192,20 +193,18 @@ impl<'g> Model<'g> {
                     .get_output(0, &mut self.buffer)
                     .map_err(|_| format!("get_output: {first}"))?
             }
-            Err(e) => return Err(format!("get_output: {e}").into()),
+            Err(e) => return Err(format!("get_output: {e}")),
         };
         let n = bytes / 4;
-        let row = if n == tokens.len() * self.vocab && tokens.len() > 1 {
+        Ok(if n == tokens.len() * self.vocab && tokens.len() > 1 {
             &self.buffer[n - self.vocab..n]
         } else {
             &self.buffer[..n]
-        };
-        Ok(row)
+        })
     }
 
-    /// The greedy next token: output 2 where the backend has it (4 bytes cross instead of
-    /// the whole logits row), else the argmax of output 0.
-    fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, Error> {
+    /// Output 2 where the backend has it (4 bytes cross instead of the whole logits row).
+    fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, String> {
         if self.has_argmax {
             self.set_tokens(tokens)?;
             self.context
@@ -220,9 +219,8 @@ impl<'g> Model<'g> {
         Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
     }
 
-    /// Logits of every position of `tokens` (`[T * vocab]`) from one prefill via output 1;
-    /// `None` if the backend has no such output.
-    fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, Error> {
+    /// Output 1 after input 1 (`logits_from` = 0): every position from one prefill.
+    fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {
         self.set_tokens(tokens)?;
         if self
             .context
@@ -244,14 +242,16 @@ impl<'g> Model<'g> {
 
 fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     let prompt = options.prompt.as_deref().unwrap_or_default();
-    let mut prompt_ids = tokenizer.encode(prompt)?;
-    if prompt_ids.is_empty() {
-        // Nothing to condition on: start from <|endoftext|>, as GPT-2 was trained.
-        prompt_ids.extend(tokenizer.end_of_text());
-    }
+    let params = GenerationParams {
+        max_tokens: options.max_tokens,
+        sampling: options.sampling,
+        stops: options.stops.clone(),
+    };
+    let mut generation = Generation::new(tokenizer, prompt, params)?;
     let graph = load_graph(options)?;
     let mut model = Model::new(&graph, tokenizer.vocab_size())?;
     if options.logits {
+        let prompt_ids = generation.prompt_ids().to_vec();
         let logits = model.last_logits(&prompt_ids)?;
         println!(
             "{}",
@@ -259,20 +259,13 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
         );
         return Ok(());
     }
-    let mut sampler = Sampler::new(options.sampling);
-    let mut stops = StopMatcher::new(options.stops.clone());
-    let mut utf8 = Utf8Stream::default();
     let mut stdout = std::io::stdout();
-
-    let mut sequence = prompt_ids.clone();
-    let mut generated: Vec<u32> = Vec::new();
-    let mut finish_reason = "length";
     let start = Instant::now();
-    let mut prompt_ms = 0.0;
-    let mut sampling_s = 0.0;
-    let show = |piece: &str, stdout: &mut std::io::Stdout| -> Result<(), Error> {
+    let mut prompt_ms = None;
+    while let Some(piece) = generation.next(&mut model, tokenizer)? {
+        prompt_ms.get_or_insert_with(|| start.elapsed().as_secs_f64() * 1e3);
         if piece.is_empty() {
-            return Ok(());
+            continue;
         }
         if options.stream_json {
             writeln!(stdout, "{}", serde_json::json!({ "text": piece }))?;
@@ -281,67 +274,30 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
             stdout.write_all(piece.as_bytes())?;
             stdout.flush()?;
         }
-        Ok(())
-    };
-    let greedy = options.sampling.temperature <= 0.0;
-    for step in 0..options.max_tokens {
-        let next = if greedy {
-            model.greedy_next(&sequence)?
-        } else {
-            let logits = model.last_logits(&sequence)?;
-            let sample_start = Instant::now();
-            let next = sampler.sample(logits) as u32;
-            sampling_s += sample_start.elapsed().as_secs_f64();
-            next
-        };
-        if step == 0 {
-            prompt_ms = start.elapsed().as_secs_f64() * 1e3;
-        }
-        if Some(next) == tokenizer.end_of_text() {
-            finish_reason = "eos";
-            break;
-        }
-        sequence.push(next);
-        generated.push(next);
-        let piece = utf8.push(tokenizer.token_bytes().get(next));
-        match stops.push(&piece) {
-            StopState::Continue(text) => show(&text, &mut stdout)?,
-            StopState::Stopped(text) => {
-                show(&text, &mut stdout)?;
-                finish_reason = "stop";
-                break;
-            }
-        }
-    }
-    if finish_reason != "stop" {
-        let tail = utf8.finish();
-        let (StopState::Continue(text) | StopState::Stopped(text)) = stops.push(&tail);
-        show(&text, &mut stdout)?;
-        let rest = stops.finish();
-        show(&rest, &mut stdout)?;
     }
     let total_ms = start.elapsed().as_secs_f64() * 1e3;
+    let prompt_ms = prompt_ms.unwrap_or(total_ms);
     if options.json {
-        let decode_tokens = generated.len().saturating_sub(1);
-        let decode_ms = total_ms - prompt_ms;
+        let generated = generation.ids().len();
+        let decode_tokens = generated.saturating_sub(1);
         let ms_per_token = if decode_tokens > 0 {
-            decode_ms / decode_tokens as f64
+            (total_ms - prompt_ms) / decode_tokens as f64
         } else {
             0.0
         };
         let line = serde_json::json!({
-            "prompt_ids": prompt_ids,
-            "ids": generated,
-            "text": stops.text(),
-            "finish_reason": finish_reason,
+            "prompt_ids": generation.prompt_ids(),
+            "ids": generation.ids(),
+            "text": generation.text(),
+            "finish_reason": generation.finish_reason(),
             "timings": {
-                "prompt_tokens": prompt_ids.len(),
-                "generated_tokens": generated.len(),
+                "prompt_tokens": generation.prompt_ids().len(),
+                "generated_tokens": generated,
                 "prompt_ms": prompt_ms,
                 "total_ms": total_ms,
                 "ms_per_token": ms_per_token,
                 "tokens_per_s": if ms_per_token > 0.0 { 1e3 / ms_per_token } else { 0.0 },
-                "sampling_ms_per_token": if generated.is_empty() { 0.0 } else { sampling_s * 1e3 / generated.len() as f64 },
+                "sampling_ms_per_token": if generated == 0 { 0.0 } else { generation.sampling_seconds * 1e3 / generated as f64 },
             }
         });
         writeln!(stdout, "{line}")?;
@@ -358,43 +314,20 @@ fn perplexity(options: &Options, tokenizer: &Gpt2Tokenizer, path: &str) -> Resul
     let ids = tokenizer.encode(&text)?;
     let graph = load_graph(options)?;
     let mut model = Model::new(&graph, tokenizer.vocab_size())?;
-    let vocab = model.vocab;
-    let limit = options.max_scored.unwrap_or(usize::MAX);
-    let (mut scored, mut nll) = (0usize, 0.0f64);
     let start = Instant::now();
-    let mut i = 0;
-    while i + 1 < ids.len() && scored < limit {
-        let n = options.window.min(ids.len() - 1 - i).min(limit - scored);
-        let window = &ids[i..i + n];
-        let targets = &ids[i + 1..i + 1 + n];
-        let rows = match model.all_logits(window)? {
-            Some(all) => all,
-            // No range output: one call per prefix (slow, but any backend can do it).
-            None => {
-                let mut all = Vec::with_capacity(n * vocab);
-                for j in 1..=n {
-                    all.extend_from_slice(model.last_logits(&window[..j])?);
-                }
-                all
-            }
-        };
-        for (row, &target) in rows.chunks_exact(vocab).zip(targets) {
-            nll += gpt2_guest::log_sum_exp(row) - row[target as usize] as f64;
-        }
-        scored += n;
-        i += options.window;
-    }
-    let per_token = if scored > 0 {
-        nll / scored as f64
-    } else {
-        f64::NAN
-    };
+    let score = gpt2_guest::generate::perplexity(
+        &mut model,
+        &ids,
+        tokenizer.vocab_size(),
+        options.window,
+        options.max_scored,
+    )?;
     let line = serde_json::json!({
         "tokens_total": ids.len(),
-        "tokens_scored": scored,
+        "tokens_scored": score.tokens_scored,
         "window": options.window,
-        "nll_per_token": per_token,
-        "perplexity": per_token.exp(),
+        "nll_per_token": score.nll_per_token,
+        "perplexity": score.perplexity,
         "ms": start.elapsed().as_secs_f64() * 1e3,
     });
     println!("{line}");
