@@ -7,5 +7,6 @@ scripts/setup.sh
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 cargo clippy --quiet -p gpt2-guest --target wasm32-wasip1 --profile release-wasm -- -D warnings
+cargo clippy --quiet -p gpt2-component --target wasm32-wasip2 --profile release-wasm -- -D warnings
 cargo test --release --workspace
 scripts/check-kernels.sh

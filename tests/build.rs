@@ -1,6 +1,7 @@
-//! Builds the guest, `gpt2.wasm`, for the tests (as wasmtime builds its test programs): a
-//! nested cargo for wasm32-wasip1 in its own target directory, so it never waits on the lock
-//! of the outer build. The path reaches the tests as `GPT2_WASM`.
+//! Builds the guests for the tests (as wasmtime builds its test programs): `gpt2.wasm` for
+//! wasm32-wasip1 and the component for wasm32-wasip2, with a nested cargo in its own target
+//! directory so it never waits on the lock of the outer build. The paths reach the tests as
+//! `GPT2_WASM` and `GPT2_COMPONENT`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,40 +15,46 @@ fn main() {
         .to_owned();
     let target_dir = root.join("target").join("guest");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(&root)
-        .args([
-            "build",
-            "-p",
-            "gpt2-guest",
-            "--bin",
-            "gpt2",
-            "--target",
-            "wasm32-wasip1",
-        ])
-        .args(["--profile", "release-wasm", "--target-dir"])
-        .arg(&target_dir);
-    // Flags meant for the host build must not leak into the wasm build.
-    for var in [
-        "RUSTFLAGS",
-        "CARGO_ENCODED_RUSTFLAGS",
-        "CARGO_TARGET_DIR",
-        "CARGO_BUILD_TARGET",
-        "RUSTC_WRAPPER",
-    ] {
-        cmd.env_remove(var);
+    let builds = [
+        ("gpt2-guest", "--bin=gpt2", "wasm32-wasip1"),
+        ("gpt2-component", "--lib", "wasm32-wasip2"),
+    ];
+    for (package, kind, target) in builds {
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(&root)
+            .args(["build", "-p", package, kind, "--target", target])
+            .args(["--profile", "release-wasm", "--target-dir"])
+            .arg(&target_dir);
+        // Flags meant for the host build must not leak into the wasm build.
+        for var in [
+            "RUSTFLAGS",
+            "CARGO_ENCODED_RUSTFLAGS",
+            "CARGO_TARGET_DIR",
+            "CARGO_BUILD_TARGET",
+            "RUSTC_WRAPPER",
+            "RUSTC_WORKSPACE_WRAPPER",
+            "CLIPPY_ARGS",
+            "CLIPPY_CONF_DIR",
+        ] {
+            cmd.env_remove(var);
+        }
+        let status = cmd.status().expect("run cargo to build the guest");
+        assert!(
+            status.success(),
+            "building {package} for {target} failed; is the target installed? \
+             (`rustup toolchain install` in the repository root adds it)"
+        );
     }
-    let status = cmd.status().expect("run cargo to build the guest");
-    assert!(
-        status.success(),
-        "building gpt2.wasm failed; is the wasm32-wasip1 target installed? (`rustup toolchain install` in the repository root adds it)"
-    );
     let wasm = target_dir.join("wasm32-wasip1/release-wasm/gpt2.wasm");
     println!("cargo:rustc-env=GPT2_WASM={}", wasm.display());
+    let component = target_dir.join("wasm32-wasip2/release-wasm/gpt2_component.wasm");
+    println!("cargo:rustc-env=GPT2_COMPONENT={}", component.display());
     for path in [
         "guest/src",
         "guest/assets",
         "guest/Cargo.toml",
+        "guest/component",
+        "wit",
         "Cargo.toml",
         "Cargo.lock",
     ] {

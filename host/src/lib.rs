@@ -4,7 +4,8 @@
 //! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
 //! - [`cpu`]: the CPU reference forward pass (the specification).
 //! - [`backend`]: the wasi-nn backend traits over an [`backend::Executor`] (CPU or CUDA).
-//! - [`runtime`]: the wasmtime host that instantiates guests.
+//! - [`runtime`]: the wasmtime host that instantiates guests (WASI preview 1 modules).
+//! - [`component`]: the same for the guest as a component (WASI preview 2, `wasi:nn` WIT).
 //!
 //! ```no_run
 //! use wasi_nn_host::{backend::Device, runtime::{HostBuilder, RunOptions}};
@@ -20,6 +21,7 @@
 //! ```
 
 pub mod backend;
+pub mod component;
 pub mod cpu;
 pub mod cuda;
 pub mod gpu_check;

@@ -143,10 +143,12 @@ impl HostBuilder {
             .map_err(wasmtime_err)?;
         wasmtime_wasi_nn::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)
             .map_err(wasmtime_err)?;
+        let component_linker = crate::component::component_linker(&engine).map_err(wasmtime_err)?;
         Ok(Host {
             backend: self.backend(),
             engine,
             linker,
+            component_linker,
             graphs: self.graphs,
         })
     }
@@ -230,6 +232,7 @@ pub struct Host {
     backend: Gpt2Backend,
     engine: Engine,
     linker: Linker<GuestState>,
+    component_linker: wasmtime::component::Linker<crate::component::ComponentState>,
     graphs: GraphSet,
 }
 
@@ -271,6 +274,24 @@ impl Host {
 
     pub fn device(&self) -> Device {
         self.backend.device()
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn backend(&self) -> &Gpt2Backend {
+        &self.backend
+    }
+
+    pub(crate) fn graphs(&self) -> &GraphSet {
+        &self.graphs
+    }
+
+    pub(crate) fn component_linker(
+        &self,
+    ) -> &wasmtime::component::Linker<crate::component::ComponentState> {
+        &self.component_linker
     }
 
     /// Compile a guest module (`.wasm` or `.wat`) from a file.

@@ -24,6 +24,11 @@ pub fn gpt2_wasm() -> PathBuf {
     PathBuf::from(env!("GPT2_WASM"))
 }
 
+/// The guest component (wasm32-wasip2) built by this crate's build script.
+pub fn gpt2_component() -> PathBuf {
+    PathBuf::from(env!("GPT2_COMPONENT"))
+}
+
 pub fn read_json(name: &str) -> serde_json::Value {
     let path = fixture(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -58,14 +58,17 @@ fn one(url: &str, max_tokens: u32, seed: u64) -> Result<(Vec<f64>, usize, String
     bail!("stream ended without [DONE]")
 }
 
+/// One client's piece gaps (ms), generated tokens and texts.
+type ClientResult = (Vec<f64>, usize, Vec<String>);
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let start = Instant::now();
-    let results: Vec<Result<(Vec<f64>, usize, Vec<String>)>> = std::thread::scope(|scope| {
+    let results: Vec<Result<ClientResult>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.concurrency)
             .map(|c| {
                 let args = &args;
-                scope.spawn(move || -> Result<(Vec<f64>, usize, Vec<String>)> {
+                scope.spawn(move || -> Result<ClientResult> {
                     let (mut gaps, mut pieces, mut texts) = (Vec::new(), 0, Vec::new());
                     for r in 0..args.requests {
                         let (g, p, t) = one(&args.url, args.max_tokens, (c * 1000 + r) as u64)?;

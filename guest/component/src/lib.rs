@@ -1,0 +1,192 @@
+//! The GPT-2 guest as a component (`wasm32-wasip2`): exports `gpt2:text/generate`, imports
+//! `wasi:nn` (WIT), and shares tokenizer, sampling and the generation loop with the wasip1
+//! command through the `gpt2-guest` library.
+
+use gpt2_guest::generate::{Forward, Generation as TextGeneration, GenerationParams};
+use gpt2_guest::sampling::SamplingParams;
+use gpt2_guest::tokenizer::Gpt2Tokenizer;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+wit_bindgen::generate!({
+    world: "gpt2",
+    path: "../../wit",
+    generate_all,
+});
+
+use exports::gpt2::text::generate::{Completion, Guest, GuestGeneration, Sampling, Score};
+use wasi::nn::{graph, inference, tensor};
+
+struct Component;
+export!(Component);
+
+fn tokenizer() -> Result<&'static Gpt2Tokenizer, String> {
+    static TOKENIZER: OnceLock<Result<Gpt2Tokenizer, String>> = OnceLock::new();
+    TOKENIZER
+        .get_or_init(|| Gpt2Tokenizer::embedded().map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// A graph's execution context through the `wasi:nn` WIT interface.
+struct WitModel {
+    context: inference::GraphExecutionContext,
+    _graph: graph::Graph,
+    logits: Vec<f32>,
+}
+
+fn nn_error(what: &str, e: wasi::nn::errors::Error) -> String {
+    format!("{what}: {:?}: {}", e.code(), e.data())
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+impl WitModel {
+    fn load(name: &str) -> Result<Self, String> {
+        let graph =
+            graph::load_by_name(name).map_err(|e| nn_error(&format!("load graph `{name}`"), e))?;
+        let context = graph
+            .init_execution_context()
+            .map_err(|e| nn_error("init-execution-context", e))?;
+        Ok(Self {
+            context,
+            _graph: graph,
+            logits: Vec::new(),
+        })
+    }
+
+    /// compute() with the token ids (and optionally logits-from); the named outputs.
+    fn compute(
+        &self,
+        tokens: &[u32],
+        logits_from: Option<i32>,
+    ) -> Result<Vec<(String, tensor::Tensor)>, String> {
+        let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut inputs = vec![(
+            "input_ids".to_string(),
+            tensor::Tensor::new(&[1, tokens.len() as u32], tensor::TensorType::I32, &ids),
+        )];
+        if let Some(from) = logits_from {
+            let bytes = from.to_le_bytes();
+            inputs.push((
+                "logits_from".to_string(),
+                tensor::Tensor::new(&[1], tensor::TensorType::I32, &bytes),
+            ));
+        }
+        self.context
+            .compute(inputs)
+            .map_err(|e| nn_error("compute", e))
+    }
+}
+
+fn output(outputs: &[(String, tensor::Tensor)], name: &str) -> Option<Vec<u8>> {
+    outputs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, t)| t.data())
+}
+
+impl Forward for WitModel {
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
+        let outputs = self.compute(tokens, None)?;
+        let data = output(&outputs, "logits")
+            .or_else(|| outputs.first().map(|(_, t)| t.data()))
+            .ok_or("compute returned no outputs")?;
+        self.logits = f32s(&data);
+        Ok(&self.logits)
+    }
+
+    fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {
+        let outputs = self.compute(tokens, Some(0))?;
+        Ok(output(&outputs, "range_logits").map(|d| f32s(&d)))
+    }
+}
+
+/// A generation: its model (loaded on first use) and its state.
+struct Generation {
+    graph: String,
+    state: RefCell<Result<(Option<WitModel>, TextGeneration), String>>,
+}
+
+impl GuestGeneration for Generation {
+    fn new(graph: String, prompt: String, params: Sampling) -> Self {
+        let params = GenerationParams {
+            max_tokens: params.max_tokens as usize,
+            sampling: SamplingParams {
+                temperature: params.temperature,
+                top_k: params.top_k as usize,
+                top_p: params.top_p,
+                seed: params.seed,
+            },
+            stops: params.stop,
+        };
+        let state = tokenizer()
+            .and_then(|t| TextGeneration::new(t, &prompt, params))
+            .map(|g| (None, g));
+        Self {
+            graph,
+            state: RefCell::new(state),
+        }
+    }
+
+    fn next(&self) -> Result<Option<String>, String> {
+        let tokenizer = tokenizer()?;
+        let mut state = self.state.borrow_mut();
+        let (model, generation) = state.as_mut().map_err(|e| e.clone())?;
+        if model.is_none() {
+            *model = Some(WitModel::load(&self.graph)?);
+        }
+        let model = model.as_mut().ok_or("no model")?;
+        generation.next(model, tokenizer)
+    }
+
+    fn finish(&self) -> Completion {
+        let state = self.state.borrow();
+        match state.as_ref() {
+            Ok((_, g)) => Completion {
+                prompt_ids: g.prompt_ids().to_vec(),
+                ids: g.ids().to_vec(),
+                text: g.text().to_owned(),
+                finish_reason: g.finish_reason().unwrap_or("length").to_owned(),
+            },
+            Err(_) => Completion {
+                prompt_ids: Vec::new(),
+                ids: Vec::new(),
+                text: String::new(),
+                finish_reason: "error".to_owned(),
+            },
+        }
+    }
+}
+
+impl Guest for Component {
+    type Generation = Generation;
+
+    fn perplexity(
+        graph: String,
+        text: String,
+        window: u32,
+        max_scored: Option<u32>,
+    ) -> Result<Score, String> {
+        let tokenizer = tokenizer()?;
+        let ids = tokenizer.encode(&text).map_err(|e| e.to_string())?;
+        let mut model = WitModel::load(&graph)?;
+        let score = gpt2_guest::generate::perplexity(
+            &mut model,
+            &ids,
+            tokenizer.vocab_size(),
+            window as usize,
+            max_scored.map(|m| m as usize),
+        )?;
+        Ok(Score {
+            tokens_scored: score.tokens_scored as u32,
+            nll_per_token: score.nll_per_token,
+            perplexity: score.perplexity,
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! Running the guest as a component (`wasm32-wasip2`, world `gpt2:text/gpt2` in `wit/`):
+//! WASI preview 2 plus `wasi:nn` through `wasmtime_wasi_nn::wit`, over the same backend and
+//! the same preloaded graphs as the preview-1 path. Each call instantiates the component
+//! afresh (its own WASI context, wasi-nn state and KV caches) with the same limits as
+//! [`crate::runtime::RunOptions`].
+
+use crate::runtime::{Host, HostError, RunOptions};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi_nn::wit::{WasiNnCtx, WasiNnView};
+use wasmtime_wasi_nn::{Backend, Registry};
+
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "gpt2:text/generator",
+    });
+}
+
+pub use bindings::exports::gpt2::text::generate::{Completion, Sampling, Score};
+
+/// Per-instance state of a component.
+pub struct ComponentState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    nn: WasiNnCtx,
+    limits: StoreLimits,
+}
+
+impl WasiView for ComponentState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+pub(crate) fn component_linker(
+    engine: &wasmtime::Engine,
+) -> wasmtime::Result<Linker<ComponentState>> {
+    let mut linker = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    wasmtime_wasi_nn::wit::add_to_linker(&mut linker, |s: &mut ComponentState| {
+        WasiNnView::new(&mut s.table, &mut s.nn)
+    })?;
+    Ok(linker)
+}
+
+fn trap(options: &RunOptions, e: wasmtime::Error) -> HostError {
+    if options
+        .cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed))
+    {
+        HostError::Cancelled
+    } else if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
+        HostError::Timeout(options.timeout.unwrap_or_default())
+    } else {
+        HostError::Trap(format!("{e:?}"))
+    }
+}
+
+impl Host {
+    /// Compile a guest component (`.wasm`) once.
+    pub fn load_component(&self, path: &std::path::Path) -> Result<Component, HostError> {
+        Component::from_file(self.engine(), path).map_err(|e| HostError::Module {
+            path: path.to_owned(),
+            message: format!("{e:?}"),
+        })
+    }
+
+    fn component_store(&self, options: &RunOptions) -> Store<ComponentState> {
+        let mut limits = StoreLimitsBuilder::new();
+        if let Some(bytes) = options.max_memory_bytes {
+            limits = limits.memory_size(bytes);
+        }
+        let state = ComponentState {
+            wasi: WasiCtxBuilder::new().build(),
+            table: ResourceTable::new(),
+            nn: WasiNnCtx::new(
+                [Backend::from(self.backend().clone())],
+                Registry::from(self.graphs().clone()),
+            ),
+            limits: limits.build(),
+        };
+        let mut store = Store::new(self.engine(), state);
+        store.limiter(|s| &mut s.limits);
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let cancel = options.cancel.clone();
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(wasmtime::Trap::Interrupt.into());
+            }
+            Ok(UpdateDeadline::Continue(1))
+        });
+        store
+    }
+
+    /// Generate with a fresh instance of `component` on graph `graph`, handing each piece of
+    /// text to `on_piece` as it is made. `options` gives the limits (its `args` are unused).
+    pub fn generate_with_component(
+        &self,
+        component: &Component,
+        graph: &str,
+        prompt: &str,
+        params: &Sampling,
+        options: &RunOptions,
+        mut on_piece: impl FnMut(&str),
+    ) -> Result<Result<Completion, String>, HostError> {
+        let mut store = self.component_store(options);
+        let instance =
+            bindings::Generator::instantiate(&mut store, component, self.component_linker())
+                .map_err(|e| HostError::Wasmtime(format!("{e:?}")))?;
+        let generate = instance.gpt2_text_generate();
+        let generation = generate
+            .generation()
+            .call_constructor(&mut store, graph, prompt, params)
+            .map_err(|e| trap(options, e))?;
+        loop {
+            match generate
+                .generation()
+                .call_next(&mut store, generation)
+                .map_err(|e| trap(options, e))?
+            {
+                Ok(Some(piece)) => on_piece(&piece),
+                Ok(None) => break,
+                Err(message) => return Ok(Err(message)),
+            }
+        }
+        let completion = generate
+            .generation()
+            .call_finish(&mut store, generation)
+            .map_err(|e| trap(options, e))?;
+        generation
+            .resource_drop(&mut store)
+            .map_err(|e| trap(options, e))?;
+        Ok(Ok(completion))
+    }
+
+    /// Score `text` with a fresh instance of `component` (see the WIT `perplexity`).
+    pub fn perplexity_with_component(
+        &self,
+        component: &Component,
+        graph: &str,
+        text: &str,
+        window: u32,
+        max_scored: Option<u32>,
+        options: &RunOptions,
+    ) -> Result<Result<Score, String>, HostError> {
+        let mut store = self.component_store(options);
+        let instance =
+            bindings::Generator::instantiate(&mut store, component, self.component_linker())
+                .map_err(|e| HostError::Wasmtime(format!("{e:?}")))?;
+        instance
+            .gpt2_text_generate()
+            .call_perplexity(&mut store, graph, text, window, max_scored)
+            .map_err(|e| trap(options, e))
+    }
+}

@@ -1,0 +1,140 @@
+//! The guest as a component (wasm32-wasip2, `wasi:nn` WIT) under the same host and backend:
+//! the same text as the wasip1 command, streamed piece by piece, and the same perplexity.
+
+use integration_tests::*;
+use wasi_nn_host::component::Sampling;
+use wasi_nn_host::{Device, HostBuilder, RunOptions};
+
+fn sampling(max_tokens: u32, temperature: f32, stop: Vec<String>) -> Sampling {
+    Sampling {
+        max_tokens,
+        temperature,
+        top_k: 0,
+        top_p: 0.9,
+        seed: 3,
+        stop,
+    }
+}
+
+#[test]
+fn the_component_generates_what_the_command_generates() {
+    let host = HostBuilder::new(Device::Cpu)
+        .graph("gpt2", &shakespeare_dir())
+        .expect("model")
+        .build()
+        .expect("host");
+    let component = host
+        .load_component(&gpt2_component())
+        .expect("compile component");
+    let module = host.load_module(&gpt2_wasm()).expect("compile module");
+    let limits = RunOptions {
+        timeout: Some(std::time::Duration::from_secs(60)),
+        max_memory_bytes: Some(1 << 30),
+        ..Default::default()
+    };
+    let command = |args: &[&str]| -> serde_json::Value {
+        let mut all = vec!["--json".to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let options = RunOptions {
+            args: all,
+            capture: Some(1 << 20),
+            ..Default::default()
+        };
+        let out = host.run(&module, "gpt2.wasm", &options).expect("run");
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+
+    // greedy: identical ids and text to the command and to HF's greedy continuation
+    let fixture = read_json("shakespeare.json");
+    let mut pieces = Vec::new();
+    let completion = host
+        .generate_with_component(
+            &component,
+            "gpt2",
+            "ROMEO:",
+            &sampling(64, 0.0, vec![]),
+            &limits,
+            |p| pieces.push(p.to_owned()),
+        )
+        .expect("run")
+        .expect("generate");
+    assert_eq!(completion.ids, id_lists(&fixture["greedy_64"])[0]);
+    assert_eq!(completion.prompt_ids, ids(&fixture["prompt_ids"][0]));
+    assert_eq!(pieces.concat(), completion.text);
+    assert!(pieces.len() > 30, "streamed in pieces");
+    assert_eq!(completion.finish_reason, "length");
+
+    // sampled with a seed and a stop string: the same as the command with the same settings
+    let want = command(&[
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--stop",
+        "\n\n",
+        "JULIET:",
+    ]);
+    let got = host
+        .generate_with_component(
+            &component,
+            "gpt2",
+            "JULIET:",
+            &sampling(40, 0.9, vec!["\n\n".into()]),
+            &limits,
+            |_| {},
+        )
+        .expect("run")
+        .expect("generate");
+    assert_eq!(serde_json::json!(got.ids), want["ids"]);
+    assert_eq!(serde_json::json!(got.text), want["text"]);
+    assert_eq!(serde_json::json!(got.finish_reason), want["finish_reason"]);
+
+    // scoring through the range output, equal to the command's
+    let text =
+        std::fs::read_to_string(repo_root().join("tests/data/tinyshakespeare.txt")).expect("data");
+    let text = &text[1_011_177..1_011_177 + 4000];
+    let score = host
+        .perplexity_with_component(&component, "gpt2", text, 128, Some(300), &limits)
+        .expect("run")
+        .expect("score");
+    let dir = std::env::temp_dir().join(format!("gpt2-component-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    std::fs::write(dir.join("t.txt"), text).expect("write");
+    let options = RunOptions {
+        args: [
+            "--perplexity",
+            "d/t.txt",
+            "--window",
+            "128",
+            "--max-scored",
+            "300",
+        ]
+        .map(String::from)
+        .to_vec(),
+        dirs: vec![(dir, "d".into())],
+        capture: Some(1 << 20),
+        ..Default::default()
+    };
+    let out = host.run(&module, "gpt2.wasm", &options).expect("run");
+    let want: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(score.tokens_scored, 300);
+    let (a, b) = (score.perplexity, want["perplexity"].as_f64().expect("ppl"));
+    assert!((a - b).abs() / b < 1e-9, "component {a} vs command {b}");
+
+    // an unknown graph is an error value, not a trap
+    let err = host
+        .generate_with_component(
+            &component,
+            "nope",
+            "x",
+            &sampling(3, 0.0, vec![]),
+            &limits,
+            |_| {},
+        )
+        .expect("run");
+    assert!(err.expect_err("unknown graph").contains("nope"));
+}
