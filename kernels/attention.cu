@@ -156,15 +156,16 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // Prefill, tiled (flash-attention style, CUDA cores): block (h, q-tile) of 128 threads holds
 // 32 queries; key/value tiles of 32 positions pass through shared memory once per q-tile, with
 // an online softmax. Thread t owns query t/4 and, of each key tile, keys (t%4) + 4m for scores
-// and dimensions (t%4) + 4i for the output. Needs hd <= 64 and hd % 4 == 0.
+// and the contiguous dimensions (t%4) * hd/4 .. for the output; shared memory is read 16 bytes
+// at a time. Needs hd <= 64 and hd % 16 == 0.
 #define FA_Q 32
 #define FA_K 32
 #define FA_HD 64
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_tiled(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
                             int rows, int c, int hd) {
-    __shared__ float qs[FA_Q][FA_HD + 1];  // padded: 8 queries of a warp hit 8 banks
-    __shared__ float ks[FA_K][FA_HD + 1];
+    __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
+    __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ __align__(16) float vs[FA_K][FA_HD];
     __shared__ float ps[FA_Q][FA_K + 1];
     pdl_launch_dependents();
@@ -172,26 +173,30 @@ extern "C" __global__ void __launch_bounds__(128)
     int h = blockIdx.x, q0 = blockIdx.y * FA_Q;
     int tid = threadIdx.x, q = tid >> 2, part = tid & 3;
     float scale = rsqrtf((float)hd);
-    for (int idx = tid; idx < FA_Q * hd; idx += blockDim.x) {
-        int r = idx / hd, d = idx % hd;
-        qs[r][d] = q0 + r < rows ? qkv[(size_t)(q0 + r) * 3 * c + h * hd + d] * scale : 0.0f;
+    int quads = hd / 4;  // float4 per row
+    for (int idx = tid; idx < FA_Q * quads; idx += blockDim.x) {
+        int r = idx / quads, d = (idx % quads) * 4;
+        float4 v = q0 + r < rows ? *reinterpret_cast<const float4*>(qkv + (size_t)(q0 + r) * 3 * c + h * hd + d)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+        v.x *= scale; v.y *= scale; v.z *= scale; v.w *= scale;
+        *reinterpret_cast<float4*>(&qs[r][d]) = v;
     }
-    int qpos = start + q0 + q;
-    int dims = hd / 4;  // output dimensions per thread
     __syncthreads();
-    float qr[FA_HD];  // this thread's query row, in registers
+    float4 qr[FA_HD / 4];  // this thread's query row
 #pragma unroll
-    for (int d = 0; d < FA_HD; d++) qr[d] = d < hd ? qs[q][d] : 0.0f;
-    float acc[FA_HD / 4];
+    for (int i = 0; i < FA_HD / 4; i++)
+        qr[i] = i < quads ? *reinterpret_cast<const float4*>(&qs[q][4 * i]) : make_float4(0.f, 0.f, 0.f, 0.f);
+    int qpos = start + q0 + q;
+    int dims4 = quads / 4;  // output float4 per thread (hd/16)
+    int d0 = part * (hd / 4);
+    float4 acc[FA_HD / 16];
 #pragma unroll
-    for (int i = 0; i < FA_HD / 4; i++) acc[i] = 0.0f;
+    for (int i = 0; i < FA_HD / 16; i++) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     float m = -INFINITY, l = 0.0f;
     int keys = min(start + q0 + FA_Q, start + rows);  // keys 0..keys-1 are visible to some query
     for (int k0 = 0; k0 < keys; k0 += FA_K) {
-        // Issue every load of the tile before storing any (a strided loop would wait one
-        // round trip per iteration): at most FA_K * FA_HD / 4 / 128 = 4 float4 each of K and V.
+        // Issue every load of the tile before storing any: at most 4 float4 each of K and V.
         float4 kreg[4], vreg[4];
-        int quads = hd / 4;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             int idx = u * 128 + tid, r = idx / quads, d = (idx % quads) * 4;
@@ -205,8 +210,8 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int u = 0; u < 4; u++) {
             int idx = u * 128 + tid, r = idx / quads, d = (idx % quads) * 4;
             if (idx < FA_K * quads) {
-                ks[r][d] = kreg[u].x; ks[r][d + 1] = kreg[u].y; ks[r][d + 2] = kreg[u].z; ks[r][d + 3] = kreg[u].w;
-                vs[r][d] = vreg[u].x; vs[r][d + 1] = vreg[u].y; vs[r][d + 2] = vreg[u].z; vs[r][d + 3] = vreg[u].w;
+                *reinterpret_cast<float4*>(&ks[r][d]) = kreg[u];
+                *reinterpret_cast<float4*>(&vs[r][d]) = vreg[u];
             }
         }
         __syncthreads();
@@ -217,8 +222,12 @@ extern "C" __global__ void __launch_bounds__(128)
             int j = part + 4 * mm;
             float dot = 0.0f;
 #pragma unroll
-            for (int d = 0; d < FA_HD; d++)
-                if (d < hd) dot += qr[d] * ks[j][d];
+            for (int i = 0; i < FA_HD / 4; i++) {
+                if (i < quads) {
+                    float4 kv = *reinterpret_cast<const float4*>(&ks[j][4 * i]);
+                    dot += qr[i].x * kv.x + qr[i].y * kv.y + qr[i].z * kv.z + qr[i].w * kv.w;
+                }
+            }
             s[mm] = (k0 + j <= qpos && k0 + j < keys) ? dot : -INFINITY;
             tile_max = fmaxf(tile_max, s[mm]);
         }
@@ -239,17 +248,29 @@ extern "C" __global__ void __launch_bounds__(128)
         m = m_new;
         __syncwarp();
 #pragma unroll
-        for (int i = 0; i < FA_HD / 4; i++) acc[i] *= corr;
+        for (int i = 0; i < FA_HD / 16; i++) {
+            acc[i].x *= corr; acc[i].y *= corr; acc[i].z *= corr; acc[i].w *= corr;
+        }
+#pragma unroll 4
         for (int j = 0; j < FA_K; j++) {
             float p = ps[q][j];
 #pragma unroll
-            for (int i = 0; i < FA_HD / 4; i++)
-                if (i < dims) acc[i] += p * vs[j][part + 4 * i];
+            for (int i = 0; i < FA_HD / 16; i++) {
+                if (i < dims4) {
+                    float4 vv = *reinterpret_cast<const float4*>(&vs[j][d0 + 4 * i]);
+                    acc[i].x += p * vv.x; acc[i].y += p * vv.y; acc[i].z += p * vv.z; acc[i].w += p * vv.w;
+                }
+            }
         }
     }
     if (q0 + q < rows) {
+        float inv = 1.0f / l;
 #pragma unroll
-        for (int i = 0; i < FA_HD / 4; i++)
-            if (i < dims) out[(size_t)(q0 + q) * c + h * hd + part + 4 * i] = acc[i] / l;
+        for (int i = 0; i < FA_HD / 16; i++) {
+            if (i < dims4) {
+                float4 o = make_float4(acc[i].x * inv, acc[i].y * inv, acc[i].z * inv, acc[i].w * inv);
+                *reinterpret_cast<float4*>(out + (size_t)(q0 + q) * c + h * hd + d0 + 4 * i) = o;
+            }
+        }
     }
 }
