@@ -4,11 +4,9 @@
 //! afresh (its own WASI context, wasi-nn state and KV caches) with the same limits as
 //! [`crate::runtime::RunOptions`].
 
-use crate::runtime::{Host, HostError, RunOptions};
-use std::sync::atomic::Ordering;
-use std::time::Instant;
+use crate::runtime::{arm_deadline, run_error, store_limits, Host, HostError, RunOptions};
 use wasmtime::component::{Component, Linker, ResourceTable};
-use wasmtime::{Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
+use wasmtime::{Store, StoreLimits};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use wasmtime_wasi_nn::wit::{WasiNnCtx, WasiNnView};
 use wasmtime_wasi_nn::{Backend, Registry};
@@ -50,20 +48,6 @@ pub(crate) fn component_linker(
     Ok(linker)
 }
 
-fn trap(options: &RunOptions, e: wasmtime::Error) -> HostError {
-    if options
-        .cancel
-        .as_ref()
-        .is_some_and(|c| c.load(Ordering::Relaxed))
-    {
-        HostError::Cancelled
-    } else if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
-        HostError::Timeout(options.timeout.unwrap_or_default())
-    } else {
-        HostError::Trap(format!("{e:?}"))
-    }
-}
-
 impl Host {
     /// Compile a guest component (`.wasm`) once.
     pub fn load_component(&self, path: &std::path::Path) -> Result<Component, HostError> {
@@ -74,10 +58,6 @@ impl Host {
     }
 
     fn component_store(&self, options: &RunOptions) -> Store<ComponentState> {
-        let mut limits = StoreLimitsBuilder::new();
-        if let Some(bytes) = options.max_memory_bytes {
-            limits = limits.memory_size(bytes);
-        }
         let state = ComponentState {
             wasi: WasiCtxBuilder::new().build(),
             table: ResourceTable::new(),
@@ -85,20 +65,11 @@ impl Host {
                 [Backend::from(self.backend().clone())],
                 Registry::from(self.graphs().clone()),
             ),
-            limits: limits.build(),
+            limits: store_limits(options),
         };
         let mut store = Store::new(self.engine(), state);
         store.limiter(|s| &mut s.limits);
-        let deadline = options.timeout.map(|t| Instant::now() + t);
-        let cancel = options.cancel.clone();
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| {
-            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
-            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(wasmtime::Trap::Interrupt.into());
-            }
-            Ok(UpdateDeadline::Continue(1))
-        });
+        arm_deadline(&mut store, options);
         store
     }
 
@@ -121,12 +92,12 @@ impl Host {
         let generation = generate
             .generation()
             .call_constructor(&mut store, graph, prompt, params)
-            .map_err(|e| trap(options, e))?;
+            .map_err(|e| run_error(options, e))?;
         loop {
             match generate
                 .generation()
                 .call_next(&mut store, generation)
-                .map_err(|e| trap(options, e))?
+                .map_err(|e| run_error(options, e))?
             {
                 Ok(Some(piece)) => on_piece(&piece),
                 Ok(None) => break,
@@ -136,10 +107,10 @@ impl Host {
         let completion = generate
             .generation()
             .call_finish(&mut store, generation)
-            .map_err(|e| trap(options, e))?;
+            .map_err(|e| run_error(options, e))?;
         generation
             .resource_drop(&mut store)
-            .map_err(|e| trap(options, e))?;
+            .map_err(|e| run_error(options, e))?;
         Ok(Ok(completion))
     }
 
@@ -160,6 +131,6 @@ impl Host {
         instance
             .gpt2_text_generate()
             .call_perplexity(&mut store, graph, text, window, max_scored)
-            .map_err(|e| trap(options, e))
+            .map_err(|e| run_error(options, e))
     }
 }

@@ -161,6 +161,45 @@ pub struct GuestState {
     limits: StoreLimits,
 }
 
+/// The memory cap of `options` as store limits.
+pub(crate) fn store_limits(options: &RunOptions) -> StoreLimits {
+    let mut limits = StoreLimitsBuilder::new();
+    if let Some(bytes) = options.max_memory_bytes {
+        limits = limits.memory_size(bytes);
+    }
+    limits.build()
+}
+
+/// Every epoch tick the instance checks its deadline and its cancel flag, and stops (traps
+/// with `Interrupt`) once either says so.
+pub(crate) fn arm_deadline<T>(store: &mut Store<T>, options: &RunOptions) {
+    let deadline = options.timeout.map(|t| Instant::now() + t);
+    let cancel = options.cancel.clone();
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_callback(move |_| {
+        let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+        if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(wasmtime::Trap::Interrupt.into());
+        }
+        Ok(UpdateDeadline::Continue(1))
+    });
+}
+
+/// Why a run stopped with an error: cancelled, out of time, or a trap.
+pub(crate) fn run_error(options: &RunOptions, e: wasmtime::Error) -> HostError {
+    if options
+        .cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed))
+    {
+        HostError::Cancelled
+    } else if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
+        HostError::Timeout(options.timeout.unwrap_or_default())
+    } else {
+        HostError::Trap(format!("{e:?}"))
+    }
+}
+
 /// Receives a guest's stdout as it is written.
 pub type OutputCallback = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
@@ -336,28 +375,14 @@ impl Host {
                 })?;
         }
         let backends = [Backend::from(self.backend.clone())];
-        let mut limits = StoreLimitsBuilder::new();
-        if let Some(bytes) = options.max_memory_bytes {
-            limits = limits.memory_size(bytes);
-        }
         let state = GuestState {
             wasi: wasi.build_p1(),
             nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
-            limits: limits.build(),
+            limits: store_limits(options),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
-        // Every epoch tick the instance checks its deadline and its cancel flag.
-        let deadline = options.timeout.map(|t| Instant::now() + t);
-        let cancel = options.cancel.clone();
-        store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| {
-            let cancelled = cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
-            if cancelled || deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(wasmtime::Trap::Interrupt.into());
-            }
-            Ok(UpdateDeadline::Continue(1))
-        });
+        arm_deadline(&mut store, options);
         let instance = self
             .linker
             .instantiate(&mut store, module)
