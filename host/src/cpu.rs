@@ -233,7 +233,7 @@ pub fn linear(
 
 /// Causal multi-head attention for `n` new positions starting at absolute position `start`.
 /// `qkv` is `[n, 3C]`; the caches hold keys and values of positions `0..start + n`.
-fn attention(
+pub(crate) fn attention(
     out: &mut [f32],
     qkv: &[f32],
     (k_cache, v_cache): (&[f32], &[f32]),

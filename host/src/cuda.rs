@@ -924,7 +924,6 @@ impl CudaSession {
         let cfg = self.exec.config;
         let w = &self.exec.weights;
         let c = cfg.n_embd;
-        let hd = cfg.head_dim();
         // Profiling aid: WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head leaves kernels out of the
         // captured step (the numbers are then wrong; only the timing means something).
         let skip = profile_skip;
@@ -946,41 +945,7 @@ impl CudaSession {
                 )?;
             }
             if !skip("attn") {
-                let (c32, hd32, chunks) = (c as i32, hd as i32, self.max_chunks as i32);
-                let grid = LaunchConfig {
-                    grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
-                    block_dim: (ATT_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: the position is < capacity (checked before the step); the partial
-                // buffer holds n_head * max_chunks * (hd + 2) floats.
-                let mut args = kernel_args![
-                    &self.partial.ptr,
-                    &self.qkv.ptr,
-                    &kv.0,
-                    &kv.1,
-                    &self.pos_ptr,
-                    &c32,
-                    &hd32,
-                    &chunks
-                ];
-                unsafe { self.launch(&self.exec.kernels.att_partial, grid, &mut args) }
-                    .map_err(device_err("attention"))?;
-                let grid = LaunchConfig {
-                    grid_dim: (cfg.n_head as u32, 1, 1),
-                    block_dim: (ATT_THREADS, 1, 1),
-                    shared_mem_bytes: (self.max_chunks * 4) as u32,
-                };
-                // SAFETY: as above; h holds C floats.
-                let mut args = kernel_args![
-                    &self.h.ptr,
-                    &self.partial.ptr,
-                    &self.pos_ptr,
-                    &hd32,
-                    &chunks
-                ];
-                unsafe { self.launch(&self.exec.kernels.att_combine, grid, &mut args) }
-                    .map_err(device_err("attention"))?;
+                self.decode_attention(kv)?;
             }
             if !skip("proj") {
                 self.matvec(
@@ -1034,6 +999,51 @@ impl CudaSession {
             )?;
         }
         self.argmax_kernel()
+    }
+
+    /// Attention of the query in qkv[0..C] over positions 0..=pos of one layer's cache,
+    /// split across blocks, then combined into h.
+    fn decode_attention(&self, kv: (u64, u64)) -> Result<(), Gpt2Error> {
+        let cfg = self.exec.config;
+        let (c32, hd32, chunks) = (
+            cfg.n_embd as i32,
+            cfg.head_dim() as i32,
+            self.max_chunks as i32,
+        );
+        let grid = LaunchConfig {
+            grid_dim: (cfg.n_head as u32, self.max_chunks as u32, 1),
+            block_dim: (ATT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the position is < capacity (checked before the step); the partial
+        // buffer holds n_head * max_chunks * (hd + 2) floats.
+        let mut args = kernel_args![
+            &self.partial.ptr,
+            &self.qkv.ptr,
+            &kv.0,
+            &kv.1,
+            &self.pos_ptr,
+            &c32,
+            &hd32,
+            &chunks
+        ];
+        unsafe { self.launch(&self.exec.kernels.att_partial, grid, &mut args) }
+            .map_err(device_err("attention"))?;
+        let grid = LaunchConfig {
+            grid_dim: (cfg.n_head as u32, 1, 1),
+            block_dim: (ATT_THREADS, 1, 1),
+            shared_mem_bytes: (self.max_chunks * 4) as u32,
+        };
+        // SAFETY: as above; h holds C floats.
+        let mut args = kernel_args![
+            &self.h.ptr,
+            &self.partial.ptr,
+            &self.pos_ptr,
+            &hd32,
+            &chunks
+        ];
+        unsafe { self.launch(&self.exec.kernels.att_combine, grid, &mut args) }
+            .map_err(device_err("attention"))
     }
 
     /// One decode step through the captured graph (captured on first use).
@@ -1355,4 +1365,357 @@ pub fn weight_bytes(config: &Gpt2Config, dtype: GpuDtype) -> usize {
             GpuDtype::F32 => 4,
             GpuDtype::Bf16 => 2,
         }
+}
+
+/// Each kernel alone against the CPU reference functions, on fresh random inputs of several
+/// sizes (`wasi-nn-host check-cuda` and `tests/tests/cuda.rs` run it). For bf16 weights the
+/// reference uses the same bf16-rounded weights, so both sides multiply the same numbers.
+pub mod kernel_checks {
+    use super::*;
+    use crate::cpu;
+    use crate::model::{random_weights, LayerWeights};
+    use rand::{Rng, SeedableRng};
+
+    /// One kernel on one size: the worst `|gpu - cpu| / max(1, |cpu|)`.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct KernelReport {
+        pub kernel: String,
+        pub dtype: String,
+        pub size: String,
+        pub max_error: f32,
+        pub tolerance: f32,
+        pub passed: bool,
+    }
+
+    fn bf16_round(v: &[f32]) -> Vec<f32> {
+        v.iter()
+            .map(|x| half::bf16::from_f32(*x).to_f32())
+            .collect()
+    }
+
+    fn rounded(w: &Gpt2Weights) -> Gpt2Weights {
+        let r = |v: &Vec<f32>| bf16_round(v);
+        Gpt2Weights {
+            config: w.config,
+            wte: r(&w.wte),
+            wpe: r(&w.wpe),
+            lnf_w: r(&w.lnf_w),
+            lnf_b: r(&w.lnf_b),
+            layers: w
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    ln1_w: r(&l.ln1_w),
+                    ln1_b: r(&l.ln1_b),
+                    qkv_w: r(&l.qkv_w),
+                    qkv_b: r(&l.qkv_b),
+                    proj_w: r(&l.proj_w),
+                    proj_b: r(&l.proj_b),
+                    ln2_w: r(&l.ln2_w),
+                    ln2_b: r(&l.ln2_b),
+                    fc_w: r(&l.fc_w),
+                    fc_b: r(&l.fc_b),
+                    fc_proj_w: r(&l.fc_proj_w),
+                    fc_proj_b: r(&l.fc_proj_b),
+                })
+                .collect(),
+        }
+    }
+
+    fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
+        if ours.len() != reference.len() {
+            return f32::INFINITY;
+        }
+        ours.iter()
+            .zip(reference)
+            .map(|(a, b)| {
+                let e = (a - b).abs() / b.abs().max(1.0);
+                if e.is_nan() {
+                    f32::INFINITY
+                } else {
+                    e
+                }
+            })
+            .fold(0.0, f32::max)
+    }
+
+    struct Bench<'a> {
+        s: &'a mut CudaSession,
+        rng: rand_chacha::ChaCha8Rng,
+    }
+
+    impl Bench<'_> {
+        fn random(&mut self, n: usize) -> Vec<f32> {
+            (0..n)
+                .map(|_| self.rng.random::<f32>() * 2.0 - 1.0)
+                .collect()
+        }
+        fn put(
+            &mut self,
+            which: fn(&mut CudaSession) -> &mut CudaSlice<f32>,
+            values: &[f32],
+        ) -> Result<(), Gpt2Error> {
+            let stream = self.s.stream.clone();
+            let mut dst = which(self.s).slice_mut(0..values.len());
+            stream
+                .memcpy_htod(values, &mut dst)
+                .map_err(device_err("upload"))
+        }
+        fn get(
+            &self,
+            which: fn(&CudaSession) -> &CudaSlice<f32>,
+            n: usize,
+        ) -> Result<Vec<f32>, Gpt2Error> {
+            let mut out = vec![0.0f32; n];
+            self.s
+                .stream
+                .memcpy_dtoh(&which(self.s).slice(0..n), &mut out)
+                .map_err(device_err("download"))?;
+            self.s.synchronize()?;
+            Ok(out)
+        }
+    }
+
+    /// Run every kernel on random inputs for a few model widths, in f32 and bf16.
+    pub fn run(seed: u64) -> Result<Vec<KernelReport>, Gpt2Error> {
+        let mut reports = Vec::new();
+        for (i, &(n_head, n_embd, n_ctx, vocab_size)) in
+            [(4, 64, 96, 301), (4, 256, 160, 1000), (12, 768, 300, 5003)]
+                .iter()
+                .enumerate()
+        {
+            let config = Gpt2Config {
+                n_layer: 1,
+                n_head,
+                n_embd,
+                n_ctx,
+                vocab_size,
+            };
+            let weights = random_weights(config, seed.wrapping_add(i as u64));
+            for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
+                let reference = match dtype {
+                    GpuDtype::F32 => weights.clone(),
+                    GpuDtype::Bf16 => rounded(&weights),
+                };
+                let exec = CudaExecutor::new(&weights, dtype, usize::MAX)?;
+                let mut session = exec.open()?;
+                let mut bench = Bench {
+                    s: &mut session,
+                    rng: rand_chacha::ChaCha8Rng::seed_from_u64(
+                        seed ^ (i as u64 * 7919 + dtype as u64),
+                    ),
+                };
+                let size = format!("C{n_embd} H{n_head} T{n_ctx} V{vocab_size}");
+                let mut report = |kernel: &str, ours: &[f32], want: &[f32], tolerance: f32| {
+                    let max_error = scaled_error(ours, want);
+                    reports.push(KernelReport {
+                        kernel: kernel.to_owned(),
+                        dtype: format!("{dtype:?}").to_lowercase(),
+                        size: size.clone(),
+                        max_error,
+                        tolerance,
+                        passed: max_error <= tolerance,
+                    });
+                };
+                check_one(&mut bench, &exec.0.weights, &reference, dtype, &mut report)?;
+            }
+        }
+        Ok(reports)
+    }
+
+    fn check_one(
+        b: &mut Bench<'_>,
+        dev: &DevWeights,
+        w: &Gpt2Weights,
+        dtype: GpuDtype,
+        report: &mut impl FnMut(&str, &[f32], &[f32], f32),
+    ) -> Result<(), Gpt2Error> {
+        let cfg = w.config;
+        let (c, v) = (cfg.n_embd, cfg.vocab_size);
+        let (lw, dl) = (&w.layers[0], &dev.layers[0]);
+        let none = (0u64, 0u64);
+
+        // matvec: LayerNorm prologue, bias + GELU epilogue (the FC step of decode)
+        let x = b.random(c);
+        b.put(|s| &mut s.x.slice, &x)?;
+        b.s.matvec(
+            b.s.fc.ptr,
+            b.s.x.ptr,
+            dl.fc_w.ptr,
+            dl.fc_b.ptr,
+            4 * c,
+            c,
+            (dl.ln2_w.ptr, dl.ln2_b.ptr),
+            EPI_GELU,
+            none,
+        )?;
+        let mut h = vec![0.0; c];
+        cpu::layer_norm(&mut h, &x, &lw.ln2_w, &lw.ln2_b);
+        let mut want = vec![0.0; 4 * c];
+        cpu::linear(&mut want, &h, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+        want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+        report(
+            "matvec+layernorm+gelu",
+            &b.get(|s| &s.fc.slice, 4 * c)?,
+            &want,
+            1e-4,
+        );
+
+        // matvec: k = 4C, bias + residual epilogue (the MLP projection)
+        let (fc_in, x0) = (b.random(4 * c), b.random(c));
+        b.put(|s| &mut s.fc.slice, &fc_in)?;
+        b.put(|s| &mut s.x.slice, &x0)?;
+        b.s.matvec(
+            b.s.x.ptr,
+            b.s.fc.ptr,
+            dl.fc_proj_w.ptr,
+            dl.fc_proj_b.ptr,
+            c,
+            4 * c,
+            none,
+            EPI_RESIDUAL,
+            none,
+        )?;
+        let mut delta = vec![0.0; c];
+        cpu::linear(
+            &mut delta,
+            &fc_in,
+            &lw.fc_proj_w,
+            Some(&lw.fc_proj_b),
+            4 * c,
+            c,
+        );
+        let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+        report("matvec+residual", &b.get(|s| &s.x.slice, c)?, &want, 1e-4);
+
+        // matvec over the vocabulary (the LM head) + argmax
+        b.put(|s| &mut s.x.slice, &x)?;
+        b.s.matvec(
+            b.s.logits.ptr,
+            b.s.x.ptr,
+            dev.wte.ptr,
+            0,
+            v,
+            c,
+            (dev.lnf_w.ptr, dev.lnf_b.ptr),
+            EPI_STORE,
+            none,
+        )?;
+        b.s.argmax_kernel()?;
+        let mut h = vec![0.0; c];
+        cpu::layer_norm(&mut h, &x, &w.lnf_w, &w.lnf_b);
+        let mut want = vec![0.0; v];
+        cpu::linear(&mut want, &h, &w.wte, None, c, v);
+        let logits = b.get(|s| &s.logits.slice, v)?;
+        report("matvec lm-head", &logits, &want, 1e-4);
+        let gpu_argmax = b.s.argmax()? as f32;
+        report(
+            "argmax",
+            &[gpu_argmax],
+            &[crate::backend::argmax(&logits) as f32],
+            0.0,
+        );
+
+        // prefill products (cuBLAS or the tiled kernel) at several row counts
+        for rows in [1usize, 7, 70] {
+            let xs = b.random(rows * c);
+            b.put(|s| &mut s.h.slice, &xs)?;
+            b.s.matmul(
+                b.s.fc.ptr,
+                b.s.h.ptr,
+                dl.fc_w.ptr,
+                dl.fc_b.ptr,
+                rows,
+                4 * c,
+                c,
+                EPI_GELU,
+                0,
+                none,
+                4 * c,
+            )?;
+            // bf16 through cuBLAS rounds the activations to bf16 as well
+            let xr = if dtype == GpuDtype::Bf16 && b.s.blas.is_some() {
+                bf16_round(&xs)
+            } else {
+                xs
+            };
+            let mut want = vec![0.0; rows * 4 * c];
+            cpu::linear(&mut want, &xr, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+            want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+            report(
+                &format!("matmul+gelu rows={rows}"),
+                &b.get(|s| &s.fc.slice, rows * 4 * c)?,
+                &want,
+                1e-3,
+            );
+        }
+
+        // layernorm over rows
+        let rows = 5;
+        let xs = b.random(rows * c);
+        b.put(|s| &mut s.x.slice, &xs)?;
+        b.s.layernorm(b.s.h.ptr, b.s.x.ptr, dl.ln1_w.ptr, dl.ln1_b.ptr, rows)?;
+        let mut want = vec![0.0; rows * c];
+        cpu::layer_norm(&mut want, &xs, &lw.ln1_w, &lw.ln1_b);
+        report("layernorm", &b.get(|s| &s.h.slice, rows * c)?, &want, 1e-4);
+
+        // embedding of a few tokens at a start position
+        let (n, start) = (4usize, 3usize);
+        let tokens: Vec<i32> = (0..n).map(|_| b.rng.random_range(0..v as i32)).collect();
+        {
+            let stream = b.s.stream.clone();
+            let mut dst = b.s.tokens.slice_mut(0..n);
+            stream
+                .memcpy_htod(&tokens, &mut dst)
+                .map_err(device_err("upload"))?;
+        }
+        b.s.embed(n, start as i32)?;
+        let want: Vec<f32> = tokens
+            .iter()
+            .enumerate()
+            .flat_map(|(t, &tok)| (0..c).map(move |k| (t, tok as usize, k)))
+            .map(|(t, tok, k)| w.wte[tok * c + k] + w.wpe[(start + t) * c + k])
+            .collect();
+        report("embed", &b.get(|s| &s.x.slice, n * c)?, &want, 1e-6);
+
+        // attention: random keys and values for the whole context, then decode at the last
+        // position and prefill the last rows
+        let len = cfg.n_ctx;
+        let (keys, values) = (b.random(len * c), b.random(len * c));
+        b.put(|s| &mut s.k_cache.slice, &keys)?;
+        b.put(|s| &mut s.v_cache.slice, &values)?;
+        let kv = b.s.kv_layer(0);
+        let q_rows = 40usize;
+        let qkv = b.random(q_rows * 3 * c);
+        b.put(|s| &mut s.qkv.slice, &qkv)?;
+        let start = len - q_rows;
+        b.s.prefill_attention(kv, start, q_rows)?;
+        let mut want = vec![0.0; q_rows * c];
+        cpu::attention(&mut want, &qkv, (&keys, &values), start, cfg.n_head, c);
+        report(
+            "attention prefill",
+            &b.get(|s| &s.h.slice, q_rows * c)?,
+            &want,
+            2e-4,
+        );
+        let pos = [(len - 1) as i32];
+        {
+            let stream = b.s.stream.clone();
+            stream
+                .memcpy_htod(&pos, &mut b.s.pos)
+                .map_err(device_err("upload"))?;
+        }
+        b.s.decode_attention(kv)?;
+        let mut want = vec![0.0; c];
+        cpu::attention(
+            &mut want,
+            &qkv[..3 * c],
+            (&keys, &values),
+            len - 1,
+            cfg.n_head,
+            c,
+        );
+        report("attention decode", &b.get(|s| &s.h.slice, c)?, &want, 2e-4);
+        Ok(())
+    }
 }

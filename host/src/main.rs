@@ -395,7 +395,21 @@ fn bench_cuda(
 fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> {
     use wasi_nn_host::gpu_check;
     println!("GPU: {}", wasi_nn_host::cuda::describe()?);
-    let mut reports = gpu_check::kernel_sweep(std::process::id() as u64)?;
+    let seed = std::process::id() as u64;
+    let mut kernel_failures = 0;
+    let kernel_reports = wasi_nn_host::cuda::kernel_checks::run(seed)?;
+    for r in &kernel_reports {
+        println!("{}", serde_json::to_string(r)?);
+        kernel_failures += usize::from(!r.passed);
+    }
+    if kernel_failures > 0 {
+        bail!(
+            "{kernel_failures} of {} kernel checks failed",
+            kernel_reports.len()
+        );
+    }
+    println!("all {} kernel checks passed", kernel_reports.len());
+    let mut reports = gpu_check::kernel_sweep(seed)?;
     for spec in models {
         let weights = load_model_spec(spec)?;
         let p = gpu_check::prompt(prompt_len, weights.config.vocab_size, 1);

@@ -21,6 +21,19 @@ fn gpu_or_skip(test: &str) -> bool {
 }
 
 #[test]
+fn each_kernel_alone_matches_the_cpu_reference() {
+    if !gpu_or_skip("kernel checks") {
+        return;
+    }
+    let reports =
+        wasi_nn_host::cuda::kernel_checks::run(std::process::id() as u64).expect("kernel checks");
+    assert!(reports.len() > 40);
+    for r in &reports {
+        assert!(r.passed, "{r:?}");
+    }
+}
+
+#[test]
 fn kernels_on_random_models_of_awkward_sizes_match_the_cpu() {
     if !gpu_or_skip("kernel sweep") {
         return;
