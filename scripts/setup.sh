@@ -4,3 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup toolchain install >/dev/null 2>&1 || rustup toolchain install
 rustup target list --installed | grep -q wasm32-wasip1 || rustup target add wasm32-wasip1
+rustup target list --installed | grep -q wasm32-wasip2 || rustup target add wasm32-wasip2
