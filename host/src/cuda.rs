@@ -712,7 +712,6 @@ impl CudaSession {
         let mut args =
             kernel_args![&out, &x, &w, &bias, &n, &k, &ln.0, &ln.1, &mode, &c, &pos, &kv.0, &kv.1];
         unsafe { self.launch(&self.exec.kernels.matvec, cfg, &mut args) }
-            .map(|_| ())
             .map_err(device_err("matvec"))
     }
 
@@ -767,7 +766,6 @@ impl CudaSession {
             &out, &x, &w, &bias, &rows, &n, &k, &mode, &c, &start, &kv.0, &kv.1, &stride
         ];
         unsafe { self.launch(&self.exec.kernels.matmul, cfg, &mut args) }
-            .map(|_| ())
             .map_err(device_err("matmul"))
     }
 
@@ -878,7 +876,6 @@ impl CudaSession {
         // SAFETY: out and x hold rows*C floats; w and b hold C weights.
         let mut args = kernel_args![&out, &x, &w, &b, &c];
         unsafe { self.launch(&self.exec.kernels.layernorm, cfg, &mut args) }
-            .map(|_| ())
             .map_err(device_err("layernorm"))
     }
 
@@ -901,7 +898,6 @@ impl CudaSession {
             &self.pos_ptr
         ];
         unsafe { self.launch(&self.exec.kernels.embed, cfg, &mut args) }
-            .map(|_| ())
             .map_err(device_err("embed"))
     }
 
@@ -915,7 +911,6 @@ impl CudaSession {
         // SAFETY: logits holds V floats, next one int.
         let mut args = kernel_args![&self.next_ptr, &self.logits.ptr, &n];
         unsafe { self.launch(&self.exec.kernels.argmax, cfg, &mut args) }
-            .map(|_| ())
             .map_err(device_err("argmax"))
     }
 
@@ -1422,22 +1417,7 @@ pub mod kernel_checks {
         }
     }
 
-    fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
-        if ours.len() != reference.len() {
-            return f32::INFINITY;
-        }
-        ours.iter()
-            .zip(reference)
-            .map(|(a, b)| {
-                let e = (a - b).abs() / b.abs().max(1.0);
-                if e.is_nan() {
-                    f32::INFINITY
-                } else {
-                    e
-                }
-            })
-            .fold(0.0, f32::max)
-    }
+    use crate::gpu_check::scaled_error;
 
     struct Bench<'a> {
         s: &'a mut CudaSession,

@@ -29,7 +29,11 @@ pub struct CheckReport {
     pub passed: bool,
 }
 
-fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
+/// The worst `|ours - reference| / max(1, |reference|)`; NaN and length mismatches count as infinite.
+pub(crate) fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
+    if ours.len() != reference.len() {
+        return f32::INFINITY;
+    }
     ours.iter()
         .zip(reference)
         .map(|(a, b)| {
