@@ -148,6 +148,7 @@ struct Kernels {
     att_combine: CudaFunction,
     att_prefill: CudaFunction,
     att_prefill_tiled: CudaFunction,
+    att_prefill_mma: CudaFunction,
     argmax: CudaFunction,
     gemm_epilogue: CudaFunction,
     to_bf16: CudaFunction,
@@ -160,6 +161,8 @@ pub struct Gpu {
     name: String,
     /// Programmatic dependent launch (sm_90+; WASI_NN_HOST_NO_PDL turns it off).
     pdl: bool,
+    /// bf16 tensor-core instructions (mma.sync, sm_80+).
+    tensor_cores: bool,
     /// Held while a session is created or destroyed and while a decode graph is captured:
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
@@ -207,6 +210,7 @@ impl Gpu {
             module,
             name,
             pdl,
+            tensor_cores: major >= 8,
             setup: Mutex::new(()),
         })
     }
@@ -240,6 +244,7 @@ impl Gpu {
             att_combine: f("attention_decode_combine")?,
             att_prefill: f("attention_prefill")?,
             att_prefill_tiled: f("attention_prefill_tiled")?,
+            att_prefill_mma: f("attention_prefill_mma")?,
             argmax: f("argmax_f32")?,
             gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
             to_bf16: f("f32_to_bf16")?,
@@ -1197,6 +1202,26 @@ impl CudaSession {
         let cfg = self.exec.config;
         let hd = cfg.head_dim();
         let (start32, n32, c32, hd32) = (start as i32, n as i32, cfg.n_embd as i32, hd as i32);
+        if self.tensor_core_attention() {
+            let grid = LaunchConfig {
+                grid_dim: (cfg.n_head as u32, n.div_ceil(64) as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut args = kernel_args![
+                &self.h.ptr,
+                &self.qkv.ptr,
+                &kv.0,
+                &kv.1,
+                &start32,
+                &n32,
+                &c32
+            ];
+            // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, h n
+            // rows of C; the kernel reads keys 0..start+n of head columns h*64..h*64+64 < C.
+            return unsafe { self.launch(&self.exec.kernels.att_prefill_mma, grid, &mut args) }
+                .map_err(device_err("attention"));
+        }
         if hd <= 64 && std::env::var_os("WASI_NN_HOST_NO_TILED_ATTENTION").is_none() {
             let grid = LaunchConfig {
                 grid_dim: (cfg.n_head as u32, n.div_ceil(32) as u32, 1),
@@ -1235,6 +1260,15 @@ impl CudaSession {
         // asked for; h holds n*C floats.
         unsafe { self.launch(&self.exec.kernels.att_prefill, grid, &mut args) }
             .map_err(device_err("attention"))
+    }
+
+    /// Whether prefill attention runs on tensor cores (bf16 mode, head size 64, sm_80+;
+    /// `WASI_NN_HOST_NO_TC_ATTENTION` turns it off).
+    fn tensor_core_attention(&self) -> bool {
+        self.exec.dtype == GpuDtype::Bf16
+            && self.exec.config.head_dim() == 64
+            && self.exec.gpu.tensor_cores
+            && std::env::var_os("WASI_NN_HOST_NO_TC_ATTENTION").is_none()
     }
 
     /// Wait for the session's stream (for timing).
@@ -1665,19 +1699,37 @@ pub mod kernel_checks {
         b.put(|s| &mut s.k_cache.slice, &keys)?;
         b.put(|s| &mut s.v_cache.slice, &values)?;
         let kv = b.s.kv_layer(0);
-        let q_rows = 40usize;
-        let qkv = b.random(q_rows * 3 * c);
-        b.put(|s| &mut s.qkv.slice, &qkv)?;
-        let start = len - q_rows;
-        b.s.prefill_attention(kv, start, q_rows)?;
-        let mut want = vec![0.0; q_rows * c];
-        cpu::attention(&mut want, &qkv, (&keys, &values), start, cfg.n_head, c);
-        report(
-            "attention prefill",
-            &b.get(|s| &s.h.slice, q_rows * c)?,
-            &want,
-            2e-4,
-        );
+        // Tensor cores see bf16 queries, keys and values (and round the probabilities).
+        let (tc, tolerance) = if b.s.tensor_core_attention() {
+            (true, 1e-2)
+        } else {
+            (false, 2e-4)
+        };
+        let round = |v: &[f32]| if tc { bf16_round(v) } else { v.to_vec() };
+        let (keys_r, values_r) = (round(&keys), round(&values));
+        let mut qkv = Vec::new();
+        // a whole prompt (a partial last tile), then a few rows after a long prefix
+        for (start, q_rows) in [(0usize, len), (len - 40, 40)] {
+            qkv = b.random(q_rows * 3 * c);
+            b.put(|s| &mut s.qkv.slice, &qkv)?;
+            b.s.prefill_attention(kv, start, q_rows)?;
+            let mut want = vec![0.0; q_rows * c];
+            let visible = (start + q_rows) * c;
+            cpu::attention(
+                &mut want,
+                &round(&qkv),
+                (&keys_r[..visible], &values_r[..visible]),
+                start,
+                cfg.n_head,
+                c,
+            );
+            report(
+                &format!("attention prefill start={start} rows={q_rows}"),
+                &b.get(|s| &s.h.slice, q_rows * c)?,
+                &want,
+                tolerance,
+            );
+        }
         let pos = [(len - 1) as i32];
         {
             let stream = b.s.stream.clone();
