@@ -17,8 +17,11 @@ usage: gpt2.wasm [OPTIONS] PROMPT
        gpt2.wasm --perplexity FILE --window W [--max-scored N] [OPTIONS]
 
 options:
-  --graph NAME         wasi-nn graph to load by name (default: gpt2)
-  --target cpu|gpu     wasi-nn execution target (default: cpu)
+  --graph NAME         wasi-nn graph to load by name (default: gpt2); the host chose its device
+  --model DIR          load DIR/model.safetensors and DIR/config.json as bytes (wasi-nn `load`)
+                       instead; the host must grant DIR (`--dir HOST::DIR`)
+  --target cpu|gpu|tpu wasi-nn execution target of --model (default: cpu); it picks the
+                       device unless the host's --device overrides it
   --max-tokens N       tokens to generate (default: 100)
   --temperature T      0 = greedy (default: 0)
   --top-k K            keep the K most likely tokens (default: 0 = all)
@@ -39,6 +42,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 struct Options {
     graph: String,
+    model: Option<String>,
     target: ExecutionTarget,
     max_tokens: usize,
     sampling: SamplingParams,
@@ -57,6 +61,7 @@ fn parse_args() -> Result<Options, Error> {
     use lexopt::prelude::*;
     let mut o = Options {
         graph: "gpt2".into(),
+        model: None,
         target: ExecutionTarget::CPU,
         max_tokens: 100,
         sampling: SamplingParams::default(),
@@ -74,11 +79,15 @@ fn parse_args() -> Result<Options, Error> {
     while let Some(arg) = parser.next()? {
         match arg {
             Long("graph") => o.graph = parser.value()?.string()?,
+            Long("model") => o.model = Some(parser.value()?.string()?),
             Long("target") => {
                 o.target = match parser.value()?.string()?.as_str() {
                     "cpu" => ExecutionTarget::CPU,
                     "gpu" => ExecutionTarget::GPU,
-                    other => return Err(format!("--target: `{other}` is not cpu or gpu").into()),
+                    "tpu" => ExecutionTarget::TPU,
+                    other => {
+                        return Err(format!("--target: `{other}` is not cpu, gpu or tpu").into())
+                    }
                 }
             }
             Long("max-tokens") => o.max_tokens = parser.value()?.parse()?,
@@ -151,10 +160,40 @@ struct Model<'g> {
     has_argmax: bool,
 }
 
+/// The graph: `--model DIR` loaded from bytes for `--target`, else `--graph NAME` by name
+/// (`load_by_name` takes no execution target: the host decides where it runs).
 fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
-    GraphBuilder::new(GraphEncoding::Autodetec, options.target)
-        .build_from_cache(&options.graph)
-        .map_err(|e| format!("cannot load graph `{}` by name: {e}", options.graph).into())
+    let builder = GraphBuilder::new(GraphEncoding::Autodetec, options.target);
+    let Some(dir) = &options.model else {
+        return builder
+            .build_from_cache(&options.graph)
+            .map_err(|e| format!("cannot load graph `{}` by name: {e}", options.graph).into());
+    };
+    let read = |name: &str| {
+        let path = format!("{}/{name}", dir.trim_end_matches('/'));
+        std::fs::read(&path).map_err(|e| {
+            format!("--model {dir}: {path}: {e} (did the host grant the directory with --dir?)")
+        })
+    };
+    let weights = read("model.safetensors")?;
+    let config = read("config.json")?;
+    let target = match options.target {
+        ExecutionTarget::CPU => "cpu",
+        ExecutionTarget::GPU => "gpu",
+        ExecutionTarget::TPU => "tpu",
+        ExecutionTarget::AUTO => "auto",
+    };
+    builder.build_from_bytes([weights, config]).map_err(|e| {
+        let hint = match options.target {
+            ExecutionTarget::GPU => {
+                "; the host may have no usable GPU (CUDA driver) and no --device override; \
+                     its log says why"
+            }
+            ExecutionTarget::CPU => "",
+            _ => "; the host may not support this target; its log says why",
+        };
+        format!("cannot load --model {dir} for execution target {target}: {e}{hint}").into()
+    })
 }
 
 impl<'g> Model<'g> {

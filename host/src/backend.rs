@@ -74,6 +74,11 @@ pub enum Gpt2Error {
     Load(#[from] LoadError),
     #[error("device: {0}")]
     Device(String),
+    #[error(
+        "execution target {0} is not supported: this backend runs on the CPU (target cpu) or a \
+         CUDA GPU (target gpu)"
+    )]
+    UnsupportedTarget(&'static str),
 }
 
 impl From<Gpt2Error> for BackendError {
@@ -188,19 +193,36 @@ pub fn executor_for(
 ) -> Result<Arc<dyn Executor>, Gpt2Error> {
     match device {
         Device::Cpu => Ok(Arc::new(CpuExecutor::new(Arc::new(weights)))),
-        Device::Cuda => Ok(Arc::new(crate::cuda::CudaExecutor::new(
-            &weights,
-            dtype,
-            max_kv_bytes,
-        )?)),
+        Device::Cuda => {
+            // Without libcuda, cudarc panics (caught in `cuda`, but its message and backtrace
+            // still reach stderr); ask first so that case is a plain error.
+            // SAFETY: this only tries to load the CUDA driver library by name, as cudarc would.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(Gpt2Error::Device(
+                    "no CUDA driver (libcuda.so) found on this machine".into(),
+                ));
+            }
+            Ok(Arc::new(crate::cuda::CudaExecutor::new(
+                &weights,
+                dtype,
+                max_kv_bytes,
+            )?))
+        }
     }
 }
 
 /// The wasi-nn backend: registered for the `autodetect` encoding; loads llm.c bytes or
 /// safetensors + config.json bytes from the guest, and HF folders or llm.c files from disk.
+///
+/// Where a graph runs: the device override (the host's `--device`) when there is one, for
+/// every graph. Without it, a guest's `load` picks the device with its execution target
+/// (`cpu` -> [`Device::Cpu`], `gpu` -> [`Device::Cuda`], `tpu` -> an error), and graphs the
+/// host loads itself ([`Gpt2Backend::load_path`], [`Gpt2Backend::graph_from`],
+/// `load_from_dir`; `load_by_name` passes no target) run on the CPU.
 #[derive(Clone)]
 pub struct Gpt2Backend {
-    device: Device,
+    /// `Some`: every graph runs there, whatever the guest's execution target says.
+    device: Option<Device>,
     dtype: GpuDtype,
     max_load_bytes: usize,
     max_kv_bytes: usize,
@@ -213,7 +235,20 @@ impl Gpt2Backend {
     /// Each execution context's KV cache may hold at most this many bytes by default.
     pub const DEFAULT_MAX_KV_BYTES: usize = 2 << 30;
 
+    /// A backend whose graphs all run on `device`, whatever the guest's execution target
+    /// (the host's `--device`).
     pub fn new(device: Device, max_load_bytes: usize) -> Self {
+        Self::with_device_override(Some(device), max_load_bytes)
+    }
+
+    /// A backend where the guest's execution target picks the device of the graphs it loads
+    /// from bytes (host-loaded graphs run on the CPU).
+    pub fn auto(max_load_bytes: usize) -> Self {
+        Self::with_device_override(None, max_load_bytes)
+    }
+
+    /// [`Gpt2Backend::new`] for `Some(device)`, [`Gpt2Backend::auto`] for `None`.
+    pub fn with_device_override(device: Option<Device>, max_load_bytes: usize) -> Self {
         Self {
             device,
             dtype: GpuDtype::F32,
@@ -234,19 +269,69 @@ impl Gpt2Backend {
         self
     }
 
+    /// The device of graphs loaded without an execution target (host-loaded graphs): the
+    /// override if there is one, else the CPU.
     pub fn device(&self) -> Device {
+        self.device.unwrap_or(Device::Cpu)
+    }
+
+    /// The host's device override (`--device`), if any.
+    pub fn device_override(&self) -> Option<Device> {
         self.device
     }
 
-    /// Load a graph from a path (HF folder or llm.c file) onto this backend's device.
+    /// The device a graph loaded for the guest's execution target `target` runs on: the
+    /// override if there is one, else the target's device (`tpu` is an error).
+    pub fn device_for(&self, target: ExecutionTarget) -> Result<Device, Gpt2Error> {
+        if let Some(device) = self.device {
+            return Ok(device);
+        }
+        match target {
+            ExecutionTarget::Cpu => Ok(Device::Cpu),
+            ExecutionTarget::Gpu => Ok(Device::Cuda),
+            ExecutionTarget::Tpu => Err(Gpt2Error::UnsupportedTarget("tpu")),
+        }
+    }
+
+    /// Load a graph from a path (HF folder or llm.c file) onto [`Gpt2Backend::device`].
     pub fn load_path(&self, path: &Path) -> Result<Graph, Gpt2Error> {
         let weights = model::load_path(path)?;
         self.graph_from(weights)
     }
 
-    /// Wrap already-loaded weights as a graph on this backend's device.
+    /// Wrap already-loaded weights as a graph on [`Gpt2Backend::device`].
     pub fn graph_from(&self, weights: model::Gpt2Weights) -> Result<Graph, Gpt2Error> {
-        let executor = executor_for(weights, self.device, self.dtype, self.max_kv_bytes)?;
+        self.graph_on(weights, self.device())
+    }
+
+    /// Load a graph from guest bytes (`[llm.c checkpoint]` or `[model.safetensors,
+    /// config.json]`) for the execution target `target` (see [`Gpt2Backend::device_for`]).
+    pub fn load_bytes(
+        &self,
+        builders: &[&[u8]],
+        target: ExecutionTarget,
+    ) -> Result<Graph, Gpt2Error> {
+        let device = self.device_for(target)?;
+        let size: usize = builders.iter().map(|b| b.len()).sum();
+        if size > self.max_load_bytes {
+            return Err(Gpt2Error::Load(LoadError::TooLarge {
+                source_name: "guest buffer".into(),
+                size,
+                limit: self.max_load_bytes,
+            }));
+        }
+        let weights = model::load_buffers(builders)?;
+        self.graph_on(weights, device).map_err(|e| match e {
+            // Say why the GPU was tried: the guest's target chose it.
+            Gpt2Error::Device(message) if self.device.is_none() => {
+                Gpt2Error::Device(format!("execution target gpu: {message}"))
+            }
+            e => e,
+        })
+    }
+
+    fn graph_on(&self, weights: model::Gpt2Weights, device: Device) -> Result<Graph, Gpt2Error> {
+        let executor = executor_for(weights, device, self.dtype, self.max_kv_bytes)?;
         let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
         Ok(graph.into())
     }
@@ -257,22 +342,8 @@ impl BackendInner for Gpt2Backend {
         GraphEncoding::Autodetect
     }
 
-    fn load(
-        &mut self,
-        builders: &[&[u8]],
-        _target: ExecutionTarget,
-    ) -> Result<Graph, BackendError> {
-        let size: usize = builders.iter().map(|b| b.len()).sum();
-        if size > self.max_load_bytes {
-            return Err(Gpt2Error::Load(LoadError::TooLarge {
-                source_name: "guest buffer".into(),
-                size,
-                limit: self.max_load_bytes,
-            })
-            .into());
-        }
-        let weights = model::load_buffers(builders).map_err(Gpt2Error::from)?;
-        Ok(self.graph_from(weights)?)
+    fn load(&mut self, builders: &[&[u8]], target: ExecutionTarget) -> Result<Graph, BackendError> {
+        Ok(self.load_bytes(builders, target)?)
     }
 
     fn as_dir_loadable(&mut self) -> Option<&mut dyn BackendFromDir> {
@@ -281,6 +352,8 @@ impl BackendInner for Gpt2Backend {
 }
 
 impl BackendFromDir for Gpt2Backend {
+    /// A host-side load (e.g. wasmtime's `--graph`): on the override device, else the CPU,
+    /// like every graph the host preloads.
     fn load_from_dir(
         &mut self,
         path: &Path,

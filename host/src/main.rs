@@ -31,9 +31,12 @@ enum Command {
         /// (models/gpt2-shakespeare).
         #[arg(long = "graph", value_name = "NAME=PATH")]
         graphs: Vec<String>,
-        /// Where forward passes run.
-        #[arg(long, value_enum, default_value = "cpu")]
-        device: Device,
+        /// Where forward passes run, for every graph (overrides the guest's execution target).
+        /// Without it, a model the guest loads from bytes runs where its wasi-nn execution
+        /// target says (cpu, or gpu = cuda), and preloaded graphs (--graph, loaded by name)
+        /// run on the CPU.
+        #[arg(long, value_enum)]
+        device: Option<Device>,
         /// Storage type of the weights on the GPU (converted at load).
         #[arg(long, value_enum, default_value = "f32")]
         dtype: GpuDtype,
@@ -117,7 +120,8 @@ fn main() -> Result<()> {
             max_load_bytes,
             guest_args,
         } => {
-            let mut builder = HostBuilder::new(device)
+            let mut builder = HostBuilder::auto()
+                .device(device)
                 .dtype(dtype)
                 .max_load_bytes(max_load_bytes);
             if graphs.is_empty() {

@@ -47,24 +47,49 @@ fn wasmtime_err(e: wasmtime::Error) -> HostError {
     HostError::Wasmtime(format!("{e:?}"))
 }
 
-/// Builds a [`Host`]: graphs by name, the device, limits.
+/// Builds a [`Host`]: graphs by name, the device override, limits.
+///
+/// With a device ([`HostBuilder::new`], the CLI's `--device`) every graph runs there. Without
+/// one ([`HostBuilder::auto`]) a guest's wasi-nn `load` (model bytes) picks the device with
+/// its execution target (`cpu` or `gpu`; `tpu` is an error), and graphs preloaded here (and
+/// loaded by name, which passes no target) run on the CPU.
 pub struct HostBuilder {
-    device: Device,
+    device: Option<Device>,
     dtype: GpuDtype,
     max_load_bytes: usize,
     max_kv_bytes: usize,
     graphs: GraphSet,
 }
 
+impl Default for HostBuilder {
+    fn default() -> Self {
+        Self::auto()
+    }
+}
+
 impl HostBuilder {
+    /// Every graph runs on `device`, whatever the guest's execution target says.
     pub fn new(device: Device) -> Self {
+        Self::auto().device(Some(device))
+    }
+
+    /// No device override: the guest's execution target picks the device of the graphs it
+    /// loads from bytes; preloaded graphs run on the CPU.
+    pub fn auto() -> Self {
         Self {
-            device,
+            device: None,
             dtype: GpuDtype::F32,
             max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
             max_kv_bytes: Gpt2Backend::DEFAULT_MAX_KV_BYTES,
             graphs: GraphSet::default(),
         }
+    }
+
+    /// Set (`Some`) or clear (`None`) the device override. Call it before
+    /// [`HostBuilder::graph`]: graphs are loaded onto the device when they are added.
+    pub fn device(mut self, device: Option<Device>) -> Self {
+        self.device = device;
+        self
     }
 
     /// The largest model a guest may pass to wasi-nn `load` as bytes.
@@ -116,7 +141,7 @@ impl HostBuilder {
     }
 
     fn backend(&self) -> Gpt2Backend {
-        Gpt2Backend::new(self.device, self.max_load_bytes)
+        Gpt2Backend::with_device_override(self.device, self.max_load_bytes)
             .with_dtype(self.dtype)
             .with_max_kv_bytes(self.max_kv_bytes)
     }
@@ -311,8 +336,15 @@ impl Host {
         names
     }
 
+    /// The device of the preloaded graphs: the override, else the CPU.
     pub fn device(&self) -> Device {
         self.backend.device()
+    }
+
+    /// The device override (`--device`), if any; without one the guest's execution target
+    /// picks the device of the graphs it loads from bytes.
+    pub fn device_override(&self) -> Option<Device> {
+        self.backend.device_override()
     }
 
     pub(crate) fn engine(&self) -> &Engine {
