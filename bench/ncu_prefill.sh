@@ -23,11 +23,12 @@ total = collections.OrderedDict()
 count = collections.Counter()
 for r in rows[last:]:
     v = float(r[val_i].replace(",", ""))
-    v = v / 1e3 if r[unit_i] == "nsecond" else v * (1e3 if r[unit_i] == "msecond" else 1)
+    v *= {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[r[unit_i]]
     k = r[name_i].split("(")[0][:60]
     total[k] = total.get(k, 0) + v
     count[k] += 1
 s = sum(total.values())
+print("units:", sorted({r[unit_i] for r in rows[last:]}), "first values:", [r[val_i] for r in rows[last:last + 3]])
 print(f"prefill kernels: {sum(count.values())} launches, {s:.1f} us of kernel time")
 for k, v in sorted(total.items(), key=lambda kv: -kv[1]):
     print(f"{v:9.1f} us {100*v/s:5.1f}% {count[k]:4d}x {k}")

@@ -276,54 +276,75 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // Prefill on tensor cores (sm_80+, bf16 mode, hd == 64): flash attention with
-// mma.sync.m16n8k16 (bf16 inputs, f32 accumulators). Block (h, q-tile) of 4 warps holds 64
-// queries, 16 per warp; key/value tiles of 64 positions are read from the f32 cache, rounded
-// to bf16 into shared memory (the next tile's loads are in flight during this tile's math).
-// Each thread owns rows g and g+8 of its warp's 16 (g = lane / 4): the score and output
-// fragments of the mma layout, so the online softmax needs only shuffles within a quad.
-// Q is scaled by 1/8 (exact in bf16); P is rounded to bf16 for P·V, as PyTorch's bf16 SDPA does.
+// mma.sync.m16n8k16 (fp16 inputs, f32 accumulators). Block (h, q-tile) holds 64 queries in
+// 8 warps: warp w of group g (w = warp % 4, g = warp / 4) owns query rows 16w..16w+15 and the
+// key tiles of 64 positions with tile index % 2 == g, so a long row's keys are shared by two
+// warps; the two partial softmaxes are merged at the end. Keys and values are read from the
+// f32 cache and rounded to fp16 into shared memory (the next pair of tiles' loads are in
+// flight during this pair's math). Each thread owns rows r and r+8 of its warp's 16 (the mma
+// score and output fragments), so the online softmax needs only shuffles within a quad.
+// fp16 rather than bf16 keeps 3 more mantissa bits in Q·K^T and P·V (values are clamped to
+// the fp16 range: GPT-2's queries, keys and values are far inside it). Q is scaled by 1/8.
+// The output is f32, or bf16 when `out_bf16` (the input of the projection GEMM).
 #define TC_Q 64
 #define TC_K 64
 #define TC_HD 64
 #define TC_LD (TC_HD + 8)  // shared row stride (144 bytes): 16-byte aligned rows, no bank conflicts
+#define TC_THREADS 256
 
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     u32 r;
+    lo = fminf(fmaxf(lo, -65504.0f), 65504.0f);
+    hi = fminf(fmaxf(hi, -65504.0f), 65504.0f);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
     r = 0;
 #endif
     return r;
 }
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16_bits(lo) | ((u32)f32_to_bf16_bits(hi) << 16);
+}
 
-__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
+__device__ __forceinline__ void mma_f16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 
-// Four 8x8 bf16 matrices from shared memory, transposed (lanes 8i..8i+7 give matrix i's rows).
+// Four 8x8 16-bit matrices from shared memory (lanes 8i..8i+7 give matrix i's rows),
+// transposed or not.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    u32 addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
+                 : "r"(smem_addr(row)));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
 #endif
 }
 
-// Rows k0.. of one head's keys and values (zeros past `keys`) into registers: 8 float4 each.
-__device__ __forceinline__ void tc_load_tile(float4 kr[8], float4 vr[8], const float* k_cache,
-                                             const float* v_cache, int k0, int keys, int c, int h) {
+// Rows k0..k0+127 of one head's keys and values (zeros past `keys`): 8 float4 each per thread.
+__device__ __forceinline__ void tc_load_tiles(float4 kr[8], float4 vr[8], const float* k_cache,
+                                              const float* v_cache, int k0, int keys, int c, int h) {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int idx = i * 128 + threadIdx.x, r = idx >> 4, d = (idx & 15) * 4;
+        int idx = i * TC_THREADS + threadIdx.x, r = idx >> 4, d = (idx & 15) * 4;
         size_t at = (size_t)(k0 + r) * c + h * TC_HD + d;
         bool in = k0 + r < keys;
         kr[i] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -331,17 +352,19 @@ __device__ __forceinline__ void tc_load_tile(float4 kr[8], float4 vr[8], const f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-    attention_prefill_mma(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
-                          int rows, int c) {
-    __shared__ __align__(16) bf16_t ks[TC_K][TC_LD];
-    __shared__ __align__(16) bf16_t vs[TC_K][TC_LD];
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    attention_prefill_mma(void* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
+                          int rows, int c, int out_bf16) {
+    // [2 tiles][keys][dims] fp16; reused at the end for group 1's partial results
+    __shared__ __align__(16) unsigned short ks[2][TC_K][TC_LD];
+    __shared__ __align__(16) unsigned short vs[2][TC_K][TC_LD];
     pdl_launch_dependents();
     pdl_wait();
     int h = blockIdx.x;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_Q;  // the longest rows first
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int r0 = q0 + warp * 16 + g;  // this thread's rows: r0 and r0 + 8
+    int wq = warp & 3, group = warp >> 2;
+    int r0 = q0 + wq * 16 + g;  // this thread's rows: r0 and r0 + 8
     u32 qf[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
@@ -352,40 +375,46 @@ extern "C" __global__ void __launch_bounds__(128)
                 int row = r0 + rr * 8, col = kk * 16 + half * 8 + 2 * t;
                 float2 v = row < rows ? *reinterpret_cast<const float2*>(qkv + (size_t)row * 3 * c + h * TC_HD + col)
                                       : make_float2(0.f, 0.f);
-                qf[kk][half * 2 + rr] = pack_bf16(v.x * 0.125f, v.y * 0.125f);
+                qf[kk][half * 2 + rr] = pack_f16(v.x * 0.125f, v.y * 0.125f);
             }
     float o[8][4];
 #pragma unroll
     for (int j = 0; j < 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     int qpos[2] = {start + r0, start + r0 + 8};
-    int warp_last = start + q0 + warp * 16 + 15;  // the warp's last query position
+    int warp_last = start + q0 + wq * 16 + 15;  // the warp's last query position
     int keys = min(start + q0 + TC_Q, start + rows);
     float4 kr[8], vr[8];
-    tc_load_tile(kr, vr, k_cache, v_cache, 0, keys, c, h);
-    for (int k0 = 0; k0 < keys; k0 += TC_K) {
+    tc_load_tiles(kr, vr, k_cache, v_cache, 0, keys, c, h);
+    int mi = lane >> 3, mr = lane & 7;
+    for (int k0 = 0; k0 < keys; k0 += 2 * TC_K) {
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            int idx = i * 128 + threadIdx.x, r = idx >> 4, d = (idx & 15) * 4;
-            *reinterpret_cast<uint2*>(&ks[r][d]) = make_uint2(pack_bf16(kr[i].x, kr[i].y), pack_bf16(kr[i].z, kr[i].w));
-            *reinterpret_cast<uint2*>(&vs[r][d]) = make_uint2(pack_bf16(vr[i].x, vr[i].y), pack_bf16(vr[i].z, vr[i].w));
+            int idx = i * TC_THREADS + threadIdx.x, r = idx >> 4, d = (idx & 15) * 4;
+            *reinterpret_cast<uint2*>(&ks[r >> 6][r & 63][d]) =
+                make_uint2(pack_f16(kr[i].x, kr[i].y), pack_f16(kr[i].z, kr[i].w));
+            *reinterpret_cast<uint2*>(&vs[r >> 6][r & 63][d]) =
+                make_uint2(pack_f16(vr[i].x, vr[i].y), pack_f16(vr[i].z, vr[i].w));
         }
         __syncthreads();
-        if (k0 + TC_K < keys) tc_load_tile(kr, vr, k_cache, v_cache, k0 + TC_K, keys, c, h);
-        if (k0 > warp_last) continue;  // every key of this tile is in the warp's future
+        if (k0 + 2 * TC_K < keys) tc_load_tiles(kr, vr, k_cache, v_cache, k0 + 2 * TC_K, keys, c, h);
+        int kt = k0 + group * TC_K;  // this warp's tile
+        if (kt >= keys || kt > warp_last) continue;  // past the end, or all in the warp's future
         float s[8][4];
 #pragma unroll
         for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        // S = Q K^T: ldmatrix (not transposed) of K rows gives the B fragments of two key
+        // blocks of 8 for one 16-dim step, or one key block for two steps.
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
+        for (int kk = 0; kk < 4; kk += 2)
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                u32 b0 = *reinterpret_cast<const u32*>(&ks[j * 8 + g][kk * 16 + 2 * t]);
-                u32 b1 = *reinterpret_cast<const u32*>(&ks[j * 8 + g][kk * 16 + 8 + 2 * t]);
-                mma_bf16_16816(s[j], qf[kk], b0, b1);
+                u32 b[4];
+                ldmatrix_x4(b, &ks[group][j * 8 + mr][kk * 16 + mi * 8]);
+                mma_f16_16816(s[j], qf[kk], b[0], b[1]);
+                mma_f16_16816(s[j], qf[kk + 1], b[2], b[3]);
             }
-        u32 pf[4][4];
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             float mx = m[rr];
@@ -393,21 +422,23 @@ extern "C" __global__ void __launch_bounds__(128)
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    int key = k0 + j * 8 + 2 * t + e;
+                    int key = kt + j * 8 + 2 * t + e;
                     float v = (key <= qpos[rr] && key < keys) ? s[j][2 * rr + e] : -INFINITY;
                     s[j][2 * rr + e] = v;
                     mx = fmaxf(mx, v);
                 }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float corr = __expf(m[rr] - mx);
+            // a row may see none of this tile's keys yet (group 1, a prefix before the prompt)
+            float base = mx == -INFINITY ? 0.0f : mx;
+            float corr = __expf(m[rr] - base);
             m[rr] = mx;
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    float p = __expf(s[j][2 * rr + e] - mx);
+                    float p = __expf(s[j][2 * rr + e] - base);
                     s[j][2 * rr + e] = p;
                     sum += p;
                 }
@@ -418,36 +449,53 @@ extern "C" __global__ void __launch_bounds__(128)
                 o[j][2 * rr + 1] *= corr;
             }
         }
+        u32 pf[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            pf[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-            pf[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-            pf[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pf[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            pf[kk][0] = pack_f16(s[2 * kk][0], s[2 * kk][1]);
+            pf[kk][1] = pack_f16(s[2 * kk][2], s[2 * kk][3]);
+            pf[kk][2] = pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pf[kk][3] = pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
         }
-        int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
 #pragma unroll
             for (int dp = 0; dp < 4; dp++) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, &vs[kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
-                mma_bf16_16816(o[2 * dp], pf[kk], b[0], b[1]);
-                mma_bf16_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
+                ldmatrix_x4_trans(b, &vs[group][kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
+                mma_f16_16816(o[2 * dp], pf[kk], b[0], b[1]);
+                mma_f16_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
             }
     }
+    // merge group 1's partial softmax into group 0's (same rows, same lane)
+    __syncthreads();
+    float* part = reinterpret_cast<float*>(&ks[0][0][0]) + (size_t)(wq * 32 + lane) * 36;
+    if (group == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) part[j * 4 + e] = o[j][e];
+        part[32] = m[0]; part[33] = m[1]; part[34] = l[0]; part[35] = l[1];
+    }
+    __syncthreads();
+    if (group == 1) return;
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
-        float sum = l[rr];
+        float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
+        float c0 = __expf(m[rr] - mx), c1 = __expf(m1 - mx);
+        float sum = l[rr] * c0 + part[34 + rr] * c1;
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         int row = r0 + rr * 8;
-        if (row < rows) {
-            float inv = 1.0f / sum;
+        if (row >= rows) continue;
+        float inv = 1.0f / sum;
+        size_t at = (size_t)row * c + h * TC_HD + 2 * t;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                *reinterpret_cast<float2*>(out + (size_t)row * c + h * TC_HD + j * 8 + 2 * t) =
-                    make_float2(o[j][2 * rr] * inv, o[j][2 * rr + 1] * inv);
+        for (int j = 0; j < 8; j++) {
+            float a = (o[j][2 * rr] * c0 + part[j * 4 + 2 * rr] * c1) * inv;
+            float b = (o[j][2 * rr + 1] * c0 + part[j * 4 + 2 * rr + 1] * c1) * inv;
+            if (out_bf16) *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + at + j * 8) = pack_bf16(a, b);
+            else *reinterpret_cast<float2*>(static_cast<float*>(out) + at + j * 8) = make_float2(a, b);
         }
     }
 }

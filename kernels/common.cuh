@@ -31,6 +31,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes, int thr
 }
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
+// f32 -> bf16 bits, round to nearest even (finite values).
+__device__ __forceinline__ bf16_t f32_to_bf16_bits(float v) {
+    u32 bits = __float_as_uint(v);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
 
 // Eight weights from 16 bytes (bf16) or two 16-byte loads (f32), as f32.
 __device__ __forceinline__ void load8(const float* w, float out[8]) {
@@ -47,6 +53,13 @@ __device__ __forceinline__ void load8(const bf16_t* w, float out[8]) {
         out[2 * i] = __uint_as_float(words[i] << 16);
         out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
     }
+}
+// Four weights (16-byte aligned f32, 8-byte aligned bf16) as f32.
+__device__ __forceinline__ float4 load4(const float* w) { return *reinterpret_cast<const float4*>(w); }
+__device__ __forceinline__ float4 load4(const bf16_t* w) {
+    uint2 v = *reinterpret_cast<const uint2*>(w);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
 }
 __device__ __forceinline__ float load1(const float* w) { return *w; }
 __device__ __forceinline__ float load1(const bf16_t* w) { return bf16_to_f32(*w); }

@@ -23,25 +23,114 @@ extern "C" __global__ void embed_bf16(float* x, const int* tokens, const bf16_t*
     embed_impl(x, tokens, wte, wpe, c, start, pos_ptr);
 }
 
-// out[r, :] = LayerNorm(in[r, :]) * w + b, eps 1e-5, one block per row.
+// out[r, :] = LayerNorm(x[r, :]) * w + b, eps 1e-5, one warp per row, shuffle reductions.
+// With `pre_bias`, first x[r, :] += pre_bias (written back: the bias of the matrix product
+// that just accumulated into x). `out` is f32, or bf16 when `out_bf16` (the input of a
+// tensor-core GEMM). Rows of up to LN_MAX4 * 128 values (C % 4 == 0) are held in registers,
+// all loads issued at once; other widths take the loop below.
+#define LN_MAX4 16
+__device__ __forceinline__ void ln_store(void* out, size_t at, float4 y, int out_bf16) {
+    if (out_bf16) {
+        u32 lo = (u32)f32_to_bf16_bits(y.x) | ((u32)f32_to_bf16_bits(y.y) << 16);
+        u32 hi = (u32)f32_to_bf16_bits(y.z) | ((u32)f32_to_bf16_bits(y.w) << 16);
+        *reinterpret_cast<uint2*>(static_cast<bf16_t*>(out) + at) = make_uint2(lo, hi);
+    } else {
+        *reinterpret_cast<float4*>(static_cast<float*>(out) + at) = y;
+    }
+}
 template <typename W>
-__device__ void layernorm_impl(float* out, const float* in, const W* w, const W* b, int c) {
-    __shared__ float scratch[32];
+__device__ void layernorm_impl(void* out, float* in, const W* w, const W* b, const W* pre_bias, int c,
+                               int out_bf16, int rows) {
     pdl_launch_dependents();
     pdl_wait();
-    const float* x = in + (size_t)blockIdx.x * c;
+    int lane = threadIdx.x & 31;
+    int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    float* x = in + (size_t)r * c;
+    size_t row = (size_t)r * c;
+    if (c % 4 == 0 && c <= LN_MAX4 * 128) {
+        int n4 = c / 4;
+        float4 v[LN_MAX4];
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < LN_MAX4; j++) {
+            int i = lane + 32 * j;
+            if (i < n4) v[j] = reinterpret_cast<const float4*>(x)[i];
+        }
+#pragma unroll
+        for (int j = 0; j < LN_MAX4; j++) {
+            int i = lane + 32 * j;
+            if (i < n4) {
+                if (pre_bias != nullptr) {
+                    float4 p = load4(pre_bias + 4 * i);
+                    v[j].x += p.x; v[j].y += p.y; v[j].z += p.z; v[j].w += p.w;
+                    reinterpret_cast<float4*>(x)[i] = v[j];
+                }
+                s += v[j].x + v[j].y + v[j].z + v[j].w;
+            }
+        }
+        float mean = warp_sum(s) / c;
+        float var = 0.0f;
+#pragma unroll
+        for (int j = 0; j < LN_MAX4; j++) {
+            if (lane + 32 * j < n4) {
+                float a = v[j].x - mean, bb = v[j].y - mean, cc = v[j].z - mean, d = v[j].w - mean;
+                var += a * a + bb * bb + cc * cc + d * d;
+            }
+        }
+        float rstd = rsqrtf(warp_sum(var) / c + 1e-5f);
+#pragma unroll
+        for (int j = 0; j < LN_MAX4; j++) {
+            int i = lane + 32 * j;
+            if (i < n4) {
+                float4 g = load4(w + 4 * i), bb = load4(b + 4 * i);
+                float4 y = make_float4((v[j].x - mean) * rstd * g.x + bb.x, (v[j].y - mean) * rstd * g.y + bb.y,
+                                       (v[j].z - mean) * rstd * g.z + bb.z, (v[j].w - mean) * rstd * g.w + bb.w);
+                ln_store(out, row + 4 * i, y, out_bf16);
+            }
+        }
+        return;
+    }
     float s = 0.0f;
-    for (int i = threadIdx.x; i < c; i += blockDim.x) s += x[i];
-    float mean = block_sum(s, scratch) / c;
-    float v = 0.0f;
-    for (int i = threadIdx.x; i < c; i += blockDim.x) { float d = x[i] - mean; v += d * d; }
-    float rstd = rsqrtf(block_sum(v, scratch) / c + 1e-5f);
-    for (int i = threadIdx.x; i < c; i += blockDim.x)
-        out[(size_t)blockIdx.x * c + i] = (x[i] - mean) * rstd * load1(w + i) + load1(b + i);
+    for (int i = lane; i < c; i += 32) {
+        float v = x[i];
+        if (pre_bias != nullptr) {
+            v += load1(pre_bias + i);
+            x[i] = v;
+        }
+        s += v;
+    }
+    float mean = warp_sum(s) / c;
+    float var = 0.0f;
+    for (int i = lane; i < c; i += 32) { float d = x[i] - mean; var += d * d; }
+    float rstd = rsqrtf(warp_sum(var) / c + 1e-5f);
+    for (int i = lane; i < c; i += 32) {
+        float y = (x[i] - mean) * rstd * load1(w + i) + load1(b + i);
+        if (out_bf16) static_cast<bf16_t*>(out)[row + i] = f32_to_bf16_bits(y);
+        else static_cast<float*>(out)[row + i] = y;
+    }
 }
-extern "C" __global__ void layernorm_f32(float* out, const float* in, const float* w, const float* b, int c) {
-    layernorm_impl(out, in, w, b, c);
+extern "C" __global__ void layernorm_f32(void* out, float* in, const float* w, const float* b,
+                                         const float* pre_bias, int c, int out_bf16, int rows) {
+    layernorm_impl(out, in, w, b, pre_bias, c, out_bf16, rows);
 }
-extern "C" __global__ void layernorm_bf16(float* out, const float* in, const bf16_t* w, const bf16_t* b, int c) {
-    layernorm_impl(out, in, w, b, c);
+extern "C" __global__ void layernorm_bf16(void* out, float* in, const bf16_t* w, const bf16_t* b,
+                                          const bf16_t* pre_bias, int c, int out_bf16, int rows) {
+    layernorm_impl(out, in, w, b, pre_bias, c, out_bf16, rows);
+}
+
+// x[r, :] += bias for `rows` rows (a bias left pending after the last matrix product).
+template <typename W>
+__device__ void add_bias_impl(float* x, const W* bias, int rows, int c) {
+    pdl_launch_dependents();
+    pdl_wait();
+    size_t total = (size_t)rows * c;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
+        x[i] += load1(bias + i % c);
+}
+extern "C" __global__ void add_bias_f32(float* x, const float* bias, int rows, int c) {
+    add_bias_impl(x, bias, rows, c);
+}
+extern "C" __global__ void add_bias_bf16(float* x, const bf16_t* bias, int rows, int c) {
+    add_bias_impl(x, bias, rows, c);
 }

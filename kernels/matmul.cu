@@ -59,37 +59,67 @@ __device__ void matmul_impl(float* out, const float* x, const W* w, const W* bia
 MATMUL(matmul_f32, float)
 MATMUL(matmul_bf16, bf16_t)
 
-// After a library GEMM wrote tmp[r, :] = W x_r (f32), apply bias and the epilogue.
+// After a library GEMM wrote tmp[r, :] = W x_r (f32), apply bias and the epilogue. With
+// `out_bf16` (EPI_STORE and EPI_GELU only) the result is stored as bf16: the next GEMM's input.
+// Grid (column groups, rows): four columns per thread when n and out_stride allow it.
 template <typename W>
-__device__ void gemm_epilogue_impl(float* out, const float* tmp, const W* bias, int rows, int n, int mode, int c,
-                                   int start, float* k_cache, float* v_cache, int out_stride) {
+__device__ void gemm_epilogue_impl(void* out_ptr, const float* tmp, const W* bias, int rows, int n, int mode,
+                                   int c, int start, float* k_cache, float* v_cache, int out_stride,
+                                   int out_bf16) {
     pdl_launch_dependents();
     pdl_wait();
-    size_t total = (size_t)rows * n;
-    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (size_t)gridDim.x * blockDim.x) {
-        int r = idx / n, col = idx % n;
-        float v = tmp[idx] + (bias != nullptr ? load1(bias + col) : 0.0f);
-        epilogue(mode, v, out + (size_t)r * out_stride, col, c, start + r, k_cache, v_cache);
+    int vec = (n % 4 == 0 && out_stride % 4 == 0 && c % 4 == 0) ? 4 : 1;
+    int r = blockIdx.y;
+    for (int col = (blockIdx.x * blockDim.x + threadIdx.x) * vec; col < n; col += gridDim.x * blockDim.x * vec) {
+        float v[4];
+        if (vec == 4) {
+            float4 q = *reinterpret_cast<const float4*>(tmp + (size_t)r * n + col);
+            v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+        } else {
+            v[0] = tmp[(size_t)r * n + col];
+        }
+        for (int e = 0; e < vec; e++) {
+            if (bias != nullptr) v[e] += load1(bias + col + e);
+            if (mode == EPI_GELU) v[e] = gelu_tanh(v[e]);
+        }
+        if (out_bf16) {
+            bf16_t* o = static_cast<bf16_t*>(out_ptr) + (size_t)r * out_stride + col;
+            if (vec == 4) {
+                u32 lo = (u32)f32_to_bf16_bits(v[0]) | ((u32)f32_to_bf16_bits(v[1]) << 16);
+                u32 hi = (u32)f32_to_bf16_bits(v[2]) | ((u32)f32_to_bf16_bits(v[3]) << 16);
+                *reinterpret_cast<uint2*>(o) = make_uint2(lo, hi);
+            } else {
+                o[0] = f32_to_bf16_bits(v[0]);
+            }
+            continue;
+        }
+        // f32: a row of out, or for EPI_QKV q / the key or value cache row at the position
+        float* o = static_cast<float*>(out_ptr) + (size_t)r * out_stride + col;
+        if (mode == EPI_QKV && col >= c) {
+            float* cache = col < 2 * c ? k_cache : v_cache;
+            o = cache + (size_t)(start + r) * c + (col < 2 * c ? col - c : col - 2 * c);
+        }
+        if (mode == EPI_RESIDUAL) {
+            for (int e = 0; e < vec; e++) v[e] += o[e];
+        }
+        if (vec == 4) *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+        else o[0] = v[0];
     }
 }
-extern "C" __global__ void gemm_epilogue_f32(float* out, const float* tmp, const float* bias, int rows, int n,
+extern "C" __global__ void gemm_epilogue_f32(void* out, const float* tmp, const float* bias, int rows, int n,
                                              int mode, int c, int start, float* k_cache, float* v_cache,
-                                             int out_stride) {
-    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride);
+                                             int out_stride, int out_bf16) {
+    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride, out_bf16);
 }
-extern "C" __global__ void gemm_epilogue_bf16(float* out, const float* tmp, const bf16_t* bias, int rows, int n,
+extern "C" __global__ void gemm_epilogue_bf16(void* out, const float* tmp, const bf16_t* bias, int rows, int n,
                                               int mode, int c, int start, float* k_cache, float* v_cache,
-                                              int out_stride) {
-    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride);
+                                              int out_stride, int out_bf16) {
+    gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride, out_bf16);
 }
-
 // f32 -> bf16 (round to nearest even), for tensor-core GEMM inputs.
 extern "C" __global__ void f32_to_bf16(bf16_t* out, const float* in, int n) {
     pdl_launch_dependents();
     pdl_wait();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        u32 bits = __float_as_uint(in[i]);
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        out[i] = (bf16_t)(bits >> 16);
-    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = f32_to_bf16_bits(in[i]);
 }

@@ -51,8 +51,8 @@ const EPI_QKV: i32 = 3;
 /// Matrix-vector rows per block (MV_WARPS * MV_ROWS_PER_WARP in matvec.cu).
 const MV_ROWS_PER_BLOCK: usize = 8;
 
-/// Profiling aid: `WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` (decode graph) or `gemm,pattn`
-/// (prefill) leaves those kernels out; the results are then wrong, only the time counts.
+/// Profiling aid: `WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` (decode graph) or
+/// `gemm,pattn,ln,epi` (prefill) leaves those kernels out; the results are then wrong, only the time counts.
 fn profile_skip(part: &str) -> bool {
     static SKIP: OnceLock<String> = OnceLock::new();
     SKIP.get_or_init(|| std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default())
@@ -151,6 +151,7 @@ struct Kernels {
     att_prefill_mma: CudaFunction,
     argmax: CudaFunction,
     gemm_epilogue: CudaFunction,
+    add_bias: CudaFunction,
     to_bf16: CudaFunction,
 }
 
@@ -247,6 +248,7 @@ impl Gpu {
             att_prefill_mma: f("attention_prefill_mma")?,
             argmax: f("argmax_f32")?,
             gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
+            add_bias: f(&format!("add_bias_{suffix}"))?,
             to_bf16: f("f32_to_bf16")?,
         })
     }
@@ -539,7 +541,7 @@ pub struct CudaSession {
 struct Blas {
     handle: cudarc::cublas::sys::cublasHandle_t,
     tmp: Buf,
-    _x_bf16: CudaSlice<u16>,
+    x_bf16: CudaSlice<u16>,
     x_bf16_ptr: u64,
 }
 
@@ -567,7 +569,7 @@ impl Blas {
         Some(Blas {
             handle,
             tmp,
-            _x_bf16: x_bf16,
+            x_bf16,
             x_bf16_ptr,
         })
     }
@@ -774,8 +776,8 @@ impl CudaSession {
             .map_err(device_err("matmul"))
     }
 
-    /// `out = epilogue(W x + b)` through cuBLAS: GEMM into scratch, then our epilogue kernel
-    /// (or straight into `out` when the epilogue is a plain store without bias).
+    /// `out = epilogue(W x + b)` through cuBLAS for f32 activations `x`: (bf16 copies of them,)
+    /// GEMM into scratch, then our epilogue kernel (or straight into `out` for a plain store).
     #[allow(clippy::too_many_arguments)]
     fn blas_matmul(
         &self,
@@ -790,32 +792,65 @@ impl CudaSession {
         kv: (u64, u64),
         out_stride: usize,
     ) -> Result<(), Gpt2Error> {
+        let x = match self.exec.dtype {
+            GpuDtype::F32 => x,
+            GpuDtype::Bf16 => {
+                self.to_bf16(blas.x_bf16_ptr, x, rows * k)?;
+                blas.x_bf16_ptr
+            }
+        };
+        if mode == EPI_STORE && bias == 0 {
+            return self.gemm(blas, w, x, (rows, n, k), (out, out_stride), false);
+        }
+        self.gemm(blas, w, x, (rows, n, k), (blas.tmp.ptr, n), false)?;
+        self.epilogue(
+            blas,
+            (out, false),
+            bias,
+            (rows, n),
+            mode,
+            start,
+            kv,
+            out_stride,
+        )
+    }
+
+    /// `count` f32 values at `x` as bf16 at `out`.
+    fn to_bf16(&self, out: u64, x: u64, count: usize) -> Result<(), Gpt2Error> {
+        let cfg = LaunchConfig {
+            grid_dim: (count.div_ceil(256).min(4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let count = count as i32;
+        let mut args = kernel_args![&out, &x, &count];
+        // SAFETY: the caller passes buffers of at least `count` f32 / u16 values.
+        unsafe { self.launch(&self.exec.kernels.to_bf16, cfg, &mut args) }
+            .map_err(device_err("to bf16"))
+    }
+
+    /// cuBLAS: `dst[rows, ldc] (+)= x[rows, k] W[n, k]^T`, f32 results; `x` is in the weights'
+    /// type (bf16 tensor cores in bf16 mode). `accumulate` adds to what `dst` holds (residuals).
+    fn gemm(
+        &self,
+        blas: &Blas,
+        w: u64,
+        x: u64,
+        (rows, n, k): (usize, usize, usize),
+        (dst, ldc): (u64, usize),
+        accumulate: bool,
+    ) -> Result<(), Gpt2Error> {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
         };
-        let direct = mode == EPI_STORE && bias == 0;
-        let (dst, ldc) = if direct {
-            (out, out_stride)
-        } else {
-            (blas.tmp.ptr, n)
+        if profile_skip("gemm") {
+            return Ok(());
+        }
+        let dtype = match self.exec.dtype {
+            GpuDtype::F32 => cudaDataType::CUDA_R_32F,
+            GpuDtype::Bf16 => cudaDataType::CUDA_R_16BF,
         };
-        let (x_ptr, dtype) = match self.exec.dtype {
-            GpuDtype::F32 => (x, cudaDataType::CUDA_R_32F),
-            GpuDtype::Bf16 => {
-                let count = (rows * k) as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: ((rows * k).div_ceil(256).min(4096) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut args = kernel_args![&blas.x_bf16_ptr, &x, &count];
-                // SAFETY: x holds rows*k floats, x_bf16 at least as many u16 (capacity * 4C).
-                unsafe { self.launch(&self.exec.kernels.to_bf16, cfg, &mut args) }
-                    .map_err(device_err("to bf16"))?;
-                (blas.x_bf16_ptr, cudaDataType::CUDA_R_16BF)
-            }
-        };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.
         // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc); scalars are
         // host f32 as CUBLAS_COMPUTE_32F expects.
@@ -831,7 +866,7 @@ impl CudaSession {
                 w as *const std::ffi::c_void,
                 dtype,
                 k as i32,
-                x_ptr as *const std::ffi::c_void,
+                x as *const std::ffi::c_void,
                 dtype,
                 k as i32,
                 (&beta as *const f32).cast(),
@@ -842,17 +877,32 @@ impl CudaSession {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
-        .map_err(|e| Gpt2Error::Device(format!("cuBLAS GEMM: {e:?}")))?;
-        if direct {
+        .map_err(|e| Gpt2Error::Device(format!("cuBLAS GEMM: {e:?}")))
+    }
+
+    /// Bias + epilogue over the GEMM scratch (`rows` x `n`) into `out` (bf16 when `out.1`).
+    #[allow(clippy::too_many_arguments)]
+    fn epilogue(
+        &self,
+        blas: &Blas,
+        (out, out_bf16): (u64, bool),
+        bias: u64,
+        (rows, n): (usize, usize),
+        mode: i32,
+        start: usize,
+        kv: (u64, u64),
+        out_stride: usize,
+    ) -> Result<(), Gpt2Error> {
+        if profile_skip("epi") {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: ((rows * n).div_ceil(256).min(8192) as u32, 1, 1),
+            grid_dim: (n.div_ceil(1024) as u32, rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let (rows, n, c) = (rows as i32, n as i32, self.exec.config.n_embd as i32);
-        let (start, stride) = (start as i32, out_stride as i32);
+        let (start, stride, obf) = (start as i32, out_stride as i32, i32::from(out_bf16));
         let mut args = kernel_args![
             &out,
             &blas.tmp.ptr,
@@ -864,24 +914,55 @@ impl CudaSession {
             &start,
             &kv.0,
             &kv.1,
-            &stride
+            &stride,
+            &obf
         ];
-        // SAFETY: tmp holds rows*n floats; out rows*out_stride (or the KV targets, start+rows <= capacity).
+        // SAFETY: tmp holds rows*n floats; out rows*out_stride values (or the KV targets,
+        // start+rows <= capacity).
         unsafe { self.launch(&self.exec.kernels.gemm_epilogue, cfg, &mut args) }
             .map_err(device_err("GEMM epilogue"))
     }
 
-    fn layernorm(&self, out: u64, x: u64, w: u64, b: u64, rows: usize) -> Result<(), Gpt2Error> {
+    /// LayerNorm of `rows` rows of `x` into `out` (bf16 when `out.1`); with `pre_bias` != 0,
+    /// first `x += pre_bias` (written back).
+    fn layernorm(
+        &self,
+        (out, out_bf16): (u64, bool),
+        x: u64,
+        (w, b): (u64, u64),
+        pre_bias: u64,
+        rows: usize,
+    ) -> Result<(), Gpt2Error> {
+        if profile_skip("ln") {
+            return Ok(());
+        }
+        // one warp per row
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
+            grid_dim: (rows.div_ceil(8) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let c = self.exec.config.n_embd as i32;
-        // SAFETY: out and x hold rows*C floats; w and b hold C weights.
-        let mut args = kernel_args![&out, &x, &w, &b, &c];
+        let (c, obf) = (self.exec.config.n_embd as i32, i32::from(out_bf16));
+        let rows = rows as i32;
+        // SAFETY: out and x hold rows*C values; w, b and pre_bias (if any) hold C weights.
+        let mut args = kernel_args![&out, &x, &w, &b, &pre_bias, &c, &obf, &rows];
         unsafe { self.launch(&self.exec.kernels.layernorm, cfg, &mut args) }
             .map_err(device_err("layernorm"))
+    }
+
+    /// `x[r, :] += bias` for `rows` rows.
+    fn add_bias(&self, x: u64, bias: u64, rows: usize) -> Result<(), Gpt2Error> {
+        let c = self.exec.config.n_embd;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * c).div_ceil(256).min(4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, c) = (rows as i32, c as i32);
+        // SAFETY: x holds rows*C floats, bias C weights.
+        let mut args = kernel_args![&x, &bias, &rows, &c];
+        unsafe { self.launch(&self.exec.kernels.add_bias, cfg, &mut args) }
+            .map_err(device_err("bias"))
     }
 
     fn embed(&self, rows: usize, start: i32) -> Result<(), Gpt2Error> {
@@ -1088,95 +1169,46 @@ impl CudaSession {
     /// A batched prefill of `tokens` at positions len..len+n.
     fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
         let cfg = self.exec.config;
-        let (c, n, start) = (cfg.n_embd, tokens.len(), self.len);
+        let (n, start) = (tokens.len(), self.len);
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let mut dst = self.tokens.slice_mut(0..n);
         self.stream
             .memcpy_htod(&ids, &mut dst)
             .map_err(device_err("prefill"))?;
+        if all_positions && self.all_logits.is_none() {
+            self.all_logits = Some(Buf::new(
+                &self.stream,
+                self.capacity * cfg.vocab_size,
+                "logits of every position",
+            )?);
+        }
+        self.prefill_kernels(n, start, all_positions)
+    }
+
+    /// The launches of a prefill of the `n` ids in `tokens` at positions start..start+n.
+    fn prefill_kernels(
+        &self,
+        n: usize,
+        start: usize,
+        all_positions: bool,
+    ) -> Result<(), Gpt2Error> {
+        let (cfg, c) = (self.exec.config, self.exec.config.n_embd);
         self.embed(n, start as i32)?;
         let w = &self.exec.weights;
-        let none = (0, 0);
-        for (l, lw) in w.layers.iter().enumerate() {
-            let kv = self.kv_layer(l);
-            self.layernorm(self.h.ptr, self.x.ptr, lw.ln1_w.ptr, lw.ln1_b.ptr, n)?;
-            self.matmul(
-                self.qkv.ptr,
-                self.h.ptr,
-                lw.qkv_w.ptr,
-                lw.qkv_b.ptr,
-                n,
-                3 * c,
-                c,
-                EPI_QKV,
-                start,
-                kv,
-                3 * c,
-            )?;
-            self.prefill_attention(kv, start, n)?;
-            self.matmul(
-                self.x.ptr,
-                self.h.ptr,
-                lw.proj_w.ptr,
-                lw.proj_b.ptr,
-                n,
-                c,
-                c,
-                EPI_RESIDUAL,
-                start,
-                none,
-                c,
-            )?;
-            self.layernorm(self.h.ptr, self.x.ptr, lw.ln2_w.ptr, lw.ln2_b.ptr, n)?;
-            self.matmul(
-                self.fc.ptr,
-                self.h.ptr,
-                lw.fc_w.ptr,
-                lw.fc_b.ptr,
-                n,
-                4 * c,
-                c,
-                EPI_GELU,
-                start,
-                none,
-                4 * c,
-            )?;
-            self.matmul(
-                self.x.ptr,
-                self.fc.ptr,
-                lw.fc_proj_w.ptr,
-                lw.fc_proj_b.ptr,
-                n,
-                c,
-                4 * c,
-                EPI_RESIDUAL,
-                start,
-                none,
-                c,
-            )?;
+        if let Some(blas) = &self.blas {
+            // The last layer's MLP bias is still to be added to the rows that are read next.
+            let pending = self.prefill_layers_blas(blas, n, start)?;
+            let first = if all_positions { 0 } else { n - 1 };
+            self.add_bias(self.x.ptr + (first * c * 4) as u64, pending, n - first)?;
+        } else {
+            self.prefill_layers_tiled(n, start)?;
         }
-        if all_positions {
-            if self.all_logits.is_none() {
-                self.all_logits = Some(Buf::new(
-                    &self.stream,
-                    self.capacity * cfg.vocab_size,
-                    "logits of every position",
-                )?);
-            }
-            let all = self.all_logits.as_ref().map_or(0, |b| b.ptr);
-            self.layernorm(self.h.ptr, self.x.ptr, w.lnf_w.ptr, w.lnf_b.ptr, n)?;
+        if let Some(all) = self.all_logits.as_ref().filter(|_| all_positions) {
+            let (h, none) = ((self.h.ptr, false), (0, 0));
+            self.layernorm(h, self.x.ptr, (w.lnf_w.ptr, w.lnf_b.ptr), 0, n)?;
+            let v = cfg.vocab_size;
             self.matmul(
-                all,
-                self.h.ptr,
-                w.wte.ptr,
-                0,
-                n,
-                cfg.vocab_size,
-                c,
-                EPI_STORE,
-                start,
-                none,
-                cfg.vocab_size,
+                all.ptr, h.0, w.wte.ptr, 0, n, v, c, EPI_STORE, start, none, v,
             )?;
         }
         let last = self.x.ptr + ((n - 1) * c * 4) as u64;
@@ -1189,15 +1221,101 @@ impl CudaSession {
             c,
             (w.lnf_w.ptr, w.lnf_b.ptr),
             EPI_STORE,
-            none,
+            (0, 0),
         )?;
         self.argmax_kernel()
     }
 
+    /// The layers of a prefill through cuBLAS: LayerNorm and the attention and GELU epilogues
+    /// write the next GEMM's input directly (bf16 in bf16 mode); the projections accumulate
+    /// into the residual stream (beta = 1) and their bias is added by the next LayerNorm.
+    /// Returns the bias still pending on `x` (the last layer's MLP projection bias).
+    fn prefill_layers_blas(&self, blas: &Blas, n: usize, start: usize) -> Result<u64, Gpt2Error> {
+        let c = self.exec.config.n_embd;
+        let bf16 = self.exec.dtype == GpuDtype::Bf16;
+        let (a_c, a_4c) = if bf16 {
+            (blas.x_bf16_ptr, blas.x_bf16_ptr)
+        } else {
+            (self.h.ptr, self.fc.ptr)
+        };
+        let (x, tmp, none) = (self.x.ptr, blas.tmp.ptr, (0, 0));
+        let mut pending = 0;
+        for (l, lw) in self.exec.weights.layers.iter().enumerate() {
+            let kv = self.kv_layer(l);
+            self.layernorm((a_c, bf16), x, (lw.ln1_w.ptr, lw.ln1_b.ptr), pending, n)?;
+            self.gemm(blas, lw.qkv_w.ptr, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
+            let (qkv, qkv_b) = ((self.qkv.ptr, false), lw.qkv_b.ptr);
+            self.epilogue(blas, qkv, qkv_b, (n, 3 * c), EPI_QKV, start, kv, 3 * c)?;
+            self.prefill_attention(kv, start, n, (a_c, bf16))?;
+            self.gemm(blas, lw.proj_w.ptr, a_c, (n, c, c), (x, c), true)?;
+            let ln2 = (lw.ln2_w.ptr, lw.ln2_b.ptr);
+            self.layernorm((a_c, bf16), x, ln2, lw.proj_b.ptr, n)?;
+            self.gemm(blas, lw.fc_w.ptr, a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
+            let fc = (a_4c, bf16);
+            self.epilogue(
+                blas,
+                fc,
+                lw.fc_b.ptr,
+                (n, 4 * c),
+                EPI_GELU,
+                start,
+                none,
+                4 * c,
+            )?;
+            self.gemm(blas, lw.fc_proj_w.ptr, a_4c, (n, c, 4 * c), (x, c), true)?;
+            pending = lw.fc_proj_b.ptr;
+        }
+        Ok(pending)
+    }
+
+    /// The layers of a prefill on our tiled matrix kernel (no cuBLAS), f32 activations.
+    fn prefill_layers_tiled(&self, n: usize, start: usize) -> Result<(), Gpt2Error> {
+        let c = self.exec.config.n_embd;
+        let (x, h, none) = (self.x.ptr, self.h.ptr, (0, 0));
+        for (l, lw) in self.exec.weights.layers.iter().enumerate() {
+            let kv = self.kv_layer(l);
+            self.layernorm((h, false), x, (lw.ln1_w.ptr, lw.ln1_b.ptr), 0, n)?;
+            let (qkv_w, qkv_b) = (lw.qkv_w.ptr, lw.qkv_b.ptr);
+            self.matmul(
+                self.qkv.ptr,
+                h,
+                qkv_w,
+                qkv_b,
+                n,
+                3 * c,
+                c,
+                EPI_QKV,
+                start,
+                kv,
+                3 * c,
+            )?;
+            self.prefill_attention(kv, start, n, (h, false))?;
+            let (proj_w, proj_b) = (lw.proj_w.ptr, lw.proj_b.ptr);
+            self.matmul(x, h, proj_w, proj_b, n, c, c, EPI_RESIDUAL, start, none, c)?;
+            self.layernorm((h, false), x, (lw.ln2_w.ptr, lw.ln2_b.ptr), 0, n)?;
+            let (fc, fc_w, fc_b) = (self.fc.ptr, lw.fc_w.ptr, lw.fc_b.ptr);
+            self.matmul(fc, h, fc_w, fc_b, n, 4 * c, c, EPI_GELU, start, none, 4 * c)?;
+            let (fp_w, fp_b) = (lw.fc_proj_w.ptr, lw.fc_proj_b.ptr);
+            self.matmul(x, fc, fp_w, fp_b, n, c, 4 * c, EPI_RESIDUAL, start, none, c)?;
+        }
+        Ok(())
+    }
+
     /// Causal attention of `n` new rows at positions start.. (q in qkv, keys in the cache).
-    fn prefill_attention(&self, kv: (u64, u64), start: usize, n: usize) -> Result<(), Gpt2Error> {
+    /// Causal attention of `n` new rows into `out` (bf16 when `out.1`).
+    fn prefill_attention(
+        &self,
+        kv: (u64, u64),
+        start: usize,
+        n: usize,
+        (out, out_bf16): (u64, bool),
+    ) -> Result<(), Gpt2Error> {
         if profile_skip("pattn") {
             return Ok(());
+        }
+        if out_bf16 && !self.tensor_core_attention() {
+            self.prefill_attention(kv, start, n, (self.h.ptr, false))?;
+            return self.to_bf16(out, self.h.ptr, n * self.exec.config.n_embd);
         }
         let cfg = self.exec.config;
         let hd = cfg.head_dim();
@@ -1205,20 +1323,14 @@ impl CudaSession {
         if self.tensor_core_attention() {
             let grid = LaunchConfig {
                 grid_dim: (cfg.n_head as u32, n.div_ceil(64) as u32, 1),
-                block_dim: (128, 1, 1),
+                block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut args = kernel_args![
-                &self.h.ptr,
-                &self.qkv.ptr,
-                &kv.0,
-                &kv.1,
-                &start32,
-                &n32,
-                &c32
-            ];
-            // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, h n
-            // rows of C; the kernel reads keys 0..start+n of head columns h*64..h*64+64 < C.
+            let obf = i32::from(out_bf16);
+            let q = self.qkv.ptr;
+            let mut args = kernel_args![&out, &q, &kv.0, &kv.1, &start32, &n32, &c32, &obf];
+            // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, out n
+            // rows of C; the kernel reads cache rows 0..start+n of head columns h*64.. < C.
             return unsafe { self.launch(&self.exec.kernels.att_prefill_mma, grid, &mut args) }
                 .map_err(device_err("attention"));
         }
@@ -1229,7 +1341,7 @@ impl CudaSession {
                 shared_mem_bytes: 0,
             };
             let mut args = kernel_args![
-                &self.h.ptr,
+                &out,
                 &self.qkv.ptr,
                 &kv.0,
                 &kv.1,
@@ -1247,15 +1359,7 @@ impl CudaSession {
             block_dim: (ATT_THREADS, 1, 1),
             shared_mem_bytes: ((start + n) * 4) as u32,
         };
-        let mut args = kernel_args![
-            &self.h.ptr,
-            &self.qkv.ptr,
-            &kv.0,
-            &kv.1,
-            &start32,
-            &c32,
-            &hd32
-        ];
+        let mut args = kernel_args![&out, &self.qkv.ptr, &kv.0, &kv.1, &start32, &c32, &hd32];
         // SAFETY: start + n <= capacity (checked in extend); scores fit the shared memory
         // asked for; h holds n*C floats.
         unsafe { self.launch(&self.exec.kernels.att_prefill, grid, &mut args) }
@@ -1274,6 +1378,40 @@ impl CudaSession {
     /// Wait for the session's stream (for timing).
     pub fn synchronize(&self) -> Result<(), Gpt2Error> {
         self.stream.synchronize().map_err(device_err("synchronize"))
+    }
+
+    /// GPU time of a prefill of `tokens` from position 0, without the host's launch costs: the
+    /// prefill's launches captured once as a CUDA graph, replayed `iters` times (benchmarks).
+    pub fn prefill_gpu_ms(&mut self, tokens: &[u32], iters: usize) -> Result<f64, Gpt2Error> {
+        let err = device_err("prefill graph");
+        self.len = 0;
+        self.check(tokens.len())?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let mut dst = self.tokens.slice_mut(0..ids.len());
+        self.stream.memcpy_htod(&ids, &mut dst).map_err(&err)?;
+        self.stream.synchronize().map_err(&err)?;
+        let graph = {
+            let gpu = self.exec.gpu.clone();
+            let _setup = gpu.setup_lock();
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(&err)?;
+            let launched = self.prefill_kernels(tokens.len(), 0, false);
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            launched?;
+            graph
+                .map_err(&err)?
+                .ok_or_else(|| Gpt2Error::Device("empty prefill graph".into()))?
+        };
+        graph.launch().map_err(&err)?;
+        self.stream.synchronize().map_err(&err)?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            graph.launch().map_err(&err)?;
+        }
+        self.stream.synchronize().map_err(&err)?;
+        self.len = tokens.len();
+        Ok(t.elapsed().as_secs_f64() * 1e3 / iters.max(1) as f64)
     }
 
     /// Run one decode step without copying logits back (benchmarks of the GPU part alone).
@@ -1402,7 +1540,7 @@ pub fn weight_bytes(config: &Gpt2Config, dtype: GpuDtype) -> usize {
 pub mod kernel_checks {
     use super::*;
     use crate::cpu;
-    use crate::model::{random_weights, LayerWeights};
+    use crate::model::random_weights;
     use rand::{Rng, SeedableRng};
 
     /// One kernel on one size: the worst `|gpu - cpu| / max(1, |cpu|)`.
@@ -1420,35 +1558,6 @@ pub mod kernel_checks {
         v.iter()
             .map(|x| half::bf16::from_f32(*x).to_f32())
             .collect()
-    }
-
-    fn rounded(w: &Gpt2Weights) -> Gpt2Weights {
-        let r = |v: &Vec<f32>| bf16_round(v);
-        Gpt2Weights {
-            config: w.config,
-            wte: r(&w.wte),
-            wpe: r(&w.wpe),
-            lnf_w: r(&w.lnf_w),
-            lnf_b: r(&w.lnf_b),
-            layers: w
-                .layers
-                .iter()
-                .map(|l| LayerWeights {
-                    ln1_w: r(&l.ln1_w),
-                    ln1_b: r(&l.ln1_b),
-                    qkv_w: r(&l.qkv_w),
-                    qkv_b: r(&l.qkv_b),
-                    proj_w: r(&l.proj_w),
-                    proj_b: r(&l.proj_b),
-                    ln2_w: r(&l.ln2_w),
-                    ln2_b: r(&l.ln2_b),
-                    fc_w: r(&l.fc_w),
-                    fc_b: r(&l.fc_b),
-                    fc_proj_w: r(&l.fc_proj_w),
-                    fc_proj_b: r(&l.fc_proj_b),
-                })
-                .collect(),
-        }
     }
 
     use crate::gpu_check::scaled_error;
@@ -1488,6 +1597,25 @@ pub mod kernel_checks {
             self.s.synchronize()?;
             Ok(out)
         }
+        /// The bf16 GEMM-input buffer (0 without cuBLAS).
+        fn x_bf16_ptr(&self) -> u64 {
+            self.s.blas.as_ref().map_or(0, |blas| blas.x_bf16_ptr)
+        }
+        fn get_bf16(&self, n: usize) -> Result<Vec<f32>, Gpt2Error> {
+            let blas = self.s.blas.as_ref().ok_or_else(|| {
+                Gpt2Error::Device("no cuBLAS, so no bf16 activation buffer".into())
+            })?;
+            let mut out = vec![0u16; n];
+            self.s
+                .stream
+                .memcpy_dtoh(&blas.x_bf16.slice(0..n), &mut out)
+                .map_err(device_err("download"))?;
+            self.s.synchronize()?;
+            Ok(out
+                .iter()
+                .map(|&v| half::bf16::from_bits(v).to_f32())
+                .collect())
+        }
     }
 
     /// Run every kernel on random inputs for a few model widths, in f32 and bf16.
@@ -1509,7 +1637,7 @@ pub mod kernel_checks {
             for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
                 let reference = match dtype {
                     GpuDtype::F32 => weights.clone(),
-                    GpuDtype::Bf16 => rounded(&weights),
+                    GpuDtype::Bf16 => weights.bf16_rounded(),
                 };
                 let exec = CudaExecutor::new(&weights, dtype, usize::MAX)?;
                 let mut session = exec.open()?;
@@ -1664,14 +1792,105 @@ pub mod kernel_checks {
             );
         }
 
-        // layernorm over rows
+        // layernorm over rows: plain, with a pending bias, and into bf16 (the fused prefill)
         let rows = 5;
-        let xs = b.random(rows * c);
-        b.put(|s| &mut s.x.slice, &xs)?;
-        b.s.layernorm(b.s.h.ptr, b.s.x.ptr, dl.ln1_w.ptr, dl.ln1_b.ptr, rows)?;
-        let mut want = vec![0.0; rows * c];
-        cpu::layer_norm(&mut want, &xs, &lw.ln1_w, &lw.ln1_b);
-        report("layernorm", &b.get(|s| &s.h.slice, rows * c)?, &want, 1e-4);
+        let fused = dtype == GpuDtype::Bf16 && b.s.blas.is_some();
+        for (pre, to_bf16) in [(false, false), (true, false), (true, true)] {
+            if to_bf16 && !fused {
+                continue;
+            }
+            let xs = b.random(rows * c);
+            b.put(|s| &mut s.x.slice, &xs)?;
+            let pre_bias = if pre { dl.proj_b.ptr } else { 0 };
+            let out = if to_bf16 { b.x_bf16_ptr() } else { b.s.h.ptr };
+            let ln1 = (dl.ln1_w.ptr, dl.ln1_b.ptr);
+            b.s.layernorm((out, to_bf16), b.s.x.ptr, ln1, pre_bias, rows)?;
+            let biased: Vec<f32> = xs
+                .chunks(c)
+                .flat_map(|r| {
+                    r.iter()
+                        .zip(&lw.proj_b)
+                        .map(|(a, p)| if pre { a + p } else { *a })
+                })
+                .collect();
+            let mut want = vec![0.0; rows * c];
+            cpu::layer_norm(&mut want, &biased, &lw.ln1_w, &lw.ln1_b);
+            let (got, tolerance) = if to_bf16 {
+                (b.get_bf16(rows * c)?, 1e-2)
+            } else {
+                (b.get(|s| &s.h.slice, rows * c)?, 1e-4)
+            };
+            let name = format!("layernorm pre_bias={pre} to_bf16={to_bf16}");
+            report(&name, &got, &want, tolerance);
+            if pre {
+                let x_after = b.get(|s| &s.x.slice, rows * c)?;
+                report("layernorm pre_bias written back", &x_after, &biased, 1e-6);
+            }
+        }
+
+        // the fused prefill's products: a projection accumulating into the residual stream,
+        // and the FC product with its GELU epilogue writing the next product's input
+        if b.s.blas.is_some() {
+            let rows = 33;
+            let (act, x0) = (b.random(rows * c), b.random(rows * c));
+            b.put(|s| &mut s.h.slice, &act)?;
+            b.put(|s| &mut s.x.slice, &x0)?;
+            let bf16 = dtype == GpuDtype::Bf16;
+            let (a, a_4c) = if bf16 {
+                let xb = b.x_bf16_ptr();
+                b.s.to_bf16(xb, b.s.h.ptr, rows * c)?;
+                (xb, xb)
+            } else {
+                (b.s.h.ptr, b.s.fc.ptr)
+            };
+            let act_r = if bf16 { bf16_round(&act) } else { act };
+            if let Some(blas) = b.s.blas.as_ref() {
+                let s = &*b.s;
+                s.gemm(blas, dl.proj_w.ptr, a, (rows, c, c), (s.x.ptr, c), true)?;
+                s.gemm(
+                    blas,
+                    dl.fc_w.ptr,
+                    a,
+                    (rows, 4 * c, c),
+                    (blas.tmp.ptr, 4 * c),
+                    false,
+                )?;
+                let out = (a_4c, bf16);
+                s.epilogue(
+                    blas,
+                    out,
+                    dl.fc_b.ptr,
+                    (rows, 4 * c),
+                    EPI_GELU,
+                    0,
+                    none,
+                    4 * c,
+                )?;
+            }
+            let mut delta = vec![0.0; rows * c];
+            cpu::linear(&mut delta, &act_r, &lw.proj_w, None, c, c);
+            let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+            report(
+                "gemm accumulate",
+                &b.get(|s| &s.x.slice, rows * c)?,
+                &want,
+                1e-3,
+            );
+            let mut want = vec![0.0; rows * 4 * c];
+            cpu::linear(&mut want, &act_r, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+            want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+            let (got, tolerance) = if bf16 {
+                (b.get_bf16(rows * 4 * c)?, 1e-2)
+            } else {
+                (b.get(|s| &s.fc.slice, rows * 4 * c)?, 1e-3)
+            };
+            report(
+                &format!("gemm + gelu epilogue to_bf16={bf16}"),
+                &got,
+                &want,
+                tolerance,
+            );
+        }
 
         // embedding of a few tokens at a start position
         let (n, start) = (4usize, 3usize);
@@ -1699,20 +1918,36 @@ pub mod kernel_checks {
         b.put(|s| &mut s.k_cache.slice, &keys)?;
         b.put(|s| &mut s.v_cache.slice, &values)?;
         let kv = b.s.kv_layer(0);
-        // Tensor cores see bf16 queries, keys and values (and round the probabilities).
+        // Tensor cores see fp16 queries, keys and values (and round the probabilities).
         let (tc, tolerance) = if b.s.tensor_core_attention() {
-            (true, 1e-2)
+            (true, 3e-3)
         } else {
             (false, 2e-4)
         };
-        let round = |v: &[f32]| if tc { bf16_round(v) } else { v.to_vec() };
+        let round = |v: &[f32]| {
+            v.iter()
+                .map(|&x| {
+                    if tc {
+                        half::f16::from_f32(x).to_f32()
+                    } else {
+                        x
+                    }
+                })
+                .collect::<Vec<f32>>()
+        };
         let (keys_r, values_r) = (round(&keys), round(&values));
         let mut qkv = Vec::new();
         // a whole prompt (a partial last tile), then a few rows after a long prefix
-        for (start, q_rows) in [(0usize, len), (len - 40, 40)] {
+        for (start, q_rows) in [(0usize, len), (len - 40, 40), (10, len - 10)] {
             qkv = b.random(q_rows * 3 * c);
             b.put(|s| &mut s.qkv.slice, &qkv)?;
-            b.s.prefill_attention(kv, start, q_rows)?;
+            // bf16 mode writes the projection's bf16 input
+            let out = if fused {
+                (b.x_bf16_ptr(), true)
+            } else {
+                (b.s.h.ptr, false)
+            };
+            b.s.prefill_attention(kv, start, q_rows, out)?;
             let mut want = vec![0.0; q_rows * c];
             let visible = (start + q_rows) * c;
             cpu::attention(
@@ -1723,12 +1958,17 @@ pub mod kernel_checks {
                 cfg.n_head,
                 c,
             );
-            report(
-                &format!("attention prefill start={start} rows={q_rows}"),
-                &b.get(|s| &s.h.slice, q_rows * c)?,
-                &want,
-                tolerance,
+            let got = if out.1 {
+                b.get_bf16(q_rows * c)?
+            } else {
+                b.get(|s| &s.h.slice, q_rows * c)?
+            };
+            let name = format!(
+                "attention prefill start={start} rows={q_rows} to_bf16={}",
+                out.1
             );
+            // a bf16 output is rounded too
+            report(&name, &got, &want, if out.1 { 1e-2 } else { tolerance });
         }
         let pos = [(len - 1) as i32];
         {

@@ -27,6 +27,12 @@ pub struct CheckReport {
     pub argmax_mismatches: usize,
     pub tolerance: f32,
     pub passed: bool,
+    /// bf16 only, for information: the worst scaled error against the CPU over the original
+    /// (unrounded) weights, and how many greedy ids agree with it from the start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub f32_model_error: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub f32_model_greedy_agree: Option<usize>,
 }
 
 /// The worst `|ours - reference| / max(1, |reference|)`; NaN and length mismatches count as infinite.
@@ -51,7 +57,8 @@ use crate::backend::argmax;
 
 /// Compare GPU (`dtype`) and CPU on `prompt` then `steps` greedy steps. The CPU is fed the
 /// GPU's chosen tokens so both see the same sequence; `greedy_agree` counts how long the
-/// CPU's own greedy choice matches.
+/// CPU's own greedy choice matches. A prompt that would not leave room for the steps in the
+/// model's context is cut to fit (the report gives the length used).
 pub fn compare(
     name: &str,
     weights: Gpt2Weights,
@@ -60,15 +67,34 @@ pub fn compare(
     steps: usize,
     tolerance: f32,
 ) -> Result<CheckReport, crate::Gpt2Error> {
-    let weights = Arc::new(weights);
-    let cpu = crate::backend::CpuExecutor::new(weights.clone());
-    let gpu = executor_for((*weights).clone(), Device::Cuda, dtype, usize::MAX)?;
+    let room = weights.config.n_ctx.saturating_sub(steps).max(1);
+    let prompt = &prompt[..prompt.len().min(room)];
+    let steps = steps.min(weights.config.n_ctx - prompt.len());
+    // bf16: the reference holds the same rounded weights as the GPU, so what is compared is
+    // the GPU's arithmetic (bf16 products, f32 accumulation), not the weight rounding.
+    let reference = match dtype {
+        GpuDtype::F32 => weights.clone(),
+        GpuDtype::Bf16 => weights.bf16_rounded(),
+    };
+    let cpu = crate::backend::CpuExecutor::new(Arc::new(reference));
+    // the unrounded model as well, for the f32_model_* figures
+    let f32_model = (dtype == GpuDtype::Bf16)
+        .then(|| crate::backend::CpuExecutor::new(Arc::new(weights.clone())));
+    let gpu = executor_for(weights, Device::Cuda, dtype, usize::MAX)?;
     let mut cpu_s = cpu.new_session()?;
     let mut gpu_s = gpu.new_session()?;
+    let mut f32_s = f32_model.map(|e| e.new_session()).transpose()?;
     cpu_s.extend(prompt, false)?;
     gpu_s.extend(prompt, false)?;
     let mut cpu_logits = cpu_s.last_logits()?;
     let mut gpu_logits = gpu_s.last_logits()?;
+    let (mut f32_error, mut f32_agree, mut f32_diverged) = (0.0f32, 0usize, false);
+    let mut f32_logits = Vec::new();
+    if let Some(s) = &mut f32_s {
+        s.extend(prompt, false)?;
+        f32_logits = s.last_logits()?;
+        f32_error = scaled_error(&gpu_logits, &f32_logits);
+    }
     let (mut argmax_disagree, mut all_error) = (0usize, 0.0f32);
     let prefill_error = scaled_error(&gpu_logits, &cpu_logits);
     let (mut decode_error, mut mismatches, mut agree, mut diverged) = (0.0f32, 0, 0, false);
@@ -81,6 +107,12 @@ pub fn compare(
         if !diverged {
             agree += 1;
         }
+        if let Some(s) = &mut f32_s {
+            f32_diverged |= argmax(&f32_logits) != next;
+            f32_agree += usize::from(!f32_diverged);
+            s.extend(&[next], false)?;
+            f32_logits = s.last_logits()?;
+        }
         cpu_s.extend(&[next], false)?;
         gpu_s.extend(&[next], false)?;
         // the GPU argmax kernel must agree with the logits it came from
@@ -89,6 +121,9 @@ pub fn compare(
         gpu_logits = gpu_s.last_logits()?;
         argmax_disagree += usize::from(gpu_next != argmax(&gpu_logits));
         decode_error = decode_error.max(scaled_error(&gpu_logits, &cpu_logits));
+        if f32_s.is_some() {
+            f32_error = f32_error.max(scaled_error(&gpu_logits, &f32_logits));
+        }
     }
     // The all-positions output (scoring) over the whole sequence: one prefill on each side.
     let mut sequence = prompt.to_vec();
@@ -110,6 +145,8 @@ pub fn compare(
         argmax_mismatches: mismatches,
         tolerance,
         passed: prefill_error <= tolerance && decode_error <= tolerance && argmax_disagree == 0,
+        f32_model_error: f32_s.as_ref().map(|_| f32_error),
+        f32_model_greedy_agree: f32_s.as_ref().map(|_| f32_agree),
     })
 }
 

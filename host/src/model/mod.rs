@@ -137,6 +137,41 @@ impl Gpt2Weights {
         ]
     }
 
+    /// The same weights rounded to bf16 and back: what the GPU holds with `--dtype bf16`, so a
+    /// CPU reference over them isolates the GPU's own arithmetic from the weight rounding.
+    pub fn bf16_rounded(&self) -> Gpt2Weights {
+        let r = |v: &Vec<f32>| -> Vec<f32> {
+            v.iter()
+                .map(|x| half::bf16::from_f32(*x).to_f32())
+                .collect()
+        };
+        Gpt2Weights {
+            config: self.config,
+            wte: r(&self.wte),
+            wpe: r(&self.wpe),
+            lnf_w: r(&self.lnf_w),
+            lnf_b: r(&self.lnf_b),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    ln1_w: r(&l.ln1_w),
+                    ln1_b: r(&l.ln1_b),
+                    qkv_w: r(&l.qkv_w),
+                    qkv_b: r(&l.qkv_b),
+                    proj_w: r(&l.proj_w),
+                    proj_b: r(&l.proj_b),
+                    ln2_w: r(&l.ln2_w),
+                    ln2_b: r(&l.ln2_b),
+                    fc_w: r(&l.fc_w),
+                    fc_b: r(&l.fc_b),
+                    fc_proj_w: r(&l.fc_proj_w),
+                    fc_proj_b: r(&l.fc_proj_b),
+                })
+                .collect(),
+        }
+    }
+
     /// Size of the weights in bytes at `bytes_per_param` (the tied head counted once).
     pub fn nbytes(&self, bytes_per_param: usize) -> usize {
         self.config.num_params() * bytes_per_param
