@@ -16,6 +16,7 @@
 //! on the host before the first launch (see `CudaSession::extend`).
 
 use crate::backend::{Executor, Gpt2Error, Session};
+use crate::cublaslt::{Epilogue, Shape};
 use crate::model::{Gpt2Config, Gpt2Weights};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -543,7 +544,14 @@ struct Blas {
     tmp: Buf,
     x_bf16: CudaSlice<u16>,
     x_bf16_ptr: u64,
+    /// cuBLASLt for bf16 products with fused bias / GELU epilogues (None: not loadable, or
+    /// `WASI_NN_HOST_NO_CUBLASLT`), and its workspace.
+    lt: Option<crate::cublaslt::Lt>,
+    _lt_workspace: Option<CudaSlice<u8>>,
 }
+
+/// cuBLASLt workspace per session.
+const LT_WORKSPACE_BYTES: usize = 4 << 20;
 
 impl Drop for Blas {
     fn drop(&mut self) {
@@ -566,11 +574,26 @@ impl Blas {
         let tmp = Buf::new(stream, rows * 4 * c, "GEMM scratch").ok()?;
         let x_bf16 = stream.alloc_zeros::<u16>(rows * 4 * c).ok()?;
         let x_bf16_ptr = x_bf16.device_ptr(stream).0;
+        let (lt, lt_workspace) = match std::env::var_os("WASI_NN_HOST_NO_CUBLASLT") {
+            Some(_) => (None, None),
+            None => match stream.alloc_zeros::<u8>(LT_WORKSPACE_BYTES) {
+                Ok(ws) => {
+                    let ptr = ws.device_ptr(stream).0;
+                    (
+                        crate::cublaslt::Lt::new((ptr, LT_WORKSPACE_BYTES)),
+                        Some(ws),
+                    )
+                }
+                Err(_) => (None, None),
+            },
+        };
         Some(Blas {
             handle,
             tmp,
             x_bf16,
             x_bf16_ptr,
+            lt,
+            _lt_workspace: lt_workspace,
         })
     }
 }
@@ -878,6 +901,30 @@ impl CudaSession {
             )
         }
         .map_err(|e| Gpt2Error::Device(format!("cuBLAS GEMM: {e:?}")))
+    }
+
+    /// A bf16 product through cuBLASLt with its epilogue fused, pointers `(w, x, bias, dst)`.
+    /// Ok(false) when not in bf16 mode, without cuBLASLt, or when it has no algorithm for the
+    /// shape: the caller then takes the cuBLAS + epilogue-kernel path.
+    fn lt_matmul(
+        &self,
+        blas: &Blas,
+        shape: Shape,
+        ptrs: (u64, u64, u64, u64),
+    ) -> Result<bool, Gpt2Error> {
+        let Some(lt) = blas
+            .lt
+            .as_ref()
+            .filter(|_| self.exec.dtype == GpuDtype::Bf16)
+        else {
+            return Ok(false);
+        };
+        if profile_skip("gemm") {
+            return Ok(true);
+        }
+        // SAFETY: the callers pass the session's buffers and the layer's weights, which cover
+        // the shape (x: rows*k bf16, W: n*k, bias: n, dst: rows*ldc) and outlive the stream work.
+        unsafe { lt.matmul(self.stream.cu_stream() as _, shape, ptrs) }.map_err(Gpt2Error::Device)
     }
 
     /// Bias + epilogue over the GEMM scratch (`rows` x `n`) into `out` (bf16 when `out.1`).
@@ -1198,8 +1245,10 @@ impl CudaSession {
         if let Some(blas) = &self.blas {
             // The last layer's MLP bias is still to be added to the rows that are read next.
             let pending = self.prefill_layers_blas(blas, n, start)?;
-            let first = if all_positions { 0 } else { n - 1 };
-            self.add_bias(self.x.ptr + (first * c * 4) as u64, pending, n - first)?;
+            if pending != 0 {
+                let first = if all_positions { 0 } else { n - 1 };
+                self.add_bias(self.x.ptr + (first * c * 4) as u64, pending, n - first)?;
+            }
         } else {
             self.prefill_layers_tiled(n, start)?;
         }
@@ -1247,23 +1296,47 @@ impl CudaSession {
             let (qkv, qkv_b) = ((self.qkv.ptr, false), lw.qkv_b.ptr);
             self.epilogue(blas, qkv, qkv_b, (n, 3 * c), EPI_QKV, start, kv, 3 * c)?;
             self.prefill_attention(kv, start, n, (a_c, bf16))?;
-            self.gemm(blas, lw.proj_w.ptr, a_c, (n, c, c), (x, c), true)?;
+            // projection into the residual stream: with its bias (cuBLASLt), or the bias is
+            // left to the next LayerNorm
+            let proj = (lw.proj_w.ptr, a_c, lw.proj_b.ptr, x);
+            let mut pre_bias = lw.proj_b.ptr;
+            let residual = |k| Shape {
+                accumulate: true,
+                ..Shape::new((n, c, k), Epilogue::Bias)
+            };
+            if self.lt_matmul(blas, residual(c), proj)? {
+                pre_bias = 0;
+            } else {
+                self.gemm(blas, lw.proj_w.ptr, a_c, (n, c, c), (x, c), true)?;
+            }
             let ln2 = (lw.ln2_w.ptr, lw.ln2_b.ptr);
-            self.layernorm((a_c, bf16), x, ln2, lw.proj_b.ptr, n)?;
-            self.gemm(blas, lw.fc_w.ptr, a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
-            let fc = (a_4c, bf16);
-            self.epilogue(
-                blas,
-                fc,
-                lw.fc_b.ptr,
-                (n, 4 * c),
-                EPI_GELU,
-                start,
-                none,
-                4 * c,
-            )?;
-            self.gemm(blas, lw.fc_proj_w.ptr, a_4c, (n, c, 4 * c), (x, c), true)?;
-            pending = lw.fc_proj_b.ptr;
+            self.layernorm((a_c, bf16), x, ln2, pre_bias, n)?;
+            let fc = (lw.fc_w.ptr, a_c, lw.fc_b.ptr, a_4c);
+            let gelu = Shape {
+                out_bf16: true,
+                ..Shape::new((n, 4 * c, c), Epilogue::GeluBias)
+            };
+            if !self.lt_matmul(blas, gelu, fc)? {
+                self.gemm(blas, lw.fc_w.ptr, a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
+                let fc = (a_4c, bf16);
+                self.epilogue(
+                    blas,
+                    fc,
+                    lw.fc_b.ptr,
+                    (n, 4 * c),
+                    EPI_GELU,
+                    start,
+                    none,
+                    4 * c,
+                )?;
+            }
+            let fp = (lw.fc_proj_w.ptr, a_4c, lw.fc_proj_b.ptr, x);
+            if self.lt_matmul(blas, residual(4 * c), fp)? {
+                pending = 0;
+            } else {
+                self.gemm(blas, lw.fc_proj_w.ptr, a_4c, (n, c, 4 * c), (x, c), true)?;
+                pending = lw.fc_proj_b.ptr;
+            }
         }
         Ok(pending)
     }
@@ -1790,6 +1863,84 @@ pub mod kernel_checks {
                 &want,
                 1e-3,
             );
+        }
+
+        // cuBLASLt products with fused epilogues (bf16 prefill): GELU + bias into f32 on inputs
+        // large enough to tell GELU's tanh form from erf's (they differ by ~1e-4 near 1.5),
+        // into bf16 as the prefill uses it, and bias + accumulate into the residual stream
+        if dtype == GpuDtype::Bf16 && b.s.blas.as_ref().is_some_and(|bl| bl.lt.is_some()) {
+            let rows = 33;
+            let act: Vec<f32> = b.random(rows * c).iter().map(|v| v * 4.0).collect();
+            let x0 = b.random(rows * c);
+            b.put(|s| &mut s.h.slice, &act)?;
+            b.put(|s| &mut s.x.slice, &x0)?;
+            let xb = b.x_bf16_ptr();
+            b.s.to_bf16(xb, b.s.h.ptr, rows * c)?;
+            let act_r = bf16_round(&act);
+            let mut gelu_ref = vec![0.0; rows * 4 * c];
+            cpu::linear(&mut gelu_ref, &act_r, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+            gelu_ref.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+            let mut delta = vec![0.0; rows * c];
+            cpu::linear(&mut delta, &act_r, &lw.proj_w, Some(&lw.proj_b), c, c);
+            let res_ref: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+            // the f32 products take an f32 bias (cuBLASLt has no bf16 bias with an f32 result)
+            b.put(|s| &mut s.h.slice, &lw.fc_b)?;
+            let (fc_ptr, x_ptr, fc_b32) = (b.s.fc.ptr, b.s.x.ptr, b.s.h.ptr);
+            let gelu = Shape::new((rows, 4 * c, c), Epilogue::GeluBias);
+            let run = |b: &mut Bench<'_>, what: &str| -> Result<bool, Gpt2Error> {
+                let Some(blas) = b.s.blas.as_ref() else {
+                    return Ok(false);
+                };
+                let s = &*b.s;
+                match what {
+                    "gelu f32" => {
+                        let shape = Shape {
+                            bias_bf16: false,
+                            ..gelu
+                        };
+                        s.lt_matmul(blas, shape, (dl.fc_w.ptr, xb, fc_b32, fc_ptr))
+                    }
+                    "gelu bf16" => {
+                        let shape = Shape {
+                            out_bf16: true,
+                            ..gelu
+                        };
+                        s.lt_matmul(blas, shape, (dl.fc_w.ptr, xb, dl.fc_b.ptr, fc_ptr))
+                    }
+                    _ => {
+                        let shape = Shape {
+                            accumulate: true,
+                            ..Shape::new((rows, c, c), Epilogue::Bias)
+                        };
+                        s.lt_matmul(blas, shape, (dl.proj_w.ptr, xb, dl.proj_b.ptr, x_ptr))
+                    }
+                }
+            };
+            for what in ["gelu f32", "gelu bf16", "residual"] {
+                let name = format!("cublaslt {what}");
+                if !run(b, what)? {
+                    // no algorithm for this shape: the prefill takes the cuBLAS path instead
+                    report(&format!("{name} (no plan; cuBLAS path)"), &[], &[], 0.0);
+                    continue;
+                }
+                let (got, want, tolerance) = match what {
+                    "gelu f32" => (b.get(|s| &s.fc.slice, rows * 4 * c)?, &gelu_ref, 2e-5),
+                    "gelu bf16" => {
+                        let words = b.get(|s| &s.fc.slice, rows * 2 * c)?;
+                        let got = words
+                            .iter()
+                            .flat_map(|w| {
+                                let bits = w.to_bits();
+                                [bits as u16, (bits >> 16) as u16]
+                            })
+                            .map(|h| half::bf16::from_bits(h).to_f32())
+                            .collect();
+                        (got, &gelu_ref, 1e-2)
+                    }
+                    _ => (b.get(|s| &s.x.slice, rows * c)?, &res_ref, 1e-3),
+                };
+                report(&name, &got, want, tolerance);
+            }
         }
 
         // layernorm over rows: plain, with a pending bias, and into bf16 (the fused prefill)

@@ -23,6 +23,7 @@
 pub mod backend;
 pub mod component;
 pub mod cpu;
+mod cublaslt;
 pub mod cuda;
 pub mod gpu_check;
 pub mod model;
