@@ -309,6 +309,10 @@ struct DevLayer {
     fc_b: DevTensor,
     fc_proj_w: DevTensor,
     fc_proj_b: DevTensor,
+    /// The projections' biases in f32 (as stored, i.e. bf16-rounded in bf16 mode), for the
+    /// cuBLASLt products with an f32 result (it takes no bf16 bias there).
+    proj_b32: DevTensor,
+    fc_proj_b32: DevTensor,
 }
 
 struct DevWeights {
@@ -413,6 +417,16 @@ impl CudaExecutor {
         let kernels = gpu.kernels(dtype)?;
         let stream = gpu.ctx.default_stream();
         let up = |values: &[f32]| DevTensor::upload(&stream, values, dtype);
+        let up32 = |values: &[f32]| {
+            let stored: Vec<f32> = match dtype {
+                GpuDtype::F32 => values.to_vec(),
+                GpuDtype::Bf16 => values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_f32())
+                    .collect(),
+            };
+            DevTensor::upload(&stream, &stored, GpuDtype::F32)
+        };
         let layers = weights
             .layers
             .iter()
@@ -430,6 +444,8 @@ impl CudaExecutor {
                     fc_b: up(&l.fc_b)?,
                     fc_proj_w: up(&l.fc_proj_w)?,
                     fc_proj_b: up(&l.fc_proj_b)?,
+                    proj_b32: up32(&l.proj_b)?,
+                    fc_proj_b32: up32(&l.fc_proj_b)?,
                 })
             })
             .collect::<Result<Vec<_>, Gpt2Error>>()?;
@@ -1298,10 +1314,11 @@ impl CudaSession {
             self.prefill_attention(kv, start, n, (a_c, bf16))?;
             // projection into the residual stream: with its bias (cuBLASLt), or the bias is
             // left to the next LayerNorm
-            let proj = (lw.proj_w.ptr, a_c, lw.proj_b.ptr, x);
+            let proj = (lw.proj_w.ptr, a_c, lw.proj_b32.ptr, x);
             let mut pre_bias = lw.proj_b.ptr;
             let residual = |k| Shape {
                 accumulate: true,
+                bias_bf16: false,
                 ..Shape::new((n, c, k), Epilogue::Bias)
             };
             if self.lt_matmul(blas, residual(c), proj)? {
@@ -1330,7 +1347,7 @@ impl CudaSession {
                     4 * c,
                 )?;
             }
-            let fp = (lw.fc_proj_w.ptr, a_4c, lw.fc_proj_b.ptr, x);
+            let fp = (lw.fc_proj_w.ptr, a_4c, lw.fc_proj_b32.ptr, x);
             if self.lt_matmul(blas, residual(4 * c), fp)? {
                 pending = 0;
             } else {
@@ -1910,9 +1927,10 @@ pub mod kernel_checks {
                     _ => {
                         let shape = Shape {
                             accumulate: true,
+                            bias_bf16: false,
                             ..Shape::new((rows, c, c), Epilogue::Bias)
                         };
-                        s.lt_matmul(blas, shape, (dl.proj_w.ptr, xb, dl.proj_b.ptr, x_ptr))
+                        s.lt_matmul(blas, shape, (dl.proj_w.ptr, xb, dl.proj_b32.ptr, x_ptr))
                     }
                 }
             };
