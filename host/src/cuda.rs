@@ -1269,12 +1269,18 @@ impl CudaSession {
             self.prefill_layers_tiled(n, start)?;
         }
         if let Some(all) = self.all_logits.as_ref().filter(|_| all_positions) {
-            let (h, none) = ((self.h.ptr, false), (0, 0));
-            self.layernorm(h, self.x.ptr, (w.lnf_w.ptr, w.lnf_b.ptr), 0, n)?;
-            let v = cfg.vocab_size;
-            self.matmul(
-                all.ptr, h.0, w.wte.ptr, 0, n, v, c, EPI_STORE, start, none, v,
-            )?;
+            let (v, lnf) = (cfg.vocab_size, (w.lnf_w.ptr, w.lnf_b.ptr));
+            if let Some(blas) = &self.blas {
+                // the final LayerNorm writes the head product's input in the weights' type
+                let bf16 = self.exec.dtype == GpuDtype::Bf16;
+                let a = if bf16 { blas.x_bf16_ptr } else { self.h.ptr };
+                self.layernorm((a, bf16), self.x.ptr, lnf, 0, n)?;
+                self.gemm(blas, w.wte.ptr, a, (n, v, c), (all.ptr, v), false)?;
+            } else {
+                let (h, none) = (self.h.ptr, (0, 0));
+                self.layernorm((h, false), self.x.ptr, lnf, 0, n)?;
+                self.matmul(all.ptr, h, w.wte.ptr, 0, n, v, c, EPI_STORE, start, none, v)?;
+            }
         }
         let last = self.x.ptr + ((n - 1) * c * 4) as u64;
         self.matvec(

@@ -140,36 +140,30 @@ impl Gpt2Weights {
     /// The same weights rounded to bf16 and back: what the GPU holds with `--dtype bf16`, so a
     /// CPU reference over them isolates the GPU's own arithmetic from the weight rounding.
     pub fn bf16_rounded(&self) -> Gpt2Weights {
-        let r = |v: &Vec<f32>| -> Vec<f32> {
-            v.iter()
-                .map(|x| half::bf16::from_f32(*x).to_f32())
-                .collect()
-        };
-        Gpt2Weights {
-            config: self.config,
-            wte: r(&self.wte),
-            wpe: r(&self.wpe),
-            lnf_w: r(&self.lnf_w),
-            lnf_b: r(&self.lnf_b),
-            layers: self
-                .layers
-                .iter()
-                .map(|l| LayerWeights {
-                    ln1_w: r(&l.ln1_w),
-                    ln1_b: r(&l.ln1_b),
-                    qkv_w: r(&l.qkv_w),
-                    qkv_b: r(&l.qkv_b),
-                    proj_w: r(&l.proj_w),
-                    proj_b: r(&l.proj_b),
-                    ln2_w: r(&l.ln2_w),
-                    ln2_b: r(&l.ln2_b),
-                    fc_w: r(&l.fc_w),
-                    fc_b: r(&l.fc_b),
-                    fc_proj_w: r(&l.fc_proj_w),
-                    fc_proj_b: r(&l.fc_proj_b),
-                })
-                .collect(),
+        let mut w = self.clone();
+        let layers = w.layers.iter_mut().flat_map(|l| {
+            [
+                &mut l.ln1_w,
+                &mut l.ln1_b,
+                &mut l.qkv_w,
+                &mut l.qkv_b,
+                &mut l.proj_w,
+                &mut l.proj_b,
+                &mut l.ln2_w,
+                &mut l.ln2_b,
+                &mut l.fc_w,
+                &mut l.fc_b,
+                &mut l.fc_proj_w,
+                &mut l.fc_proj_b,
+            ]
+        });
+        let globals = [&mut w.wte, &mut w.wpe, &mut w.lnf_w, &mut w.lnf_b];
+        for tensor in layers.chain(globals) {
+            tensor
+                .iter_mut()
+                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
         }
+        w
     }
 
     /// Size of the weights in bytes at `bytes_per_param` (the tied head counted once).
