@@ -102,6 +102,162 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
 }
 
+// Decode with one kernel per layer for QKV and attention (sm_90+): one thread-block cluster
+// of n = 2..DA_MAX_CLUSTER blocks per head (grid (n, n_head), up to DA_THREADS threads). Each block LayerNorms x, computes its share of the head's
+// 3 * hd QKV rows (bias added) and stores them into every block's shared memory; the new key
+// and value also go to the cache at `pos`. After a cluster barrier each block scores its share
+// of the positions 0..pos (position `pos` from shared memory), and after a second barrier the
+// blocks combine the shares through distributed shared memory, each writing hd / n
+// dimensions of the head's output. Dynamic shared memory: c + ceil(capacity / n) floats.
+#define DA_MAX_CLUSTER 16
+#define DA_THREADS 256
+#define DA_ROWS 3
+
+__device__ __forceinline__ u32 cluster_blocks() {
+    u32 n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+template <typename W>
+__device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w, const W* bias, const W* ln_w,
+                                          const W* ln_b, float* k_cache, float* v_cache, const int* pos_ptr, int c,
+                                          int hd) {
+    extern __shared__ __align__(16) float dyn[];
+    __shared__ __align__(16) float qkv_s[3 * MAX_HD];
+    __shared__ float part_s[MAX_HD + 2];  // this block's (max, sum of exponentials, weighted values)
+    __shared__ __align__(16) float acc_s[4 * DA_THREADS];  // [groups][hd], groups = DA_THREADS / (hd / 4)
+    __shared__ float scratch[32];
+    pdl_launch_dependents();
+    float* xs = dyn;
+    float* scores = dyn + c;
+    u32 rank = cluster_rank();
+    int n = (int)cluster_blocks(), h = blockIdx.y;
+    stage_x<4, 4>(xs, x, c, ln_w, ln_b, scratch);  // c <= 2048 with 128 threads
+    int pos = *pos_ptr;
+
+    // this block's rows of the head's q | k | v (local row r -> output row (r / hd) * c + h * hd + r % hd)
+    int rows = 3 * hd, per = (rows + n - 1) / n;
+    int r0 = rank * per, r1 = min(rows, r0 + per);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int g = r0 + warp * DA_ROWS; g < r1; g += warps * DA_ROWS) {
+        float acc[DA_ROWS];
+        const W* wr[DA_ROWS];
+        int orow[DA_ROWS];
+#pragma unroll
+        for (int r = 0; r < DA_ROWS; r++) {
+            int lr = min(g + r, r1 - 1);  // rows past r1 repeat the last one and are not stored
+            orow[r] = (lr / hd) * c + h * hd + lr % hd;
+            wr[r] = w + (size_t)orow[r] * c;
+            acc[r] = 0.0f;
+        }
+        dot_rows<DA_ROWS>(acc, wr, xs, c, lane);
+#pragma unroll
+        for (int r = 0; r < DA_ROWS; r++) {
+            float v = warp_sum(acc[r]) + load1(bias + orow[r]);
+            int lr = g + r;
+            if (lr < r1) {
+                if (lane < n) peer_store(peer_addr(qkv_s + lr, lane), v);
+                if (lane == 0 && lr >= hd) {
+                    float* cache = lr < 2 * hd ? k_cache : v_cache;
+                    cache[(size_t)pos * c + h * hd + lr % hd] = v;
+                }
+            }
+        }
+    }
+    cluster_sync();
+
+    // scores of this block's positions [first, first + count), 4 threads per position
+    int len = pos + 1, span = (len + n - 1) / n;
+    int first = rank * span, count = max(0, min(len, first + span) - first);
+    float scale = rsqrtf((float)hd);
+    float m = -INFINITY;
+    int quarter = threadIdx.x & 3;
+    for (int j0 = 0; j0 < count; j0 += blockDim.x / 4) {
+        int j = j0 + (threadIdx.x >> 2);
+        float s = 0.0f;
+        if (j < count) {
+            int p = first + j;
+            const float* kr = p == pos ? qkv_s + hd : k_cache + (size_t)p * c + h * hd;
+            s = partial_dot(kr, qkv_s, hd, quarter, 4);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (j < count) {
+            s *= scale;
+            if (quarter == 0) scores[j] = s;
+            m = fmaxf(m, s);
+        }
+    }
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < count; j += blockDim.x) {
+        float e = __expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, scratch);
+    // weighted values: thread (d4, g) takes dimensions 4*d4.. of positions g, g + groups, ...
+    int quads = hd / 4, groups = blockDim.x / quads;
+    int d4 = threadIdx.x % quads, grp = threadIdx.x / quads;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (grp < groups) {
+#pragma unroll 4
+        for (int j = grp; j < count; j += groups) {
+            int p = first + j;
+            const float* vr = p == pos ? qkv_s + 2 * hd : v_cache + (size_t)p * c + h * hd;
+            float4 vv = *reinterpret_cast<const float4*>(vr + 4 * d4);
+            float pj = scores[j];
+            a.x += pj * vv.x; a.y += pj * vv.y; a.z += pj * vv.z; a.w += pj * vv.w;
+        }
+        *reinterpret_cast<float4*>(acc_s + grp * hd + 4 * d4) = a;
+    }
+    __syncthreads();
+    if (threadIdx.x < hd) {
+        float t = 0.0f;
+        for (int g = 0; g < groups; g++) t += acc_s[g * hd + threadIdx.x];
+        part_s[2 + threadIdx.x] = t;
+    }
+    if (threadIdx.x == 0) { part_s[0] = m; part_s[1] = sum; }
+    cluster_sync();
+
+    // combine the blocks' shares: this block writes dimensions d with d % n == rank
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        if (d % n != (int)rank) continue;
+        float ms[DA_MAX_CLUSTER], ss[DA_MAX_CLUSTER], vs[DA_MAX_CLUSTER];
+#pragma unroll
+        for (int i = 0; i < DA_MAX_CLUSTER; i++) {
+            ms[i] = i < n ? peer_load(peer_addr(part_s, i)) : -INFINITY;
+            ss[i] = i < n ? peer_load(peer_addr(part_s + 1, i)) : 0.0f;
+            vs[i] = i < n ? peer_load(peer_addr(part_s + 2 + d, i)) : 0.0f;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < DA_MAX_CLUSTER; i++) mx = fmaxf(mx, ms[i]);
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DA_MAX_CLUSTER; i++) {
+            float f = __expf(ms[i] - mx);  // 0 for a block without positions (and past n)
+            num += f * vs[i];
+            den += f * ss[i];
+        }
+        out[h * hd + d] = num / den;
+    }
+    // no block leaves while a peer may still read its shared memory
+    cluster_sync();
+}
+
+#define DECODE_QKV_ATTENTION(NAME, W)                                                                      \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS)                                              \
+        NAME(float* out, const float* x, const W* w, const W* bias, const W* ln_w, const W* ln_b,          \
+             float* k_cache, float* v_cache, const int* pos_ptr, int c, int hd) {                          \
+        decode_qkv_attention_impl(out, x, w, bias, ln_w, ln_b, k_cache, v_cache, pos_ptr, c, hd);          \
+    }
+DECODE_QKV_ATTENTION(decode_qkv_attention_f32, float)
+DECODE_QKV_ATTENTION(decode_qkv_attention_bf16, bf16_t)
+
 // Prefill: q rows in qkv [rows, 3C] (q = first C columns), row t at position start + t.
 // Grid (n_head, rows), ATT_THREADS threads; dynamic shared memory holds start + rows scores.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)

@@ -100,6 +100,160 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
+// The input vector of a matrix-vector product into shared `xs[0..k)`, LayerNorm-ed when ln_w
+// is given. XL float4 loads of x per thread: k <= blockDim * 4 * XL (checked on the host);
+// with a LayerNorm k <= blockDim * 4 * LNL. Waits for the previous kernel (PDL) after loading the LayerNorm weights, which do
+// not depend on it. Every global load is issued before any is used: a plain strided loop
+// would wait one round trip per iteration. Ends with a block barrier.
+template <int XL, int LNL, typename W>
+__device__ __forceinline__ void stage_x(float* xs, const float* x, int k, const W* ln_w, const W* ln_b,
+                                        float* scratch) {
+    // Thread t owns x[i..i+4] for i = (u * blockDim + t) * 4.
+    float ln_wv[LNL][4], ln_bv[LNL][4];
+    if (ln_w != nullptr) {
+#pragma unroll
+        for (int u = 0; u < LNL; u++) {
+            int i = (u * blockDim.x + threadIdx.x) * 4;
+            if (i < k) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) { ln_wv[u][e] = load1(ln_w + i + e); ln_bv[u][e] = load1(ln_b + i + e); }
+            }
+        }
+    }
+    pdl_wait();
+    float4 staged[XL];
+#pragma unroll
+    for (int u = 0; u < XL; u++) {
+        int i = (u * blockDim.x + threadIdx.x) * 4;
+        if (i < k) staged[u] = *reinterpret_cast<const float4*>(x + i);
+    }
+    if (ln_w != nullptr) {
+        float s = 0.0f;
+#pragma unroll
+        for (int u = 0; u < LNL; u++)
+            if ((u * blockDim.x + threadIdx.x) * 4 < k) s += staged[u].x + staged[u].y + staged[u].z + staged[u].w;
+        float mean = block_sum(s, scratch) / k;
+        float v = 0.0f;
+#pragma unroll
+        for (int u = 0; u < LNL; u++) {
+            if ((u * blockDim.x + threadIdx.x) * 4 < k) {
+                float a = staged[u].x - mean, b = staged[u].y - mean, c2 = staged[u].z - mean, d = staged[u].w - mean;
+                v += a * a + b * b + c2 * c2 + d * d;
+            }
+        }
+        float rstd = rsqrtf(block_sum(v, scratch) / k + 1e-5f);
+#pragma unroll
+        for (int u = 0; u < LNL; u++) {
+            staged[u].x = (staged[u].x - mean) * rstd * ln_wv[u][0] + ln_bv[u][0];
+            staged[u].y = (staged[u].y - mean) * rstd * ln_wv[u][1] + ln_bv[u][1];
+            staged[u].z = (staged[u].z - mean) * rstd * ln_wv[u][2] + ln_bv[u][2];
+            staged[u].w = (staged[u].w - mean) * rstd * ln_wv[u][3] + ln_bv[u][3];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < XL; u++) {
+        int i = (u * blockDim.x + threadIdx.x) * 4;
+        if (i < k) *reinterpret_cast<float4*>(xs + i) = staged[u];
+    }
+    __syncthreads();
+}
+
+// Eight weights as loaded (16 bytes of bf16, or 32 of f32), widened to f32 only when used:
+// bf16 weights in flight then take half the registers.
+template <typename W>
+struct Packed8;
+template <>
+struct Packed8<bf16_t> {
+    uint4 v;
+    __device__ __forceinline__ void load(const bf16_t* w) { v = *reinterpret_cast<const uint4*>(w); }
+    __device__ __forceinline__ float get(int j) const {
+        u32 word = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+        return __uint_as_float((j & 1) ? (word & 0xffff0000u) : (word << 16));
+    }
+};
+template <>
+struct Packed8<float> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const float* w) {
+        a = *reinterpret_cast<const float4*>(w);
+        b = *reinterpret_cast<const float4*>(w + 4);
+    }
+    __device__ __forceinline__ float get(int j) const {
+        const float4& q = j < 4 ? a : b;
+        int e = j & 3;
+        return e == 0 ? q.x : e == 1 ? q.y : e == 2 ? q.z : q.w;
+    }
+};
+
+#define MV_UNROLL 4
+// acc[r] += (row r of W) . xs over k (a multiple of 8), one warp, partial sums per lane (the
+// caller reduces over the warp). Each lane issues MV_UNROLL 16-byte loads per row before using
+// any, so R * MV_UNROLL loads are in flight at once.
+template <int R, typename W>
+__device__ __forceinline__ void dot_rows(float acc[R], const W* const rows[R], const float* xs, int k, int lane) {
+    for (int base = lane * 8; base < k; base += 32 * 8 * MV_UNROLL) {
+        Packed8<W> wv[MV_UNROLL][R];
+#pragma unroll
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int i = base + u * 32 * 8;
+            if (i < k) {
+#pragma unroll
+                for (int r = 0; r < R; r++) wv[u][r].load(rows[r] + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int i = base + u * 32 * 8;
+            if (i < k) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float xv = xs[i + j];
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r] += wv[u][r].get(j) * xv;
+                }
+            }
+        }
+    }
+}
+
+// Thread-block clusters (sm_90+): this block's rank, a barrier over the cluster that orders
+// shared-memory writes before it (release) against reads after it (acquire), and loads and
+// stores into a peer block's shared memory (distributed shared memory).
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// The address of `p` (this block's shared memory) in block `rank`'s shared memory.
+__device__ __forceinline__ u32 peer_addr(const float* p, u32 rank) {
+    u32 out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 local;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(local) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+#endif
+    return out;
+}
+__device__ __forceinline__ void peer_store(u32 addr, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+#endif
+}
+__device__ __forceinline__ float peer_load(u32 addr) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+
 // What a matrix product does with each output value (bias already added).
 enum Epilogue {
     EPI_STORE = 0,     // out[o] = v

@@ -44,6 +44,8 @@ const KERNEL_SOURCES: [(&str, &str); 5] = [
 const ATT_CHUNK: usize = 32;
 /// Threads per attention block (ATT_THREADS in attention.cu).
 const ATT_THREADS: u32 = 128;
+/// Most blocks per head of the fused decode QKV + attention (DA_MAX_CLUSTER in attention.cu).
+const DA_MAX_CLUSTER: u32 = 16;
 /// Epilogue modes (enum Epilogue in common.cuh).
 const EPI_STORE: i32 = 0;
 const EPI_GELU: i32 = 1;
@@ -147,6 +149,7 @@ struct Kernels {
     matmul: CudaFunction,
     att_partial: CudaFunction,
     att_combine: CudaFunction,
+    decode_qkv_att: CudaFunction,
     att_prefill: CudaFunction,
     att_prefill_tiled: CudaFunction,
     att_prefill_mma: CudaFunction,
@@ -165,10 +168,29 @@ pub struct Gpu {
     pdl: bool,
     /// bf16 tensor-core instructions (mma.sync, sm_80+).
     tensor_cores: bool,
+    /// Thread-block clusters (sm_90+): decode's QKV and attention as one kernel per layer,
+    /// a cluster of this many blocks of this many threads per head
+    /// (WASI_NN_HOST_NO_FUSED_ATTENTION turns it off; WASI_NN_HOST_DECODE_CLUSTER=8x256 sets it).
+    clusters: Option<(u32, u32)>,
     /// Held while a session is created or destroyed and while a decode graph is captured:
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
     setup: Mutex<()>,
+}
+
+/// The fused decode kernel's (cluster, threads) on a GPU of compute capability `major`.
+fn decode_clusters(major: i32) -> Option<(u32, u32)> {
+    if major < 9 || std::env::var_os("WASI_NN_HOST_NO_FUSED_ATTENTION").is_some() {
+        return None;
+    }
+    let chosen = std::env::var("WASI_NN_HOST_DECODE_CLUSTER")
+        .ok()
+        .and_then(|v| {
+            let (n, t) = v.split_once('x')?;
+            Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
+        })
+        .filter(|&(n, t)| (2..=DA_MAX_CLUSTER).contains(&n) && (t == 128 || t == 256));
+    Some(chosen.unwrap_or((8, 256)))
 }
 
 impl Gpu {
@@ -213,6 +235,7 @@ impl Gpu {
             name,
             pdl,
             tensor_cores: major >= 8,
+            clusters: decode_clusters(major),
             setup: Mutex::new(()),
         })
     }
@@ -244,6 +267,16 @@ impl Gpu {
             matmul: f(&format!("matmul_{suffix}"))?,
             att_partial: f("attention_decode_partial")?,
             att_combine: f("attention_decode_combine")?,
+            decode_qkv_att: {
+                let func = f(&format!("decode_qkv_attention_{suffix}"))?;
+                if self.clusters.is_some_and(|(n, _)| n > 8) {
+                    // clusters above 8 blocks are allowed per kernel (sm_90 has up to 16)
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                        .map_err(device_err("cluster size"))?;
+                }
+                func
+            },
             att_prefill: f("attention_prefill")?,
             att_prefill_tiled: f("attention_prefill_tiled")?,
             att_prefill_mma: f("attention_prefill_mma")?,
@@ -697,12 +730,39 @@ impl CudaSession {
         cfg: LaunchConfig,
         args: &mut [*mut std::ffi::c_void],
     ) -> Result<(), cudarc::driver::DriverError> {
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_cluster(func, cfg, 1, args) }
+    }
+
+    /// [`Self::launch`] in thread-block clusters of `cluster` blocks along x (1: none).
+    ///
+    /// # Safety
+    /// As for [`Self::launch`]; `cluster` > 1 needs sm_90 and must divide the grid's x.
+    unsafe fn launch_cluster(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
         self.exec.gpu.ctx.bind_to_thread()?;
-        // SAFETY: an all-zero launch attribute is valid (id 0 = ignored); we fill in one.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: an all-zero launch attribute is valid (id 0 = ignored); we fill in up to two.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if self.exec.gpu.pdl {
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -712,8 +772,8 @@ impl CudaSession {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.exec.gpu.pdl),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         // SAFETY: the caller vouches for the arguments; config and attr outlive the call.
         unsafe {
@@ -1075,7 +1135,11 @@ impl CudaSession {
         for (l, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
             let none = (0, 0);
-            if !skip("qkv") {
+            if self.exec.gpu.clusters.is_some() {
+                if !skip("attn") {
+                    self.qkv_attention(lw, kv)?;
+                }
+            } else if !skip("qkv") {
                 self.matvec(
                     self.qkv.ptr,
                     self.x.ptr,
@@ -1088,7 +1152,7 @@ impl CudaSession {
                     kv,
                 )?;
             }
-            if !skip("attn") {
+            if !skip("attn") && self.exec.gpu.clusters.is_none() {
                 self.decode_attention(kv)?;
             }
             if !skip("proj") {
@@ -1143,6 +1207,42 @@ impl CudaSession {
             )?;
         }
         self.argmax_kernel()
+    }
+
+    /// LayerNorm, QKV product and attention of one decode step in one kernel: a cluster of
+    /// blocks per head (sm_90+); the new key and value are appended to the cache at pos[0]
+    /// and the attention output goes to h.
+    fn qkv_attention(&self, lw: &DevLayer, kv: (u64, u64)) -> Result<(), Gpt2Error> {
+        let cfg = self.exec.config;
+        let c = cfg.n_embd;
+        let (cluster, threads) = self.exec.gpu.clusters.ok_or_else(|| {
+            Gpt2Error::Device("the fused decode attention needs sm_90 clusters".into())
+        })?;
+        let grid = LaunchConfig {
+            grid_dim: (cluster, cfg.n_head as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: ((c + self.capacity.div_ceil(cluster as usize)) * 4) as u32,
+        };
+        let (c32, hd32) = (c as i32, cfg.head_dim() as i32);
+        // SAFETY: x holds C floats and h C floats; the weights are [3C, C] and [3C]; the
+        // position is < capacity (checked before the step), so the cache rows exist; shared
+        // memory holds C + ceil(capacity / DA_CLUSTER) floats, the kernel's need.
+        let mut args = kernel_args![
+            &self.h.ptr,
+            &self.x.ptr,
+            &lw.qkv_w.ptr,
+            &lw.qkv_b.ptr,
+            &lw.ln1_w.ptr,
+            &lw.ln1_b.ptr,
+            &kv.0,
+            &kv.1,
+            &self.pos_ptr,
+            &c32,
+            &hd32
+        ];
+        let func = &self.exec.kernels.decode_qkv_att;
+        unsafe { self.launch_cluster(func, grid, cluster, &mut args) }
+            .map_err(device_err("QKV + attention"))
     }
 
     /// Attention of the query in qkv[0..C] over positions 0..=pos of one layer's cache,
@@ -2163,6 +2263,38 @@ pub mod kernel_checks {
             c,
         );
         report("attention decode", &b.get(|s| &s.h.slice, c)?, &want, 2e-4);
+
+        // the fused decode step (sm_90 clusters): LayerNorm + QKV + cache append + attention,
+        // at the last position, at one where some blocks of a cluster get no positions, and at 0
+        if b.s.exec.gpu.clusters.is_some() {
+            let (mut keys, mut values) = (keys, values);
+            for pos in [len - 1, 5, 0] {
+                let x = b.random(c);
+                b.put(|s| &mut s.x.slice, &x)?;
+                let stream = b.s.stream.clone();
+                stream
+                    .memcpy_htod(&[pos as i32], &mut b.s.pos)
+                    .map_err(device_err("upload"))?;
+                b.s.qkv_attention(dl, kv)?;
+                let mut normed = vec![0.0; c];
+                cpu::layer_norm(&mut normed, &x, &lw.ln1_w, &lw.ln1_b);
+                let mut qkv = vec![0.0; 3 * c];
+                cpu::linear(&mut qkv, &normed, &lw.qkv_w, Some(&lw.qkv_b), c, 3 * c);
+                keys[pos * c..(pos + 1) * c].copy_from_slice(&qkv[c..2 * c]);
+                values[pos * c..(pos + 1) * c].copy_from_slice(&qkv[2 * c..]);
+                let mut want = vec![0.0; c];
+                let visible = (pos + 1) * c;
+                let cache = (&keys[..visible], &values[..visible]);
+                cpu::attention(&mut want, &qkv, cache, pos, cfg.n_head, c);
+                let name = format!("decode qkv+attention (clusters) pos={pos}");
+                report(&name, &b.get(|s| &s.h.slice, c)?, &want, 2e-4);
+                let k_row = b.get(|s| &s.k_cache.slice, visible)?;
+                let v_row = b.get(|s| &s.v_cache.slice, visible)?;
+                let appended = [&k_row[pos * c..], &v_row[pos * c..]].concat();
+                let name = format!("decode qkv+attention cache append pos={pos}");
+                report(&name, &appended, &qkv[c..], 1e-4);
+            }
+        }
         Ok(())
     }
 }
