@@ -496,26 +496,41 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* row) {
 }
 
 // Rows k0..k0+127 of one head's keys and values (zeros past `keys`): 8 float4 each per thread.
+// With `fresh` (the prompt's keys and values not yet in the cache), positions from `start` on
+// come from the QKV product's rows instead of the cache.
 __device__ __forceinline__ void tc_load_tiles(float4 kr[8], float4 vr[8], const float* k_cache,
-                                              const float* v_cache, int k0, int keys, int c, int h) {
+                                              const float* v_cache, const float* qkv, int start, int fresh,
+                                              int k0, int keys, int c, int h) {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int idx = i * TC_THREADS + threadIdx.x, r = idx >> 4, d = (idx & 15) * 4;
-        size_t at = (size_t)(k0 + r) * c + h * TC_HD + d;
-        bool in = k0 + r < keys;
-        kr[i] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
-        vr[i] = in ? *reinterpret_cast<const float4*>(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        int idx = i * TC_THREADS + threadIdx.x, p = k0 + (idx >> 4), d = (idx & 15) * 4;
+        const float *kp, *vp;
+        if (fresh && p >= start) {
+            kp = qkv + (size_t)(p - start) * 3 * c + c + h * TC_HD + d;
+            vp = kp + c;
+        } else {
+            kp = k_cache + (size_t)p * c + h * TC_HD + d;
+            vp = v_cache + (size_t)p * c + h * TC_HD + d;
+        }
+        bool in = p < keys;
+        kr[i] = in ? *reinterpret_cast<const float4*>(kp) : make_float4(0.f, 0.f, 0.f, 0.f);
+        vr[i] = in ? *reinterpret_cast<const float4*>(vp) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
+// `fresh_kv`: the prompt's keys and values are read from `qkv` (the QKV product with its bias,
+// rows of 3C) rather than the cache, and each block appends its own 64 positions of its head
+// to the cache (so no separate scatter pass is needed). With `start_ptr`, the first position
+// is read from device memory instead of `start` (a captured prefill serves any prefix length).
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    attention_prefill_mma(void* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
-                          int rows, int c, int out_bf16) {
+    attention_prefill_mma(void* out, const float* qkv, float* k_cache, float* v_cache, int start, int rows, int c,
+                          int out_bf16, int fresh_kv, const int* start_ptr) {
     // [2 tiles][keys][dims] fp16; reused at the end for group 1's partial results
     __shared__ __align__(16) unsigned short ks[2][TC_K][TC_LD];
     __shared__ __align__(16) unsigned short vs[2][TC_K][TC_LD];
     pdl_launch_dependents();
     pdl_wait();
+    if (start_ptr != nullptr) start = *start_ptr;
     int h = blockIdx.x;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_Q;  // the longest rows first
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -541,7 +556,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int warp_last = start + q0 + wq * 16 + 15;  // the warp's last query position
     int keys = min(start + q0 + TC_Q, start + rows);
     float4 kr[8], vr[8];
-    tc_load_tiles(kr, vr, k_cache, v_cache, 0, keys, c, h);
+    tc_load_tiles(kr, vr, k_cache, v_cache, qkv, start, fresh_kv, 0, keys, c, h);
+    int own0 = start + q0;  // this block's positions, appended to the cache with fresh_kv
     int mi = lane >> 3, mr = lane & 7;
     for (int k0 = 0; k0 < keys; k0 += 2 * TC_K) {
         __syncthreads();
@@ -552,9 +568,16 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                 make_uint2(pack_f16(kr[i].x, kr[i].y), pack_f16(kr[i].z, kr[i].w));
             *reinterpret_cast<uint2*>(&vs[r >> 6][r & 63][d]) =
                 make_uint2(pack_f16(vr[i].x, vr[i].y), pack_f16(vr[i].z, vr[i].w));
+            int p = k0 + r;
+            if (fresh_kv && p >= own0 && p < keys) {
+                size_t at = (size_t)p * c + h * TC_HD + d;
+                *reinterpret_cast<float4*>(k_cache + at) = kr[i];
+                *reinterpret_cast<float4*>(v_cache + at) = vr[i];
+            }
         }
         __syncthreads();
-        if (k0 + 2 * TC_K < keys) tc_load_tiles(kr, vr, k_cache, v_cache, k0 + 2 * TC_K, keys, c, h);
+        if (k0 + 2 * TC_K < keys)
+            tc_load_tiles(kr, vr, k_cache, v_cache, qkv, start, fresh_kv, k0 + 2 * TC_K, keys, c, h);
         int kt = k0 + group * TC_K;  // this warp's tile
         if (kt >= keys || kt > warp_last) continue;  // past the end, or all in the warp's future
         float s[8][4];

@@ -54,6 +54,19 @@ const EPI_QKV: i32 = 3;
 /// Matrix-vector rows per block (MV_WARPS * MV_ROWS_PER_WARP in matvec.cu).
 const MV_ROWS_PER_BLOCK: usize = 8;
 
+/// Where a prefill's kernels take its first position from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Start {
+    /// A launch argument.
+    Host(usize),
+    /// `pos[0]` (a captured prefill serves any prefix length).
+    Device,
+}
+
+/// Captured prefills kept per session (by prompt length), and so twice that many lengths
+/// remembered: a length is captured the second time it is seen.
+const PREFILL_GRAPHS: usize = 4;
+
 /// Profiling aid: `WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` (decode graph) or
 /// `gemm,pattn,ln,epi` (prefill) leaves those kernels out; the results are then wrong, only the time counts.
 fn profile_skip(part: &str) -> bool {
@@ -346,6 +359,7 @@ struct DevLayer {
     /// cuBLASLt products with an f32 result (it takes no bf16 bias there).
     proj_b32: DevTensor,
     fc_proj_b32: DevTensor,
+    qkv_b32: DevTensor,
 }
 
 struct DevWeights {
@@ -479,6 +493,7 @@ impl CudaExecutor {
                     fc_proj_b: up(&l.fc_proj_b)?,
                     proj_b32: up32(&l.proj_b)?,
                     fc_proj_b32: up32(&l.fc_proj_b)?,
+                    qkv_b32: up32(&l.qkv_b)?,
                 })
             })
             .collect::<Result<Vec<_>, Gpt2Error>>()?;
@@ -582,6 +597,11 @@ pub struct CudaSession {
     max_chunks: usize,
     graph: Option<CudaGraph>,
     graph_failed: bool,
+    /// Captured prefills by (prompt length, all positions), most recently used last.
+    prefill_graphs: Vec<((usize, bool), CudaGraph)>,
+    /// Prompt shapes seen (a shape is captured when it comes again).
+    prefill_seen: Vec<(usize, bool)>,
+    prefill_graphs_on: bool,
     /// cuBLAS for prefill products (None: our tiled kernel), with its scratch buffers.
     blas: Option<Blas>,
 }
@@ -712,6 +732,9 @@ impl CudaSession {
             len: 0,
             graph: None,
             graph_failed: false,
+            prefill_graphs: Vec::new(),
+            prefill_seen: Vec::new(),
+            prefill_graphs_on: true,
             blas: Blas::new(&stream, capacity, c),
             stream,
             exec,
@@ -1345,22 +1368,93 @@ impl CudaSession {
                 "logits of every position",
             )?);
         }
-        self.prefill_kernels(n, start, all_positions)
+        let key = (n, all_positions);
+        if self.prefill_graphable() {
+            let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
+            if cached.is_some() || self.prefill_seen.contains(&key) {
+                // the prompt's first position, read by the captured kernels
+                self.stream
+                    .memcpy_htod(&[start as i32], &mut self.pos)
+                    .map_err(device_err("prefill"))?;
+            }
+            if let Some(i) = cached {
+                // most recently used last
+                let entry = self.prefill_graphs.remove(i);
+                let launched = entry.1.launch().map_err(device_err("prefill graph"));
+                self.prefill_graphs.push(entry);
+                return launched;
+            }
+            if self.prefill_seen.contains(&key) {
+                if let Some(graph) = self.capture_prefill(n, all_positions) {
+                    graph.launch().map_err(device_err("prefill graph"))?;
+                    if self.prefill_graphs.len() >= PREFILL_GRAPHS {
+                        self.prefill_graphs.remove(0);
+                    }
+                    self.prefill_graphs.push((key, graph));
+                    return Ok(());
+                }
+            } else {
+                if self.prefill_seen.len() >= 2 * PREFILL_GRAPHS {
+                    self.prefill_seen.remove(0);
+                }
+                self.prefill_seen.push(key);
+            }
+        }
+        self.prefill_kernels(n, start, all_positions, false)
     }
 
-    /// The launches of a prefill of the `n` ids in `tokens` at positions start..start+n.
+    /// Whether prefills may be captured as graphs: the bf16 path whose every kernel takes the
+    /// first position from device memory (cuBLASLt QKV, tensor-core attention), and not
+    /// turned off (`WASI_NN_HOST_NO_GRAPH`, or [`Self::set_prefill_graphs`]).
+    fn prefill_graphable(&self) -> bool {
+        self.prefill_graphs_on
+            && !self.graph_failed
+            && self.tensor_core_attention()
+            && self.blas.as_ref().is_some_and(|b| b.lt.is_some())
+            && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none()
+            && std::env::var_os("WASI_NN_HOST_NO_FRESH_KV").is_none()
+    }
+
+    /// Capture the prefill of `n` tokens (ids in `tokens`, the first position in `pos`) as a
+    /// graph; None (and no more prefill graphs for this session) when capture fails.
+    fn capture_prefill(&mut self, n: usize, all_positions: bool) -> Option<CudaGraph> {
+        let gpu = self.exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let err = device_err("prefill graph");
+        let captured = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(&err)
+            .and_then(|()| {
+                let launched = self.prefill_kernels(n, 0, all_positions, true);
+                let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+                launched.and(graph.map_err(&err))
+            });
+        match captured {
+            Ok(graph) => graph,
+            Err(e) => {
+                tracing::warn!("prefill graph capture failed, running prefills eagerly: {e}");
+                self.prefill_graphs_on = false;
+                None
+            }
+        }
+    }
+
+    /// The launches of a prefill of the `n` ids in `tokens` at positions start..start+n
+    /// (with `graphed`, the kernels read the first position from `pos` instead: a graph).
     fn prefill_kernels(
         &self,
         n: usize,
         start: usize,
         all_positions: bool,
+        graphed: bool,
     ) -> Result<(), Gpt2Error> {
         let (cfg, c) = (self.exec.config, self.exec.config.n_embd);
-        self.embed(n, start as i32)?;
+        self.embed(n, if graphed { -1 } else { start as i32 })?;
         let w = &self.exec.weights;
         if let Some(blas) = &self.blas {
             // The last layer's MLP bias is still to be added to the rows that are read next.
-            let pending = self.prefill_layers_blas(blas, n, start)?;
+            let pending = self.prefill_layers_blas(blas, n, start, graphed)?;
             if pending != 0 {
                 let first = if all_positions { 0 } else { n - 1 };
                 self.add_bias(self.x.ptr + (first * c * 4) as u64, pending, n - first)?;
@@ -1401,7 +1495,13 @@ impl CudaSession {
     /// write the next GEMM's input directly (bf16 in bf16 mode); the projections accumulate
     /// into the residual stream (beta = 1) and their bias is added by the next LayerNorm.
     /// Returns the bias still pending on `x` (the last layer's MLP projection bias).
-    fn prefill_layers_blas(&self, blas: &Blas, n: usize, start: usize) -> Result<u64, Gpt2Error> {
+    fn prefill_layers_blas(
+        &self,
+        blas: &Blas,
+        n: usize,
+        start: usize,
+        graphed: bool,
+    ) -> Result<u64, Gpt2Error> {
         let c = self.exec.config.n_embd;
         let bf16 = self.exec.dtype == GpuDtype::Bf16;
         let (a_c, a_4c) = if bf16 {
@@ -1414,10 +1514,33 @@ impl CudaSession {
         for (l, lw) in self.exec.weights.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
             self.layernorm((a_c, bf16), x, (lw.ln1_w.ptr, lw.ln1_b.ptr), pending, n)?;
-            self.gemm(blas, lw.qkv_w.ptr, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
-            let (qkv, qkv_b) = ((self.qkv.ptr, false), lw.qkv_b.ptr);
-            self.epilogue(blas, qkv, qkv_b, (n, 3 * c), EPI_QKV, start, kv, 3 * c)?;
-            self.prefill_attention(kv, start, n, (a_c, bf16))?;
+            // QKV with its bias through cuBLASLt, the tensor-core attention reading the new
+            // keys and values from its rows and appending them to the cache; else a product,
+            // then a pass adding the bias and scattering keys and values into the cache
+            let qkv_lt = Shape {
+                bias_bf16: false,
+                ..Shape::new((n, 3 * c, c), Epilogue::Bias)
+            };
+            let qkv_args = (lw.qkv_w.ptr, a_c, lw.qkv_b32.ptr, self.qkv.ptr);
+            let fresh = self.tensor_core_attention()
+                && std::env::var_os("WASI_NN_HOST_NO_FRESH_KV").is_none()
+                && self.lt_matmul(blas, qkv_lt, qkv_args)?;
+            if !fresh && graphed {
+                return Err(Gpt2Error::Device(
+                    "no cuBLASLt plan for the QKV product: the prefill cannot be captured".into(),
+                ));
+            }
+            if !fresh {
+                self.gemm(blas, lw.qkv_w.ptr, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
+                let (qkv, qkv_b) = ((self.qkv.ptr, false), lw.qkv_b.ptr);
+                self.epilogue(blas, qkv, qkv_b, (n, 3 * c), EPI_QKV, start, kv, 3 * c)?;
+            }
+            let first = if graphed {
+                Start::Device
+            } else {
+                Start::Host(start)
+            };
+            self.prefill_attention(kv, first, n, (a_c, bf16), fresh)?;
             // projection into the residual stream: with its bias (cuBLASLt), or the bias is
             // left to the next LayerNorm
             let proj = (lw.proj_w.ptr, a_c, lw.proj_b32.ptr, x);
@@ -1485,7 +1608,7 @@ impl CudaSession {
                 kv,
                 3 * c,
             )?;
-            self.prefill_attention(kv, start, n, (h, false))?;
+            self.prefill_attention(kv, Start::Host(start), n, (h, false), false)?;
             let (proj_w, proj_b) = (lw.proj_w.ptr, lw.proj_b.ptr);
             self.matmul(x, h, proj_w, proj_b, n, c, c, EPI_RESIDUAL, start, none, c)?;
             self.layernorm((h, false), x, (lw.ln2_w.ptr, lw.ln2_b.ptr), 0, n)?;
@@ -1502,15 +1625,25 @@ impl CudaSession {
     fn prefill_attention(
         &self,
         kv: (u64, u64),
-        start: usize,
+        start: Start,
         n: usize,
         (out, out_bf16): (u64, bool),
+        fresh_kv: bool,
     ) -> Result<(), Gpt2Error> {
         if profile_skip("pattn") {
             return Ok(());
         }
+        if (fresh_kv || start == Start::Device) && !self.tensor_core_attention() {
+            return Err(Gpt2Error::Device(
+                "keys and values from the QKV rows, or the first position from device memory, need the tensor-core attention".into(),
+            ));
+        }
+        let (start, start_ptr) = match start {
+            Start::Host(start) => (start, 0u64),
+            Start::Device => (0, self.pos_ptr),
+        };
         if out_bf16 && !self.tensor_core_attention() {
-            self.prefill_attention(kv, start, n, (self.h.ptr, false))?;
+            self.prefill_attention(kv, Start::Host(start), n, (self.h.ptr, false), false)?;
             return self.to_bf16(out, self.h.ptr, n * self.exec.config.n_embd);
         }
         let cfg = self.exec.config;
@@ -1522,11 +1655,14 @@ impl CudaSession {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let obf = i32::from(out_bf16);
+            let (obf, fresh) = (i32::from(out_bf16), i32::from(fresh_kv));
             let q = self.qkv.ptr;
-            let mut args = kernel_args![&out, &q, &kv.0, &kv.1, &start32, &n32, &c32, &obf];
+            let mut args = kernel_args![
+                &out, &q, &kv.0, &kv.1, &start32, &n32, &c32, &obf, &fresh, &start_ptr
+            ];
             // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, out n
-            // rows of C; the kernel reads cache rows 0..start+n of head columns h*64.. < C.
+            // rows of C; the kernel reads (with fresh_kv: and writes) cache rows 0..start+n of
+            // head columns h*64.. < C.
             return unsafe { self.launch(&self.exec.kernels.att_prefill_mma, grid, &mut args) }
                 .map_err(device_err("attention"));
         }
@@ -1576,6 +1712,15 @@ impl CudaSession {
         self.stream.synchronize().map_err(device_err("synchronize"))
     }
 
+    /// Turn the capture of repeated prefill shapes on or off (benchmarks of the eager path).
+    pub fn set_prefill_graphs(&mut self, on: bool) {
+        self.prefill_graphs_on = on;
+        if !on {
+            self.prefill_graphs.clear();
+            self.prefill_seen.clear();
+        }
+    }
+
     /// GPU time of a prefill of `tokens` from position 0, without the host's launch costs: the
     /// prefill's launches captured once as a CUDA graph, replayed `iters` times (benchmarks).
     pub fn prefill_gpu_ms(&mut self, tokens: &[u32], iters: usize) -> Result<f64, Gpt2Error> {
@@ -1592,7 +1737,7 @@ impl CudaSession {
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(&err)?;
-            let launched = self.prefill_kernels(tokens.len(), 0, false);
+            let launched = self.prefill_kernels(tokens.len(), 0, false, false);
             let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
             launched?;
             graph
@@ -2222,7 +2367,7 @@ pub mod kernel_checks {
             } else {
                 (b.s.h.ptr, false)
             };
-            b.s.prefill_attention(kv, start, q_rows, out)?;
+            b.s.prefill_attention(kv, Start::Host(start), q_rows, out, false)?;
             let mut want = vec![0.0; q_rows * c];
             let visible = (start + q_rows) * c;
             cpu::attention(
@@ -2264,10 +2409,48 @@ pub mod kernel_checks {
         );
         report("attention decode", &b.get(|s| &s.h.slice, c)?, &want, 2e-4);
 
+        // the tensor-core attention reading the prompt's keys and values from the QKV rows
+        // (after a prefix in the cache) and appending them to the cache
+        let (mut keys, mut values) = (keys, values);
+        if tc {
+            for (start, q_rows) in [(0usize, len - 3), (len - 70, 70)] {
+                let rows_qkv = b.random(q_rows * 3 * c);
+                b.put(|s| &mut s.qkv.slice, &rows_qkv)?;
+                let out = if fused {
+                    (b.x_bf16_ptr(), true)
+                } else {
+                    (b.s.h.ptr, false)
+                };
+                b.s.prefill_attention(kv, Start::Host(start), q_rows, out, true)?;
+                for (t, row) in rows_qkv.chunks(3 * c).enumerate() {
+                    let at = (start + t) * c;
+                    keys[at..at + c].copy_from_slice(&row[c..2 * c]);
+                    values[at..at + c].copy_from_slice(&row[2 * c..]);
+                }
+                let visible = (start + q_rows) * c;
+                let mut want = vec![0.0; q_rows * c];
+                let cache = (&round(&keys[..visible]), &round(&values[..visible]));
+                let q_r = round(&rows_qkv);
+                cpu::attention(&mut want, &q_r, (cache.0, cache.1), start, cfg.n_head, c);
+                let got = if out.1 {
+                    b.get_bf16(q_rows * c)?
+                } else {
+                    b.get(|s| &s.h.slice, q_rows * c)?
+                };
+                let name = format!("attention prefill fresh kv start={start} rows={q_rows}");
+                report(&name, &got, &want, if out.1 { 1e-2 } else { tolerance });
+                let k_got = b.get(|s| &s.k_cache.slice, visible)?;
+                let v_got = b.get(|s| &s.v_cache.slice, visible)?;
+                let got = [&k_got[start * c..], &v_got[start * c..]].concat();
+                let want = [&keys[start * c..visible], &values[start * c..visible]].concat();
+                let name = format!("attention prefill fresh kv appended start={start}");
+                report(&name, &got, &want, 0.0);
+            }
+        }
+
         // the fused decode step (sm_90 clusters): LayerNorm + QKV + cache append + attention,
         // at the last position, at one where some blocks of a cluster get no positions, and at 0
         if b.s.exec.gpu.clusters.is_some() {
-            let (mut keys, mut values) = (keys, values);
             for pos in [len - 1, 5, 0] {
                 let x = b.random(c);
                 b.put(|s| &mut s.x.slice, &x)?;

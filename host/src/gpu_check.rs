@@ -21,6 +21,9 @@ pub struct CheckReport {
     pub prefill_error: f32,
     /// Worst scaled logit error over the decode steps (GPU graph vs CPU).
     pub decode_error: f32,
+    /// Worst scaled logit error of a prompt length run three times: eager, captured as a
+    /// graph, and replayed after a prefix (the bf16 path's prefill graphs).
+    pub repeat_prefill_error: f32,
     /// Greedy ids that agree, from the start, between GPU and CPU (the GPU follows its own ids).
     pub greedy_agree: usize,
     /// Positions where the GPU's argmax differs from the CPU's on the same sequence.
@@ -134,6 +137,21 @@ pub fn compare(
     cpu_s.extend(&sequence, true)?;
     all_error = all_error.max(scaled_error(&gpu_s.all_logits()?, &cpu_s.all_logits()?));
     let decode_error = decode_error.max(all_error);
+    // The same prompt length three times: from 0 (eager), from 0 again (captured), after a
+    // prefix of the prompt (the captured prefill replayed at another first position).
+    let chunk = prompt.len().div_ceil(2);
+    let mut repeat_error = 0.0f32;
+    for start in [0, 0, prompt.len() - chunk] {
+        gpu_s.truncate(0);
+        cpu_s.truncate(0);
+        if start > 0 {
+            gpu_s.extend(&prompt[..start], false)?;
+            cpu_s.extend(&prompt[..start], false)?;
+        }
+        gpu_s.extend(&prompt[start..start + chunk], false)?;
+        cpu_s.extend(&prompt[start..start + chunk], false)?;
+        repeat_error = repeat_error.max(scaled_error(&gpu_s.last_logits()?, &cpu_s.last_logits()?));
+    }
     Ok(CheckReport {
         model: name.to_owned(),
         dtype: format!("{dtype:?}").to_lowercase(),
@@ -141,10 +159,14 @@ pub fn compare(
         steps,
         prefill_error,
         decode_error,
+        repeat_prefill_error: repeat_error,
         greedy_agree: agree,
         argmax_mismatches: mismatches,
         tolerance,
-        passed: prefill_error <= tolerance && decode_error <= tolerance && argmax_disagree == 0,
+        passed: prefill_error <= tolerance
+            && decode_error <= tolerance
+            && repeat_error <= tolerance
+            && argmax_disagree == 0,
         f32_model_error: f32_s.as_ref().map(|_| f32_error),
         f32_model_greedy_agree: f32_s.as_ref().map(|_| f32_agree),
     })
