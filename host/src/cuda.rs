@@ -586,10 +586,11 @@ pub struct CudaSession {
     partial: Buf,
     logits: Buf, // [V]
     all_logits: Option<Buf>,
-    tokens: CudaSlice<i32>, // [capacity] prompt ids; [0] is the decode step's token
-    tokens_ptr: u64,
-    pos: CudaSlice<i32>, // [1] decode position
-    pos_ptr: u64,
+    /// [position, ids...]: the decode step's position (or a captured prefill's first one),
+    /// then the token ids (one for a decode step), so a step uploads both in one copy.
+    ids: CudaSlice<i32>,
+    tokens_ptr: u64,      // ids[1..]
+    pos_ptr: u64,         // ids[0]
     next: CudaSlice<i32>, // [1] argmax of the last logits
     next_ptr: u64,
     /// Rows of all-position logits from the last extend (0 when not asked for).
@@ -694,17 +695,14 @@ impl CudaSession {
             .map_err(device_err("creating a stream"))?;
         let max_chunks = capacity.div_ceil(ATT_CHUNK);
         let kv = cfg.n_layer * capacity * c;
-        let tokens = stream
-            .alloc_zeros::<i32>(capacity)
+        let ids = stream
+            .alloc_zeros::<i32>(capacity + 1)
             .map_err(device_err("token buffer"))?;
-        let pos = stream
-            .alloc_zeros::<i32>(1)
-            .map_err(device_err("position buffer"))?;
         let next = stream
             .alloc_zeros::<i32>(1)
             .map_err(device_err("argmax buffer"))?;
-        let tokens_ptr = tokens.device_ptr(&stream).0;
-        let pos_ptr = pos.device_ptr(&stream).0;
+        let pos_ptr = ids.device_ptr(&stream).0;
+        let tokens_ptr = pos_ptr + 4;
         let next_ptr = next.device_ptr(&stream).0;
         Ok(Self {
             k_cache: Buf::new(&stream, kv, "KV cache")?,
@@ -720,9 +718,8 @@ impl CudaSession {
             )?,
             logits: Buf::new(&stream, cfg.vocab_size, "logits")?,
             all_logits: None,
-            tokens,
+            ids,
             tokens_ptr,
-            pos,
             pos_ptr,
             next,
             next_ptr,
@@ -1316,12 +1313,7 @@ impl CudaSession {
     /// One decode step through the captured graph (captured on first use).
     fn decode(&mut self, token: u32) -> Result<(), Gpt2Error> {
         let err = device_err("decode step");
-        self.stream
-            .memcpy_htod(&[token as i32], &mut self.tokens)
-            .map_err(&err)?;
-        self.stream
-            .memcpy_htod(&[self.len as i32], &mut self.pos)
-            .map_err(&err)?;
+        self.upload_ids(Some(self.len), &[token as i32])?;
         if self.graph.is_none()
             && !self.graph_failed
             && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none()
@@ -1357,10 +1349,6 @@ impl CudaSession {
         let cfg = self.exec.config;
         let (n, start) = (tokens.len(), self.len);
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let mut dst = self.tokens.slice_mut(0..n);
-        self.stream
-            .memcpy_htod(&ids, &mut dst)
-            .map_err(device_err("prefill"))?;
         if all_positions && self.all_logits.is_none() {
             self.all_logits = Some(Buf::new(
                 &self.stream,
@@ -1371,12 +1359,9 @@ impl CudaSession {
         let key = (n, all_positions);
         if self.prefill_graphable() {
             let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
-            if cached.is_some() || self.prefill_seen.contains(&key) {
-                // the prompt's first position, read by the captured kernels
-                self.stream
-                    .memcpy_htod(&[start as i32], &mut self.pos)
-                    .map_err(device_err("prefill"))?;
-            }
+            let graphed = cached.is_some() || self.prefill_seen.contains(&key);
+            // a captured prefill reads its first position from ids[0]
+            self.upload_ids(graphed.then_some(start), &ids)?;
             if let Some(i) = cached {
                 // most recently used last
                 let entry = self.prefill_graphs.remove(i);
@@ -1399,8 +1384,28 @@ impl CudaSession {
                 }
                 self.prefill_seen.push(key);
             }
+        } else {
+            self.upload_ids(None, &ids)?;
         }
         self.prefill_kernels(n, start, all_positions, false)
+    }
+
+    /// Upload token ids to ids[1..], and with `first` the position to ids[0], in one copy.
+    fn upload_ids(&mut self, first: Option<usize>, tokens: &[i32]) -> Result<(), Gpt2Error> {
+        let err = device_err("uploading token ids");
+        match first {
+            Some(pos) => {
+                let mut all = Vec::with_capacity(tokens.len() + 1);
+                all.push(pos as i32);
+                all.extend_from_slice(tokens);
+                let mut dst = self.ids.slice_mut(0..all.len());
+                self.stream.memcpy_htod(&all, &mut dst).map_err(err)
+            }
+            None => {
+                let mut dst = self.ids.slice_mut(1..1 + tokens.len());
+                self.stream.memcpy_htod(tokens, &mut dst).map_err(err)
+            }
+        }
     }
 
     /// Whether prefills may be captured as graphs: the bf16 path whose every kernel takes the
@@ -1728,8 +1733,7 @@ impl CudaSession {
         self.len = 0;
         self.check(tokens.len())?;
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let mut dst = self.tokens.slice_mut(0..ids.len());
-        self.stream.memcpy_htod(&ids, &mut dst).map_err(&err)?;
+        self.upload_ids(None, &ids)?;
         self.stream.synchronize().map_err(&err)?;
         let graph = {
             let gpu = self.exec.gpu.clone();
@@ -2315,13 +2319,7 @@ pub mod kernel_checks {
         // embedding of a few tokens at a start position
         let (n, start) = (4usize, 3usize);
         let tokens: Vec<i32> = (0..n).map(|_| b.rng.random_range(0..v as i32)).collect();
-        {
-            let stream = b.s.stream.clone();
-            let mut dst = b.s.tokens.slice_mut(0..n);
-            stream
-                .memcpy_htod(&tokens, &mut dst)
-                .map_err(device_err("upload"))?;
-        }
+        b.s.upload_ids(None, &tokens)?;
         b.s.embed(n, start as i32)?;
         let want: Vec<f32> = tokens
             .iter()
@@ -2390,13 +2388,7 @@ pub mod kernel_checks {
             // a bf16 output is rounded too
             report(&name, &got, &want, if out.1 { 1e-2 } else { tolerance });
         }
-        let pos = [(len - 1) as i32];
-        {
-            let stream = b.s.stream.clone();
-            stream
-                .memcpy_htod(&pos, &mut b.s.pos)
-                .map_err(device_err("upload"))?;
-        }
+        b.s.upload_ids(Some(len - 1), &[])?;
         b.s.decode_attention(kv)?;
         let mut want = vec![0.0; c];
         cpu::attention(
@@ -2454,10 +2446,7 @@ pub mod kernel_checks {
             for pos in [len - 1, 5, 0] {
                 let x = b.random(c);
                 b.put(|s| &mut s.x.slice, &x)?;
-                let stream = b.s.stream.clone();
-                stream
-                    .memcpy_htod(&[pos as i32], &mut b.s.pos)
-                    .map_err(device_err("upload"))?;
+                b.s.upload_ids(Some(pos), &[])?;
                 b.s.qkv_attention(dl, kv)?;
                 let mut normed = vec![0.0; c];
                 cpu::layer_norm(&mut normed, &x, &lw.ln1_w, &lw.ln1_b);
