@@ -182,9 +182,9 @@ pub struct Gpu {
     /// bf16 tensor-core instructions (mma.sync, sm_80+).
     tensor_cores: bool,
     /// Thread-block clusters (sm_90+): decode's QKV and attention as one kernel per layer,
-    /// a cluster of this many blocks of this many threads per head
-    /// (WASI_NN_HOST_NO_FUSED_ATTENTION turns it off; WASI_NN_HOST_DECODE_CLUSTER=8x256 sets it).
-    clusters: Option<(u32, u32)>,
+    /// a cluster per head (WASI_NN_HOST_NO_FUSED_ATTENTION turns it off), of the blocks and
+    /// threads given by WASI_NN_HOST_DECODE_CLUSTER=8x256 (else see `qkv_attention`).
+    clusters: Option<Option<(u32, u32)>>,
     /// Held while a session is created or destroyed and while a decode graph is captured:
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
@@ -192,7 +192,7 @@ pub struct Gpu {
 }
 
 /// The fused decode kernel's (cluster, threads) on a GPU of compute capability `major`.
-fn decode_clusters(major: i32) -> Option<(u32, u32)> {
+fn decode_clusters(major: i32) -> Option<Option<(u32, u32)>> {
     if major < 9 || std::env::var_os("WASI_NN_HOST_NO_FUSED_ATTENTION").is_some() {
         return None;
     }
@@ -203,7 +203,7 @@ fn decode_clusters(major: i32) -> Option<(u32, u32)> {
             Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
         })
         .filter(|&(n, t)| (2..=DA_MAX_CLUSTER).contains(&n) && (t == 128 || t == 256));
-    Some(chosen.unwrap_or((8, 256)))
+    Some(chosen)
 }
 
 impl Gpu {
@@ -282,7 +282,7 @@ impl Gpu {
             att_combine: f("attention_decode_combine")?,
             decode_qkv_att: {
                 let func = f(&format!("decode_qkv_attention_{suffix}"))?;
-                if self.clusters.is_some_and(|(n, _)| n > 8) {
+                if self.clusters.flatten().is_some_and(|(n, _)| n > 8) {
                     // clusters above 8 blocks are allowed per kernel (sm_90 has up to 16)
                     use cudarc::driver::sys::CUfunction_attribute_enum as A;
                     func.set_attribute(A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
@@ -1235,9 +1235,13 @@ impl CudaSession {
     fn qkv_attention(&self, lw: &DevLayer, kv: (u64, u64)) -> Result<(), Gpt2Error> {
         let cfg = self.exec.config;
         let c = cfg.n_embd;
-        let (cluster, threads) = self.exec.gpu.clusters.ok_or_else(|| {
+        let chosen = self.exec.gpu.clusters.ok_or_else(|| {
             Gpt2Error::Device("the fused decode attention needs sm_90 clusters".into())
         })?;
+        // 8 blocks per head; 128 threads for f32 weights past 124M's width (its 142 registers
+        // a thread would leave one 256-thread block per SM: measured slower there)
+        let wide_f32 = self.exec.dtype == GpuDtype::F32 && c > 768;
+        let (cluster, threads) = chosen.unwrap_or(if wide_f32 { (8, 128) } else { (8, 256) });
         let grid = LaunchConfig {
             grid_dim: (cluster, cfg.n_head as u32, 1),
             block_dim: (threads, 1, 1),
