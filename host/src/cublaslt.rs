@@ -49,6 +49,15 @@ impl Shape {
     }
 }
 
+/// Whether D (at `dst`) overlaps the bf16 activations (at `x`) of a product: other blocks may
+/// still be reading those while one writes its tile, so that is never allowed.
+fn output_overlaps_input(shape: &Shape, x: u64, dst: u64) -> bool {
+    let x_end = x + (shape.rows * shape.k * 2) as u64;
+    let d_bytes = if shape.out_bf16 { 2 } else { 4 };
+    let d_end = dst + (shape.rows * shape.ldc * d_bytes) as u64;
+    dst < x_end && x < d_end
+}
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3], // A (weights), B (activations), C = D
@@ -211,6 +220,11 @@ impl Lt {
         shape: Shape,
         (w, x, bias, dst): (u64, u64, u64, u64),
     ) -> Result<bool, String> {
+        if output_overlaps_input(&shape, x, dst) {
+            return Err(format!(
+                "cuBLASLt product {shape:?}: its output overlaps its input"
+            ));
+        }
         let mut plans = self
             .plans
             .lock()
@@ -253,5 +267,27 @@ impl Lt {
         }
         .map_err(|e| format!("cuBLASLt product: {e:?}"))?;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_over_its_input_is_refused() {
+        // the FC product: 33 rows of C = 64 in, 4C out in bf16
+        let fc = Shape {
+            out_bf16: true,
+            ..Shape::new((33, 256, 64), Epilogue::GeluBias)
+        };
+        let (x, x_bytes) = (1 << 20, 33 * 64 * 2);
+        assert!(output_overlaps_input(&fc, x, x));
+        // a result ending right at the input, or starting right after it, is fine
+        let d_bytes = 33 * 256 * 2;
+        assert!(!output_overlaps_input(&fc, x, x + x_bytes));
+        assert!(!output_overlaps_input(&fc, x, x - d_bytes));
+        assert!(output_overlaps_input(&fc, x, x - d_bytes + 2));
+        assert!(output_overlaps_input(&fc, x, x + x_bytes - 2));
     }
 }

@@ -614,6 +614,10 @@ struct Blas {
     tmp: Buf,
     x_bf16: CudaSlice<u16>,
     x_bf16_ptr: u64,
+    /// The FC product's bf16 result (the MLP projection's input): [rows, 4C], apart from
+    /// x_bf16, its input.
+    _fc_bf16: CudaSlice<u16>,
+    fc_bf16_ptr: u64,
     /// cuBLASLt for bf16 products with fused bias / GELU epilogues (None: not loadable, or
     /// `WASI_NN_HOST_NO_CUBLASLT`), and its workspace.
     lt: Option<crate::cublaslt::Lt>,
@@ -644,6 +648,8 @@ impl Blas {
         let tmp = Buf::new(stream, rows * 4 * c, "GEMM scratch").ok()?;
         let x_bf16 = stream.alloc_zeros::<u16>(rows * 4 * c).ok()?;
         let x_bf16_ptr = x_bf16.device_ptr(stream).0;
+        let fc_bf16 = stream.alloc_zeros::<u16>(rows * 4 * c).ok()?;
+        let fc_bf16_ptr = fc_bf16.device_ptr(stream).0;
         let (lt, lt_workspace) = match std::env::var_os("WASI_NN_HOST_NO_CUBLASLT") {
             Some(_) => (None, None),
             None => match stream.alloc_zeros::<u8>(LT_WORKSPACE_BYTES) {
@@ -662,6 +668,8 @@ impl Blas {
             tmp,
             x_bf16,
             x_bf16_ptr,
+            _fc_bf16: fc_bf16,
+            fc_bf16_ptr,
             lt,
             _lt_workspace: lt_workspace,
         })
@@ -1514,7 +1522,7 @@ impl CudaSession {
         let c = self.exec.config.n_embd;
         let bf16 = self.exec.dtype == GpuDtype::Bf16;
         let (a_c, a_4c) = if bf16 {
-            (blas.x_bf16_ptr, blas.x_bf16_ptr)
+            (blas.x_bf16_ptr, blas.fc_bf16_ptr)
         } else {
             (self.h.ptr, self.fc.ptr)
         };
