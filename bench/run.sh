@@ -14,6 +14,8 @@ if [ "$part" != speed ]; then
   $B check-cuda --model models/gpt2-shakespeare --model random:124M --prompt 16 --steps 64
   $B check-cuda --model random:124M --prompt 1000 --steps 24
   $B check-cuda --model random:1558M --prompt 16 --steps 64
+  # 1558M with a long prompt: its prefill products run in several waves of blocks
+  $B check-cuda --model random:1558M --prompt 1000 --steps 2
   # the full path: same greedy text on both devices
   for dev in cpu cuda; do
     $B run $W --device $dev -- --json --max-tokens 64 "ROMEO:" | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); print(json.dumps({'what':'e2e_text','device':'$dev','ids':d['ids'],'text':d['text']}))"
