@@ -1432,7 +1432,7 @@ impl CudaSession {
             && std::env::var_os("WASI_NN_HOST_NO_FRESH_KV").is_none()
     }
 
-    /// Capture the prefill of `n` tokens (ids in `tokens`, the first position in `pos`) as a
+    /// Capture the prefill of `n` tokens (ids in ids[1..], the first position in ids[0]) as a
     /// graph; None (and no more prefill graphs for this session) when capture fails.
     fn capture_prefill(&mut self, n: usize, all_positions: bool) -> Option<CudaGraph> {
         let gpu = self.exec.gpu.clone();
