@@ -59,7 +59,7 @@ const MV_ROWS_PER_BLOCK: usize = 8;
 enum Start {
     /// A launch argument.
     Host(usize),
-    /// `pos[0]` (a captured prefill serves any prefix length).
+    /// `ids[0]` (a captured prefill serves any prefix length).
     Device,
 }
 
@@ -1258,7 +1258,7 @@ impl CudaSession {
         let (c32, hd32) = (c as i32, cfg.head_dim() as i32);
         // SAFETY: x holds C floats and h C floats; the weights are [3C, C] and [3C]; the
         // position is < capacity (checked before the step), so the cache rows exist; shared
-        // memory holds C + ceil(capacity / DA_CLUSTER) floats, the kernel's need.
+        // memory holds C + ceil(capacity / cluster) floats, the kernel's need.
         let mut args = kernel_args![
             &self.h.ptr,
             &self.x.ptr,
@@ -1330,18 +1330,7 @@ impl CudaSession {
             && !self.graph_failed
             && std::env::var_os("WASI_NN_HOST_NO_GRAPH").is_none()
         {
-            let gpu = self.exec.gpu.clone();
-            let _setup = gpu.setup_lock();
-            let captured = self
-                .stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(&err)
-                .and_then(|()| {
-                    let launched = self.decode_kernels();
-                    let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-                    launched.and(graph.map_err(&err))
-                });
-            match captured {
+            match self.capture("decode graph", Self::decode_kernels) {
                 Ok(graph) => self.graph = graph,
                 Err(e) => {
                     // Run this session's steps kernel by kernel instead of failing the request.
@@ -1354,6 +1343,25 @@ impl CudaSession {
             Some(graph) => graph.launch().map_err(&err),
             None => self.decode_kernels(),
         }
+    }
+
+    /// The launches of `launches` captured on the session's stream as a graph (None: nothing
+    /// was launched). Holds the setup lock (see [`Gpu::setup`]).
+    fn capture(
+        &self,
+        what: &str,
+        launches: impl FnOnce(&Self) -> Result<(), Gpt2Error>,
+    ) -> Result<Option<CudaGraph>, Gpt2Error> {
+        let gpu = self.exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let err = device_err(what);
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(&err)?;
+        let launched = launches(self);
+        // the capture is ended whatever the launches did
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        launched.and(graph.map_err(&err))
     }
 
     /// A batched prefill of `tokens` at positions len..len+n.
@@ -1381,7 +1389,7 @@ impl CudaSession {
                 self.prefill_graphs.push(entry);
                 return launched;
             }
-            if self.prefill_seen.contains(&key) {
+            if graphed {
                 if let Some(graph) = self.capture_prefill(n, all_positions) {
                     graph.launch().map_err(device_err("prefill graph"))?;
                     if self.prefill_graphs.len() >= PREFILL_GRAPHS {
@@ -1435,19 +1443,8 @@ impl CudaSession {
     /// Capture the prefill of `n` tokens (ids in ids[1..], the first position in ids[0]) as a
     /// graph; None (and no more prefill graphs for this session) when capture fails.
     fn capture_prefill(&mut self, n: usize, all_positions: bool) -> Option<CudaGraph> {
-        let gpu = self.exec.gpu.clone();
-        let _setup = gpu.setup_lock();
-        let err = device_err("prefill graph");
-        let captured = self
-            .stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(&err)
-            .and_then(|()| {
-                let launched = self.prefill_kernels(n, 0, all_positions, true);
-                let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-                launched.and(graph.map_err(&err))
-            });
-        match captured {
+        let launches = |s: &Self| s.prefill_kernels(n, 0, all_positions, true);
+        match self.capture("prefill graph", launches) {
             Ok(graph) => graph,
             Err(e) => {
                 tracing::warn!("prefill graph capture failed, running prefills eagerly: {e}");
@@ -1458,7 +1455,7 @@ impl CudaSession {
     }
 
     /// The launches of a prefill of the `n` ids in `tokens` at positions start..start+n
-    /// (with `graphed`, the kernels read the first position from `pos` instead: a graph).
+    /// (with `graphed`, the kernels read the first position from ids[0] instead: a graph).
     fn prefill_kernels(
         &self,
         n: usize,
@@ -1747,19 +1744,11 @@ impl CudaSession {
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         self.upload_ids(None, &ids)?;
         self.stream.synchronize().map_err(&err)?;
-        let graph = {
-            let gpu = self.exec.gpu.clone();
-            let _setup = gpu.setup_lock();
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(&err)?;
-            let launched = self.prefill_kernels(tokens.len(), 0, false, false);
-            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            launched?;
-            graph
-                .map_err(&err)?
-                .ok_or_else(|| Gpt2Error::Device("empty prefill graph".into()))?
-        };
+        let graph = self
+            .capture("prefill graph", |s| {
+                s.prefill_kernels(tokens.len(), 0, false, false)
+            })?
+            .ok_or_else(|| Gpt2Error::Device("empty prefill graph".into()))?;
         graph.launch().map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         let t = std::time::Instant::now();
@@ -1953,6 +1942,23 @@ pub mod kernel_checks {
                 .map_err(device_err("download"))?;
             self.s.synchronize()?;
             Ok(out)
+        }
+        /// Where prefill attention writes: the projection's bf16 input in the fused bf16 mode,
+        /// else h (f32).
+        fn attention_out(&self, fused: bool) -> (u64, bool) {
+            if fused {
+                (self.x_bf16_ptr(), true)
+            } else {
+                (self.s.h.ptr, false)
+            }
+        }
+        /// `n` values of what `attention_out` named.
+        fn get_attention_out(&self, out: (u64, bool), n: usize) -> Result<Vec<f32>, Gpt2Error> {
+            if out.1 {
+                self.get_bf16(n)
+            } else {
+                self.get(|s| &s.h.slice, n)
+            }
         }
         /// The bf16 GEMM-input buffer (0 without cuBLAS).
         fn x_bf16_ptr(&self) -> u64 {
@@ -2371,12 +2377,7 @@ pub mod kernel_checks {
         for (start, q_rows) in [(0usize, len), (len - 40, 40), (10, len - 10)] {
             qkv = b.random(q_rows * 3 * c);
             b.put(|s| &mut s.qkv.slice, &qkv)?;
-            // bf16 mode writes the projection's bf16 input
-            let out = if fused {
-                (b.x_bf16_ptr(), true)
-            } else {
-                (b.s.h.ptr, false)
-            };
+            let out = b.attention_out(fused);
             b.s.prefill_attention(kv, Start::Host(start), q_rows, out, false)?;
             let mut want = vec![0.0; q_rows * c];
             let visible = (start + q_rows) * c;
@@ -2388,11 +2389,7 @@ pub mod kernel_checks {
                 cfg.n_head,
                 c,
             );
-            let got = if out.1 {
-                b.get_bf16(q_rows * c)?
-            } else {
-                b.get(|s| &s.h.slice, q_rows * c)?
-            };
+            let got = b.get_attention_out(out, q_rows * c)?;
             let name = format!(
                 "attention prefill start={start} rows={q_rows} to_bf16={}",
                 out.1
@@ -2420,11 +2417,7 @@ pub mod kernel_checks {
             for (start, q_rows) in [(0usize, len - 3), (len - 70, 70)] {
                 let rows_qkv = b.random(q_rows * 3 * c);
                 b.put(|s| &mut s.qkv.slice, &rows_qkv)?;
-                let out = if fused {
-                    (b.x_bf16_ptr(), true)
-                } else {
-                    (b.s.h.ptr, false)
-                };
+                let out = b.attention_out(fused);
                 b.s.prefill_attention(kv, Start::Host(start), q_rows, out, true)?;
                 for (t, row) in rows_qkv.chunks(3 * c).enumerate() {
                     let at = (start + t) * c;
@@ -2436,11 +2429,7 @@ pub mod kernel_checks {
                 let cache = (&round(&keys[..visible]), &round(&values[..visible]));
                 let q_r = round(&rows_qkv);
                 cpu::attention(&mut want, &q_r, (cache.0, cache.1), start, cfg.n_head, c);
-                let got = if out.1 {
-                    b.get_bf16(q_rows * c)?
-                } else {
-                    b.get(|s| &s.h.slice, q_rows * c)?
-                };
+                let got = b.get_attention_out(out, q_rows * c)?;
                 let name = format!("attention prefill fresh kv start={start} rows={q_rows}");
                 report(&name, &got, &want, if out.1 { 1e-2 } else { tolerance });
                 let k_got = b.get(|s| &s.k_cache.slice, visible)?;
