@@ -8,6 +8,17 @@
 #include "common.cuh"
 
 #define ATT_CHUNK 32
+
+// scores[0..count) (shared memory) -> exp(score - m) in place; returns their sum over the block.
+__device__ __forceinline__ float exp_in_place(float* scores, int count, float m, float* scratch) {
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < count; j += blockDim.x) {
+        float e = __expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    return block_sum(sum, scratch);
+}
 #define ATT_THREADS 128
 #define MAX_HD 128
 
@@ -113,14 +124,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #define DA_THREADS 256
 #define DA_ROWS 3
 
-__device__ __forceinline__ u32 cluster_blocks() {
-    u32 n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-    return n;
-}
-
 template <typename W>
 __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w, const W* bias, const W* ln_w,
                                           const W* ln_b, float* k_cache, float* v_cache, const int* pos_ptr, int c,
@@ -192,13 +195,7 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
         }
     }
     m = block_max(m, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < count; j += blockDim.x) {
-        float e = __expf(scores[j] - m);
-        scores[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, scratch);
+    float sum = exp_in_place(scores, count, m, scratch);
     // weighted values: thread (d4, g) takes dimensions 4*d4.. of positions g, g + groups, ...
     int quads = hd / 4, groups = blockDim.x / quads;
     int d4 = threadIdx.x % quads, grp = threadIdx.x / quads;
@@ -289,13 +286,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         }
     }
     m = block_max(m, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        float e = __expf(scores[j] - m);
-        scores[j] = e;
-        sum += e;
-    }
-    sum = block_sum(sum, scratch);
+    float sum = exp_in_place(scores, len, m, scratch);
     __syncthreads();
     for (int idx = threadIdx.x; idx < 4 * hd; idx += blockDim.x) {
         int d = idx % hd, g = idx / hd;
@@ -475,11 +466,6 @@ __device__ __forceinline__ void mma_f16_16816(float d[4], const u32 a[4], u32 b0
 
 // Four 8x8 16-bit matrices from shared memory (lanes 8i..8i+7 give matrix i's rows),
 // transposed or not.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
-    return addr;
-}
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"

@@ -226,18 +226,30 @@ __device__ __forceinline__ u32 cluster_rank() {
 #endif
     return r;
 }
+// The number of blocks in this block's cluster.
+__device__ __forceinline__ u32 cluster_blocks() {
+    u32 n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
+// A generic pointer into shared memory as a shared-window address.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
 // The address of `p` (this block's shared memory) in block `rank`'s shared memory.
 __device__ __forceinline__ u32 peer_addr(const float* p, u32 rank) {
     u32 out = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u32 local;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(local) : "l"(p));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
 #endif
     return out;
 }
