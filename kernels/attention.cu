@@ -432,7 +432,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // score and output fragments), so the online softmax needs only shuffles within a quad.
 // fp16 rather than bf16 keeps 3 more mantissa bits in Q·K^T and P·V (values are clamped to
 // the fp16 range: GPT-2's queries, keys and values are far inside it). Q is scaled by 1/8.
-// The output is f32, or bf16 when `out_bf16` (the input of the projection GEMM).
+// The output is f32, or bf16 when `out_bf16` (the input of the projection GEMM). This one
+// reads every key and value from the cache (prompts whose QKV product went through cuBLAS and
+// the scatter pass); `attention_prefill_fresh` below reads the prompt's from the QKV rows.
 #define TC_Q 64
 #define TC_K 64
 #define TC_HD 64
@@ -481,36 +483,24 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* row) {
 #endif
 }
 
-// Rows k0..k0+127 of one head's keys and values (zeros past `keys`): 8 float4 each per thread.
-// With `fresh` (the prompt's keys and values not yet in the cache), positions from `start` on
-// come from the QKV product's rows instead of the cache.
+// Rows k0..k0+127 of one head's keys and values from the f32 cache (zeros past `keys`): 8
+// float4 each per thread.
 __device__ __forceinline__ void tc_load_tiles(float4 kr[8], float4 vr[8], const float* k_cache,
-                                              const float* v_cache, const float* qkv, int start, int fresh,
-                                              int k0, int keys, int c, int h) {
+                                              const float* v_cache, int k0, int keys, int c, int h) {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         int idx = i * TC_THREADS + threadIdx.x, p = k0 + (idx >> 4), d = (idx & 15) * 4;
-        const float *kp, *vp;
-        if (fresh && p >= start) {
-            kp = qkv + (size_t)(p - start) * 3 * c + c + h * TC_HD + d;
-            vp = kp + c;
-        } else {
-            kp = k_cache + (size_t)p * c + h * TC_HD + d;
-            vp = v_cache + (size_t)p * c + h * TC_HD + d;
-        }
+        size_t at = (size_t)p * c + h * TC_HD + d;
         bool in = p < keys;
-        kr[i] = in ? *reinterpret_cast<const float4*>(kp) : make_float4(0.f, 0.f, 0.f, 0.f);
-        vr[i] = in ? *reinterpret_cast<const float4*>(vp) : make_float4(0.f, 0.f, 0.f, 0.f);
+        kr[i] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        vr[i] = in ? *reinterpret_cast<const float4*>(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
-// `fresh_kv`: the prompt's keys and values are read from `qkv` (the QKV product with its bias,
-// rows of 3C) rather than the cache, and each block appends its own 64 positions of its head
-// to the cache (so no separate scatter pass is needed). With `start_ptr`, the first position
-// is read from device memory instead of `start` (a captured prefill serves any prefix length).
+// With `start_ptr`, the first position is read from device memory instead of `start`.
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    attention_prefill_mma(void* out, const float* qkv, float* k_cache, float* v_cache, int start, int rows, int c,
-                          int out_bf16, int fresh_kv, const int* start_ptr) {
+    attention_prefill_mma(void* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
+                          int rows, int c, int out_bf16, const int* start_ptr) {
     // [2 tiles][keys][dims] fp16; reused at the end for group 1's partial results
     __shared__ __align__(16) unsigned short ks[2][TC_K][TC_LD];
     __shared__ __align__(16) unsigned short vs[2][TC_K][TC_LD];
@@ -542,8 +532,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int warp_last = start + q0 + wq * 16 + 15;  // the warp's last query position
     int keys = min(start + q0 + TC_Q, start + rows);
     float4 kr[8], vr[8];
-    tc_load_tiles(kr, vr, k_cache, v_cache, qkv, start, fresh_kv, 0, keys, c, h);
-    int own0 = start + q0;  // this block's positions, appended to the cache with fresh_kv
+    tc_load_tiles(kr, vr, k_cache, v_cache, 0, keys, c, h);
     int mi = lane >> 3, mr = lane & 7;
     for (int k0 = 0; k0 < keys; k0 += 2 * TC_K) {
         __syncthreads();
@@ -554,16 +543,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
                 make_uint2(pack_f16(kr[i].x, kr[i].y), pack_f16(kr[i].z, kr[i].w));
             *reinterpret_cast<uint2*>(&vs[r >> 6][r & 63][d]) =
                 make_uint2(pack_f16(vr[i].x, vr[i].y), pack_f16(vr[i].z, vr[i].w));
-            int p = k0 + r;
-            if (fresh_kv && p >= own0 && p < keys) {
-                size_t at = (size_t)p * c + h * TC_HD + d;
-                *reinterpret_cast<float4*>(k_cache + at) = kr[i];
-                *reinterpret_cast<float4*>(v_cache + at) = vr[i];
-            }
         }
         __syncthreads();
         if (k0 + 2 * TC_K < keys)
-            tc_load_tiles(kr, vr, k_cache, v_cache, qkv, start, fresh_kv, k0 + 2 * TC_K, keys, c, h);
+            tc_load_tiles(kr, vr, k_cache, v_cache, k0 + 2 * TC_K, keys, c, h);
         int kt = k0 + group * TC_K;  // this warp's tile
         if (kt >= keys || kt > warp_last) continue;  // past the end, or all in the warp's future
         float s[8][4];
@@ -648,6 +631,255 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     for (int rr = 0; rr < 2; rr++) {
         float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
         float c0 = __expf(m[rr] - mx), c1 = __expf(m1 - mx);
+        float sum = l[rr] * c0 + part[34 + rr] * c1;
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        int row = r0 + rr * 8;
+        if (row >= rows) continue;
+        float inv = 1.0f / sum;
+        size_t at = (size_t)row * c + h * TC_HD + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float a = (o[j][2 * rr] * c0 + part[j * 4 + 2 * rr] * c1) * inv;
+            float b = (o[j][2 * rr + 1] * c0 + part[j * 4 + 2 * rr + 1] * c1) * inv;
+            if (out_bf16) *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + at + j * 8) = pack_bf16(a, b);
+            else *reinterpret_cast<float2*>(static_cast<float*>(out) + at + j * 8) = make_float2(a, b);
+        }
+    }
+}
+
+// Prefill on tensor cores from bf16 rows (sm_80+, bf16 mode, hd == 64): the prompt's queries,
+// keys and values are read from the QKV product's bf16 rows ([rows, 3C], its bias added), the
+// keys and values of a prefix before `start` from the f32 cache (rounded to bf16 on the way),
+// and the block's own 64 positions are appended to the cache (bf16 widened: exact). Same
+// layout as `attention_prefill_mma` (8 warps: 4 x 16 query rows, 2 groups of key tiles), but
+// bf16 mma and no conversions: the prompt's tiles stream into shared memory with cp.async,
+// double-buffered (128 keys a stage), so no registers hold loads in flight. Scores stay in
+// natural units; the softmax folds log2(e)/8 into one FMA before exp2. Dynamic shared memory:
+// FA_SMEM bytes.
+#define FA_KEYS (2 * TC_K)
+#define FA_SMEM (2 * 2 * FA_KEYS * TC_LD * 2)
+#define FA_SCALE 0.18033688f  // log2(e) / sqrt(64)
+
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// Two floats as bf16x2, rounded to nearest even (lo in the low half).
+__device__ __forceinline__ u32 pack_bf16_rn(float lo, float hi) {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+// 16 bytes global -> shared without passing through registers; zeros when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+// Eight bf16 (16 bytes) widened into f32 at `dst` (16-byte aligned).
+__device__ __forceinline__ void store_widened8(float* dst, uint4 v) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                                    __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+    reinterpret_cast<float4*>(dst)[1] = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                                    __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+}
+
+// Keys and values k0..k0+FA_KEYS-1 of head h into stage `st`: the prompt's with cp.async, a
+// prefix's from the f32 cache (loaded, rounded, stored), zeros past `keys`. Commits one group.
+__device__ __forceinline__ void fa_load_stage(unsigned short (*ks)[TC_LD], unsigned short (*vs)[TC_LD],
+                                              const bf16_t* qkv, const float* k_cache, const float* v_cache,
+                                              int start, int k0, int keys, int c, int h) {
+#pragma unroll
+    for (int i = 0; i < FA_KEYS * 8 / TC_THREADS; i++) {
+        int idx = i * TC_THREADS + threadIdx.x, r = idx >> 3, d = (idx & 7) * 8, p = k0 + r;
+        if (p >= start || p >= keys) {
+            bool in = p < keys;
+            const bf16_t* src = qkv + (size_t)(in ? p - start : 0) * 3 * c + c + h * TC_HD + d;
+            cp_async16(&ks[r][d], src, in);
+            cp_async16(&vs[r][d], src + c, in);
+        } else {
+            size_t at = (size_t)p * c + h * TC_HD + d;
+            const float4* kp = reinterpret_cast<const float4*>(k_cache + at);
+            const float4* vp = reinterpret_cast<const float4*>(v_cache + at);
+            float4 ka = kp[0], kb = kp[1], va = vp[0], vb = vp[1];
+            *reinterpret_cast<uint4*>(&ks[r][d]) =
+                make_uint4(pack_bf16_rn(ka.x, ka.y), pack_bf16_rn(ka.z, ka.w), pack_bf16_rn(kb.x, kb.y),
+                           pack_bf16_rn(kb.z, kb.w));
+            *reinterpret_cast<uint4*>(&vs[r][d]) =
+                make_uint4(pack_bf16_rn(va.x, va.y), pack_bf16_rn(va.z, va.w), pack_bf16_rn(vb.x, vb.y),
+                           pack_bf16_rn(vb.z, vb.w));
+        }
+    }
+    cp_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS)
+    attention_prefill_fresh(void* out, const bf16_t* qkv, float* k_cache, float* v_cache, int start, int rows,
+                            int c, int out_bf16, const int* start_ptr) {
+    extern __shared__ __align__(16) unsigned short fa_smem[];
+    // [stage][key][dim] keys, then values
+    auto ks = reinterpret_cast<unsigned short (*)[FA_KEYS][TC_LD]>(fa_smem);
+    auto vs = reinterpret_cast<unsigned short (*)[FA_KEYS][TC_LD]>(fa_smem + 2 * FA_KEYS * TC_LD);
+    pdl_launch_dependents();
+    pdl_wait();
+    if (start_ptr != nullptr) start = *start_ptr;
+    int h = blockIdx.x;
+    int q0 = (gridDim.y - 1 - blockIdx.y) * TC_Q;  // the longest rows first
+    int keys = min(start + q0 + TC_Q, start + rows);
+    int iters = (keys + FA_KEYS - 1) / FA_KEYS;
+    fa_load_stage(ks[0], vs[0], qkv, k_cache, v_cache, start, 0, keys, c, h);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int wq = warp & 3, group = warp >> 2;
+    int r0 = q0 + wq * 16 + g;  // this thread's rows: r0 and r0 + 8
+    // the block's own positions into the cache (nobody else reads them from there)
+    for (int i = threadIdx.x; i < TC_Q * 8; i += TC_THREADS) {
+        int row = q0 + (i >> 3), d = (i & 7) * 8;
+        if (row < rows) {
+            const bf16_t* src = qkv + (size_t)row * 3 * c + c + h * TC_HD + d;
+            size_t at = (size_t)(start + row) * c + h * TC_HD + d;
+            store_widened8(k_cache + at, *reinterpret_cast<const uint4*>(src));
+            store_widened8(v_cache + at, *reinterpret_cast<const uint4*>(src + c));
+        }
+    }
+    u32 qf[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int half = 0; half < 2; half++)
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                int row = r0 + rr * 8, col = kk * 16 + half * 8 + 2 * t;
+                qf[kk][half * 2 + rr] =
+                    row < rows ? *reinterpret_cast<const u32*>(qkv + (size_t)row * 3 * c + h * TC_HD + col) : 0u;
+            }
+    float o[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    int qpos[2] = {start + r0, start + r0 + 8};
+    int warp_last = start + q0 + wq * 16 + 15;  // the warp's last query position
+    int mi = lane >> 3, mr = lane & 7;
+    for (int it = 0; it < iters; it++) {
+        int st = it & 1, k0 = it * FA_KEYS;
+        if (it + 1 < iters) {
+            fa_load_stage(ks[st ^ 1], vs[st ^ 1], qkv, k_cache, v_cache, start, k0 + FA_KEYS, keys, c, h);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        int kt = k0 + group * TC_K;  // this warp's tile
+        if (kt < keys && kt <= warp_last) {
+            const unsigned short(*kt_s)[TC_LD] = &ks[st][group * TC_K];
+            const unsigned short(*vt_s)[TC_LD] = &vs[st][group * TC_K];
+            float s[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk += 2)
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    u32 b[4];
+                    ldmatrix_x4(b, &kt_s[j * 8 + mr][kk * 16 + mi * 8]);
+                    mma_bf16_16816(s[j], qf[kk], b[0], b[1]);
+                    mma_bf16_16816(s[j], qf[kk + 1], b[2], b[3]);
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float mx = m[rr];
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int key = kt + j * 8 + 2 * t + e;
+                        float v = (key <= qpos[rr] && key < keys) ? s[j][2 * rr + e] : -INFINITY;
+                        s[j][2 * rr + e] = v;
+                        mx = fmaxf(mx, v);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // a row may see none of this tile's keys yet (group 1, a prefix before the prompt)
+                float base = mx == -INFINITY ? 0.0f : mx * FA_SCALE;
+                float corr = fast_exp2(m[rr] * FA_SCALE - base);
+                m[rr] = mx;
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float p = fast_exp2(fmaf(s[j][2 * rr + e], FA_SCALE, -base));
+                        s[j][2 * rr + e] = p;
+                        sum += p;
+                    }
+                l[rr] = l[rr] * corr + sum;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    o[j][2 * rr] *= corr;
+                    o[j][2 * rr + 1] *= corr;
+                }
+            }
+            u32 pf[4][4];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                pf[kk][0] = pack_bf16_rn(s[2 * kk][0], s[2 * kk][1]);
+                pf[kk][1] = pack_bf16_rn(s[2 * kk][2], s[2 * kk][3]);
+                pf[kk][2] = pack_bf16_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pf[kk][3] = pack_bf16_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int dp = 0; dp < 4; dp++) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, &vt_s[kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
+                    mma_bf16_16816(o[2 * dp], pf[kk], b[0], b[1]);
+                    mma_bf16_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
+                }
+        }
+        __syncthreads();  // the stage is read by all before it is loaded again
+    }
+    // merge group 1's partial softmax into group 0's (same rows, same lane)
+    float* part = reinterpret_cast<float*>(fa_smem) + (size_t)(wq * 32 + lane) * 36;
+    if (group == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) part[j * 4 + e] = o[j][e];
+        part[32] = m[0]; part[33] = m[1]; part[34] = l[0]; part[35] = l[1];
+    }
+    __syncthreads();
+    if (group == 1) return;
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
+        float c0 = fast_exp2((m[rr] - mx) * FA_SCALE), c1 = fast_exp2((m1 - mx) * FA_SCALE);
         float sum = l[rr] * c0 + part[34 + rr] * c1;
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);

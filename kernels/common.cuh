@@ -56,11 +56,18 @@ __device__ __forceinline__ void load8(const bf16_t* w, float out[8]) {
 }
 // Four weights (16-byte aligned f32, 8-byte aligned bf16) as f32.
 __device__ __forceinline__ float4 load4(const float* w) { return *reinterpret_cast<const float4*>(w); }
-__device__ __forceinline__ float4 load4(const bf16_t* w) {
-    uint2 v = *reinterpret_cast<const uint2*>(w);
+// Four weights kept as stored (two registers for bf16) until `widen4` makes them floats.
+template <typename W> struct Stored4 { using T = float4; };
+template <> struct Stored4<bf16_t> { using T = uint2; };
+template <typename W> __device__ __forceinline__ typename Stored4<W>::T fetch4(const W* w) {
+    return *reinterpret_cast<const typename Stored4<W>::T*>(w);
+}
+__device__ __forceinline__ float4 widen4(float4 v) { return v; }
+__device__ __forceinline__ float4 widen4(uint2 v) {
     return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
                        __uint_as_float(v.y & 0xffff0000u));
 }
+__device__ __forceinline__ float4 load4(const bf16_t* w) { return widen4(fetch4(w)); }
 __device__ __forceinline__ float load1(const float* w) { return *w; }
 __device__ __forceinline__ float load1(const bf16_t* w) { return bf16_to_f32(*w); }
 

@@ -2,25 +2,27 @@
 #include "common.cuh"
 
 // x[t, :] = wte[tokens[t], :] + wpe[start + t, :]. `start` is read from device memory
-// (`pos_ptr`) when `start < 0`, so a captured decode graph serves every position.
+// (`pos_ptr`) when `start < 0`, so a captured decode graph serves every position. Also clears
+// the LM head's argmax key (`best`) for the step it begins.
 template <typename W>
 __device__ void embed_impl(float* x, const int* tokens, const W* wte, const W* wpe, int c, int start,
-                           const int* pos_ptr) {
+                           const int* pos_ptr, unsigned long long* best) {
     pdl_launch_dependents();
     pdl_wait();
     int t = blockIdx.x;
+    if (t == 0 && threadIdx.x == 0) *best = 0ull;
     int pos = (start < 0 ? *pos_ptr : start) + t;
     int tok = tokens[t];
     for (int i = threadIdx.x; i < c; i += blockDim.x)
         x[(size_t)t * c + i] = load1(wte + (size_t)tok * c + i) + load1(wpe + (size_t)pos * c + i);
 }
 extern "C" __global__ void embed_f32(float* x, const int* tokens, const float* wte, const float* wpe, int c,
-                                     int start, const int* pos_ptr) {
-    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr);
+                                     int start, const int* pos_ptr, unsigned long long* best) {
+    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best);
 }
 extern "C" __global__ void embed_bf16(float* x, const int* tokens, const bf16_t* wte, const bf16_t* wpe, int c,
-                                      int start, const int* pos_ptr) {
-    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr);
+                                      int start, const int* pos_ptr, unsigned long long* best) {
+    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best);
 }
 
 // out[r, :] = LayerNorm(x[r, :]) * w + b, eps 1e-5, one warp per row, shuffle reductions.
@@ -42,14 +44,27 @@ template <typename W>
 __device__ void layernorm_impl(void* out, float* in, const W* w, const W* b, const W* pre_bias, int c,
                                int out_bf16, int rows) {
     pdl_launch_dependents();
-    pdl_wait();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= rows) return;
+    if (r >= rows) {
+        pdl_wait();
+        return;
+    }
     float* x = in + (size_t)r * c;
     size_t row = (size_t)r * c;
     if (c % 4 == 0 && c <= LN_MAX4 * 128) {
         int n4 = c / 4;
+        // the weights do not depend on the kernel before: fetched while it finishes
+        typename Stored4<W>::T g[LN_MAX4], bw[LN_MAX4];
+#pragma unroll
+        for (int j = 0; j < LN_MAX4; j++) {
+            int i = lane + 32 * j;
+            if (i < n4) {
+                g[j] = fetch4(w + 4 * i);
+                bw[j] = fetch4(b + 4 * i);
+            }
+        }
+        pdl_wait();
         float4 v[LN_MAX4];
         float s = 0.0f;
 #pragma unroll
@@ -83,14 +98,15 @@ __device__ void layernorm_impl(void* out, float* in, const W* w, const W* b, con
         for (int j = 0; j < LN_MAX4; j++) {
             int i = lane + 32 * j;
             if (i < n4) {
-                float4 g = load4(w + 4 * i), bb = load4(b + 4 * i);
-                float4 y = make_float4((v[j].x - mean) * rstd * g.x + bb.x, (v[j].y - mean) * rstd * g.y + bb.y,
-                                       (v[j].z - mean) * rstd * g.z + bb.z, (v[j].w - mean) * rstd * g.w + bb.w);
+                float4 gj = widen4(g[j]), bj = widen4(bw[j]);
+                float4 y = make_float4((v[j].x - mean) * rstd * gj.x + bj.x, (v[j].y - mean) * rstd * gj.y + bj.y,
+                                       (v[j].z - mean) * rstd * gj.z + bj.z, (v[j].w - mean) * rstd * gj.w + bj.w);
                 ln_store(out, row + 4 * i, y, out_bf16);
             }
         }
         return;
     }
+    pdl_wait();
     float s = 0.0f;
     for (int i = lane; i < c; i += 32) {
         float v = x[i];

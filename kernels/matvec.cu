@@ -8,12 +8,25 @@
 #define MV_WARPS 4
 #define MV_ROWS_PER_WARP 2
 
+// With `best` (the LM head), also the argmax of the outputs: each block folds its rows into one
+// key (order-preserving bits of the value above the complement of the row, so the largest
+// value wins and, among equal values, the first row; NaN never wins) and raises *best to it
+// with atomicMax. *best must be 0 before the launch (the step's embedding kernel clears it);
+// the host reads the row back from the key (see `argmax_row`).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
+    if (v != v) return 0ull;
+    u32 u = __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (0xffffffffu - (u32)row);
+}
+
 template <typename W>
 __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bias, int n, int k,
                             const W* ln_w, const W* ln_b, int mode, int c, const int* pos_ptr,
-                            float* k_cache, float* v_cache) {
+                            float* k_cache, float* v_cache, unsigned long long* best) {
     extern __shared__ __align__(16) float xs[];
     __shared__ float scratch[32];
+    __shared__ unsigned long long block_best[MV_WARPS];
     pdl_launch_dependents();
     // x: k <= 128 * 4 * 16 = 8192 (checked on the host); LayerNorm: k <= 2048
     stage_x<16, 4>(xs, x, k, ln_w, ln_b, scratch);
@@ -29,6 +42,7 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     }
     dot_rows<MV_ROWS_PER_WARP>(acc, rows, xs, k, lane);
     int pos = pos_ptr != nullptr ? *pos_ptr : 0;
+    unsigned long long key = 0ull;
 #pragma unroll
     for (int r = 0; r < MV_ROWS_PER_WARP; r++) {
         float v = warp_sum(acc[r]);
@@ -36,50 +50,27 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
         if (lane == 0 && row < n) {
             if (bias != nullptr) v += load1(bias + row);
             epilogue(mode, v, out, row, c, pos, k_cache, v_cache);
+            key = max(key, argmax_key(v, row));
         }
+    }
+    if (best == nullptr) return;
+    if (lane == 0) block_best[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 1; i < MV_WARPS; i++) key = max(key, block_best[i]);
+        // most blocks see a larger key already there and skip the atomic
+        if (key > *reinterpret_cast<volatile unsigned long long*>(best)) atomicMax(best, key);
     }
 }
 
 #define MATVEC(NAME, W)                                                                                 \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                         \
         NAME(float* out, const float* x, const W* w, const W* bias, int n, int k, const W* ln_w,        \
-             const W* ln_b, int mode, int c, const int* pos_ptr, float* k_cache, float* v_cache) {     \
-        matvec_impl(out, x, w, bias, n, k, ln_w, ln_b, mode, c, pos_ptr, k_cache, v_cache);             \
+             const W* ln_b, int mode, int c, const int* pos_ptr, float* k_cache, float* v_cache,        \
+             unsigned long long* best) {                                                               \
+        matvec_impl(out, x, w, bias, n, k, ln_w, ln_b, mode, c, pos_ptr, k_cache, v_cache, best);       \
     }
 MATVEC(matvec_f32, float)
 MATVEC(matvec_bf16, bf16_t)
 
-// The index of the largest logit (first index on ties; NaN never wins), one block.
-extern "C" __global__ void argmax_f32(int* out, const float* logits, int n) {
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    pdl_launch_dependents();
-    pdl_wait();
-    float v = -INFINITY;
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = logits[i];
-        if (x > v) { v = x; idx = i; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { best_v[warp] = v; best_i[warp] = idx; }
-    __syncthreads();
-    if (warp == 0) {
-        int warps = blockDim.x >> 5;
-        v = lane < warps ? best_v[lane] : -INFINITY;
-        idx = lane < warps ? best_i[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
-        }
-        if (lane == 0) *out = idx == 0x7fffffff ? 0 : idx;
-    }
-}

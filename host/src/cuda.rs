@@ -40,6 +40,9 @@ const KERNEL_SOURCES: [(&str, &str); 5] = [
     ("attention.cu", include_str!("../../kernels/attention.cu")),
 ];
 
+/// Dynamic shared memory of the bf16-rows prefill attention (FA_SMEM in attention.cu).
+const FA_SMEM_BYTES: u32 = 2 * 2 * 128 * 72 * 2;
+
 /// Positions per block in decode attention (ATT_CHUNK in attention.cu).
 const ATT_CHUNK: usize = 32;
 /// Threads per attention block (ATT_THREADS in attention.cu).
@@ -95,9 +98,21 @@ fn device_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Gpt2Error +
 }
 
 /// One translation unit of every kernel file: the header pasted in place of its includes.
-pub fn kernel_source() -> String {
+/// `WASI_NN_HOST_KERNELS=DIR` reads the files from DIR instead of the copies built into the
+/// binary (development: trying kernel variants without a rebuild).
+pub fn kernel_source() -> Result<String, Gpt2Error> {
+    let dir = std::env::var_os("WASI_NN_HOST_KERNELS").map(std::path::PathBuf::from);
     let mut src = String::new();
-    for (name, text) in KERNEL_SOURCES {
+    for (name, built_in) in KERNEL_SOURCES {
+        let text = match &dir {
+            Some(dir) => std::fs::read_to_string(dir.join(name)).map_err(|e| {
+                Gpt2Error::Device(format!(
+                    "WASI_NN_HOST_KERNELS: {}: {e}",
+                    dir.join(name).display()
+                ))
+            })?,
+            None => built_in.to_string(),
+        };
         src.push_str(&format!("// ---- {name}\n"));
         for line in text.lines() {
             if !line.starts_with("#include \"common.cuh\"") && !line.starts_with("#pragma once") {
@@ -106,21 +121,24 @@ pub fn kernel_source() -> String {
             }
         }
     }
-    src
+    Ok(src)
 }
 
 /// Compile all kernels to PTX for `arch` (e.g. `compute_90`) with NVRTC. Used at start-up
 /// (through a disk cache) and by the CI check that every kernel compiles.
 pub fn compile_kernels(arch: &str) -> Result<String, Gpt2Error> {
+    compile_source(kernel_source()?, arch)
+}
+
+fn compile_source(source: String, arch: &str) -> Result<String, Gpt2Error> {
     let opts = cudarc::nvrtc::CompileOptions {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
         ..Default::default()
     };
-    let compiled =
-        std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts))
-            .map_err(|_| {
-                Gpt2Error::Device("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH".into())
-            })?;
+    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts))
+        .map_err(|_| {
+            Gpt2Error::Device("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH".into())
+        })?;
     let ptx = compiled
         .map_err(|e| Gpt2Error::Device(format!("NVRTC failed to compile the kernels: {e:?}")))?;
     Ok(ptx.to_src())
@@ -139,14 +157,15 @@ fn cache_dir() -> Option<std::path::PathBuf> {
 /// PTX for `arch`, from the disk cache when the same source was compiled before.
 fn cached_ptx(arch: &str) -> Result<String, Gpt2Error> {
     use std::hash::{Hash, Hasher};
+    let source = kernel_source()?;
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    kernel_source().hash(&mut hasher);
+    source.hash(&mut hasher);
     arch.hash(&mut hasher);
     let file = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", hasher.finish())));
     if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
         return Ok(ptx);
     }
-    let ptx = compile_kernels(arch)?;
+    let ptx = compile_source(source, arch)?;
     if let Some(file) = file {
         // A cache we cannot write is only slower.
         let _ = file.parent().map(std::fs::create_dir_all);
@@ -166,7 +185,7 @@ struct Kernels {
     att_prefill: CudaFunction,
     att_prefill_tiled: CudaFunction,
     att_prefill_mma: CudaFunction,
-    argmax: CudaFunction,
+    att_prefill_fresh: CudaFunction,
     gemm_epilogue: CudaFunction,
     add_bias: CudaFunction,
     to_bf16: CudaFunction,
@@ -293,7 +312,16 @@ impl Gpu {
             att_prefill: f("attention_prefill")?,
             att_prefill_tiled: f("attention_prefill_tiled")?,
             att_prefill_mma: f("attention_prefill_mma")?,
-            argmax: f("argmax_f32")?,
+            att_prefill_fresh: {
+                let func = f("attention_prefill_fresh")?;
+                if self.tensor_cores {
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    let bytes = FA_SMEM_BYTES as i32;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+                        .map_err(device_err("attention shared memory"))?;
+                }
+                func
+            },
             gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
             add_bias: f(&format!("add_bias_{suffix}"))?,
             to_bf16: f("f32_to_bf16")?,
@@ -359,7 +387,6 @@ struct DevLayer {
     /// cuBLASLt products with an f32 result (it takes no bf16 bias there).
     proj_b32: DevTensor,
     fc_proj_b32: DevTensor,
-    qkv_b32: DevTensor,
 }
 
 struct DevWeights {
@@ -493,7 +520,6 @@ impl CudaExecutor {
                     fc_proj_b: up(&l.fc_proj_b)?,
                     proj_b32: up32(&l.proj_b)?,
                     fc_proj_b32: up32(&l.fc_proj_b)?,
-                    qkv_b32: up32(&l.qkv_b)?,
                 })
             })
             .collect::<Result<Vec<_>, Gpt2Error>>()?;
@@ -591,7 +617,7 @@ pub struct CudaSession {
     ids: CudaSlice<i32>,
     tokens_ptr: u64,      // ids[1..]
     pos_ptr: u64,         // ids[0]
-    next: CudaSlice<i32>, // [1] argmax of the last logits
+    next: CudaSlice<u64>, // [1] the argmax key of the last logits (see `argmax_row`)
     next_ptr: u64,
     /// Rows of all-position logits from the last extend (0 when not asked for).
     all_rows: usize,
@@ -618,6 +644,10 @@ struct Blas {
     /// x_bf16, its input.
     _fc_bf16: CudaSlice<u16>,
     fc_bf16_ptr: u64,
+    /// The QKV product's bf16 rows ([rows, 3C], bias added) that the tensor-core attention
+    /// reads the prompt's queries, keys and values from.
+    qkv_bf16: CudaSlice<u16>,
+    qkv_bf16_ptr: u64,
     /// cuBLASLt for bf16 products with fused bias / GELU epilogues (None: not loadable, or
     /// `WASI_NN_HOST_NO_CUBLASLT`), and its workspace.
     lt: Option<crate::cublaslt::Lt>,
@@ -650,6 +680,8 @@ impl Blas {
         let x_bf16_ptr = x_bf16.device_ptr(stream).0;
         let fc_bf16 = stream.alloc_zeros::<u16>(rows * 4 * c).ok()?;
         let fc_bf16_ptr = fc_bf16.device_ptr(stream).0;
+        let qkv_bf16 = stream.alloc_zeros::<u16>(rows * 3 * c).ok()?;
+        let qkv_bf16_ptr = qkv_bf16.device_ptr(stream).0;
         let (lt, lt_workspace) = match std::env::var_os("WASI_NN_HOST_NO_CUBLASLT") {
             Some(_) => (None, None),
             None => match stream.alloc_zeros::<u8>(LT_WORKSPACE_BYTES) {
@@ -670,6 +702,8 @@ impl Blas {
             x_bf16_ptr,
             _fc_bf16: fc_bf16,
             fc_bf16_ptr,
+            qkv_bf16,
+            qkv_bf16_ptr,
             lt,
             _lt_workspace: lt_workspace,
         })
@@ -707,7 +741,7 @@ impl CudaSession {
             .alloc_zeros::<i32>(capacity + 1)
             .map_err(device_err("token buffer"))?;
         let next = stream
-            .alloc_zeros::<i32>(1)
+            .alloc_zeros::<u64>(1)
             .map_err(device_err("argmax buffer"))?;
         let pos_ptr = ids.device_ptr(&stream).0;
         let tokens_ptr = pos_ptr + 4;
@@ -834,6 +868,42 @@ impl CudaSession {
         mode: i32,
         kv: (u64, u64),
     ) -> Result<(), Gpt2Error> {
+        self.matvec_argmax(out, x, w, bias, (n, k), ln, mode, kv, 0)
+    }
+
+    /// The LM head for the row at `x`: logits (final LayerNorm fused) into `logits`, and
+    /// their argmax key into `next` (cleared by the step's embedding kernel).
+    fn lm_head(&self, x: u64) -> Result<(), Gpt2Error> {
+        let (cfg, w) = (self.exec.config, &self.exec.weights);
+        let (logits, lnf) = (self.logits.ptr, (w.lnf_w.ptr, w.lnf_b.ptr));
+        let shape = (cfg.vocab_size, cfg.n_embd);
+        self.matvec_argmax(
+            logits,
+            x,
+            w.wte.ptr,
+            0,
+            shape,
+            lnf,
+            EPI_STORE,
+            (0, 0),
+            self.next_ptr,
+        )
+    }
+
+    /// [`Self::matvec`], with the argmax key of the outputs raised into `best` when non-zero.
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_argmax(
+        &self,
+        out: u64,
+        x: u64,
+        w: u64,
+        bias: u64,
+        (n, k): (usize, usize),
+        ln: (u64, u64),
+        mode: i32,
+        kv: (u64, u64),
+        best: u64,
+    ) -> Result<(), Gpt2Error> {
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(MV_ROWS_PER_BLOCK) as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -842,9 +912,11 @@ impl CudaSession {
         let (n, k, c) = (n as i32, k as i32, self.exec.config.n_embd as i32);
         let pos = if mode == EPI_QKV { self.pos_ptr } else { 0u64 };
         // SAFETY: pointers address live buffers of at least the sizes the kernel touches:
-        // x has k floats, w has n*k weights, out has n floats (or the QKV scatter targets).
-        let mut args =
-            kernel_args![&out, &x, &w, &bias, &n, &k, &ln.0, &ln.1, &mode, &c, &pos, &kv.0, &kv.1];
+        // x has k floats, w has n*k weights, out has n floats (or the QKV scatter targets),
+        // best (when non-zero) one u64.
+        let mut args = kernel_args![
+            &out, &x, &w, &bias, &n, &k, &ln.0, &ln.1, &mode, &c, &pos, &kv.0, &kv.1, &best
+        ];
         unsafe { self.launch(&self.exec.kernels.matvec, cfg, &mut args) }
             .map_err(device_err("matvec"))
     }
@@ -1124,7 +1196,8 @@ impl CudaSession {
             shared_mem_bytes: 0,
         };
         let c = self.exec.config.n_embd as i32;
-        // SAFETY: token ids were checked < vocab and positions < n_ctx before upload.
+        // SAFETY: token ids were checked < vocab and positions < n_ctx before upload; next
+        // holds one u64.
         let mut args = kernel_args![
             &self.x.ptr,
             &self.tokens_ptr,
@@ -1132,23 +1205,11 @@ impl CudaSession {
             &w.wpe.ptr,
             &c,
             &start,
-            &self.pos_ptr
+            &self.pos_ptr,
+            &self.next_ptr
         ];
         unsafe { self.launch(&self.exec.kernels.embed, cfg, &mut args) }
             .map_err(device_err("embed"))
-    }
-
-    fn argmax_kernel(&self) -> Result<(), Gpt2Error> {
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let n = self.exec.config.vocab_size as i32;
-        // SAFETY: logits holds V floats, next one int.
-        let mut args = kernel_args![&self.next_ptr, &self.logits.ptr, &n];
-        unsafe { self.launch(&self.exec.kernels.argmax, cfg, &mut args) }
-            .map_err(device_err("argmax"))
     }
 
     /// The kernels of one decode step (token in tokens[0], position in pos[0]).
@@ -1222,19 +1283,9 @@ impl CudaSession {
             }
         }
         if !skip("head") {
-            self.matvec(
-                self.logits.ptr,
-                self.x.ptr,
-                w.wte.ptr,
-                0,
-                cfg.vocab_size,
-                c,
-                (w.lnf_w.ptr, w.lnf_b.ptr),
-                EPI_STORE,
-                (0, 0),
-            )?;
+            self.lm_head(self.x.ptr)?;
         }
-        self.argmax_kernel()
+        Ok(())
     }
 
     /// LayerNorm, QKV product and attention of one decode step in one kernel: a cluster of
@@ -1490,19 +1541,7 @@ impl CudaSession {
                 self.matmul(all.ptr, h, w.wte.ptr, 0, n, v, c, EPI_STORE, start, none, v)?;
             }
         }
-        let last = self.x.ptr + ((n - 1) * c * 4) as u64;
-        self.matvec(
-            self.logits.ptr,
-            last,
-            w.wte.ptr,
-            0,
-            cfg.vocab_size,
-            c,
-            (w.lnf_w.ptr, w.lnf_b.ptr),
-            EPI_STORE,
-            (0, 0),
-        )?;
-        self.argmax_kernel()
+        self.lm_head(self.x.ptr + ((n - 1) * c * 4) as u64)
     }
 
     /// The layers of a prefill through cuBLAS: LayerNorm and the attention and GELU epilogues
@@ -1528,23 +1567,25 @@ impl CudaSession {
         for (l, lw) in self.exec.weights.layers.iter().enumerate() {
             let kv = self.kv_layer(l);
             self.layernorm((a_c, bf16), x, (lw.ln1_w.ptr, lw.ln1_b.ptr), pending, n)?;
-            // QKV with its bias through cuBLASLt, the tensor-core attention reading the new
-            // keys and values from its rows and appending them to the cache; else a product,
-            // then a pass adding the bias and scattering keys and values into the cache
+            // QKV with its bias through cuBLASLt into bf16 rows, the tensor-core attention
+            // reading queries, keys and values from them and appending the keys and values to
+            // the cache; else a product, then a pass adding the bias and scattering keys and
+            // values into the cache
             let qkv_lt = Shape {
-                bias_bf16: false,
+                out_bf16: true,
                 ..Shape::new((n, 3 * c, c), Epilogue::Bias)
             };
-            let qkv_args = (lw.qkv_w.ptr, a_c, lw.qkv_b32.ptr, self.qkv.ptr);
-            let fresh = self.tensor_core_attention()
+            let qkv_args = (lw.qkv_w.ptr, a_c, lw.qkv_b.ptr, blas.qkv_bf16_ptr);
+            let fresh = (self.tensor_core_attention()
                 && std::env::var_os("WASI_NN_HOST_NO_FRESH_KV").is_none()
-                && self.lt_matmul(blas, qkv_lt, qkv_args)?;
-            if !fresh && graphed {
+                && self.lt_matmul(blas, qkv_lt, qkv_args)?)
+            .then_some(blas.qkv_bf16_ptr);
+            if fresh.is_none() && graphed {
                 return Err(Gpt2Error::Device(
                     "no cuBLASLt plan for the QKV product: the prefill cannot be captured".into(),
                 ));
             }
-            if !fresh {
+            if fresh.is_none() {
                 self.gemm(blas, lw.qkv_w.ptr, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
                 let (qkv, qkv_b) = ((self.qkv.ptr, false), lw.qkv_b.ptr);
                 self.epilogue(blas, qkv, qkv_b, (n, 3 * c), EPI_QKV, start, kv, 3 * c)?;
@@ -1622,7 +1663,7 @@ impl CudaSession {
                 kv,
                 3 * c,
             )?;
-            self.prefill_attention(kv, Start::Host(start), n, (h, false), false)?;
+            self.prefill_attention(kv, Start::Host(start), n, (h, false), None)?;
             let (proj_w, proj_b) = (lw.proj_w.ptr, lw.proj_b.ptr);
             self.matmul(x, h, proj_w, proj_b, n, c, c, EPI_RESIDUAL, start, none, c)?;
             self.layernorm((h, false), x, (lw.ln2_w.ptr, lw.ln2_b.ptr), 0, n)?;
@@ -1642,12 +1683,12 @@ impl CudaSession {
         start: Start,
         n: usize,
         (out, out_bf16): (u64, bool),
-        fresh_kv: bool,
+        fresh: Option<u64>,
     ) -> Result<(), Gpt2Error> {
         if profile_skip("pattn") {
             return Ok(());
         }
-        if (fresh_kv || start == Start::Device) && !self.tensor_core_attention() {
+        if (fresh.is_some() || start == Start::Device) && !self.tensor_core_attention() {
             return Err(Gpt2Error::Device(
                 "keys and values from the QKV rows, or the first position from device memory, need the tensor-core attention".into(),
             ));
@@ -1657,26 +1698,36 @@ impl CudaSession {
             Start::Device => (0, self.pos_ptr),
         };
         if out_bf16 && !self.tensor_core_attention() {
-            self.prefill_attention(kv, Start::Host(start), n, (self.h.ptr, false), false)?;
+            self.prefill_attention(kv, Start::Host(start), n, (self.h.ptr, false), None)?;
             return self.to_bf16(out, self.h.ptr, n * self.exec.config.n_embd);
         }
         let cfg = self.exec.config;
         let hd = cfg.head_dim();
         let (start32, n32, c32, hd32) = (start as i32, n as i32, cfg.n_embd as i32, hd as i32);
         if self.tensor_core_attention() {
-            let grid = LaunchConfig {
+            let obf = i32::from(out_bf16);
+            let mut grid = LaunchConfig {
                 grid_dim: (cfg.n_head as u32, n.div_ceil(64) as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let (obf, fresh) = (i32::from(out_bf16), i32::from(fresh_kv));
+            if let Some(qkv) = fresh {
+                grid.shared_mem_bytes = FA_SMEM_BYTES;
+                let mut args =
+                    kernel_args![&out, &qkv, &kv.0, &kv.1, &start32, &n32, &c32, &obf, &start_ptr];
+                // SAFETY: start + n <= capacity (checked in extend); qkv holds n bf16 rows of
+                // 3C, out n rows of C; the kernel reads cache rows 0..start and writes rows
+                // start..start+n of head columns h*64.. < C.
+                return unsafe {
+                    self.launch(&self.exec.kernels.att_prefill_fresh, grid, &mut args)
+                }
+                .map_err(device_err("attention"));
+            }
             let q = self.qkv.ptr;
-            let mut args = kernel_args![
-                &out, &q, &kv.0, &kv.1, &start32, &n32, &c32, &obf, &fresh, &start_ptr
-            ];
+            let mut args =
+                kernel_args![&out, &q, &kv.0, &kv.1, &start32, &n32, &c32, &obf, &start_ptr];
             // SAFETY: start + n <= capacity (checked in extend); qkv holds n rows of 3C, out n
-            // rows of C; the kernel reads (with fresh_kv: and writes) cache rows 0..start+n of
-            // head columns h*64.. < C.
+            // rows of C; the kernel reads cache rows 0..start+n of head columns h*64.. < C.
             return unsafe { self.launch(&self.exec.kernels.att_prefill_mma, grid, &mut args) }
                 .map_err(device_err("attention"));
         }
@@ -1821,12 +1872,12 @@ impl Session for CudaSession {
 
     fn argmax(&mut self) -> Result<u32, Gpt2Error> {
         let err = device_err("reading the argmax");
-        let mut out = [0i32; 1];
+        let mut out = [0u64; 1];
         self.stream
             .memcpy_dtoh(&self.next, &mut out)
             .map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
-        Ok(out[0] as u32)
+        Ok(argmax_row(out[0]))
     }
 }
 
@@ -1856,6 +1907,16 @@ impl CudaSession {
             .map_err(&err)?;
         self.stream.synchronize().map_err(&err)?;
         Ok(out)
+    }
+}
+
+/// The row an LM head's argmax key names (`argmax_key` in matvec.cu: the value's
+/// order-preserving bits above the complement of the row); 0 when no row set it (every logit NaN).
+fn argmax_row(key: u64) -> u32 {
+    if key == 0 {
+        0
+    } else {
+        u32::MAX - key as u32
     }
 }
 
@@ -1963,6 +2024,26 @@ pub mod kernel_checks {
         /// The bf16 GEMM-input buffer (0 without cuBLAS).
         fn x_bf16_ptr(&self) -> u64 {
             self.s.blas.as_ref().map_or(0, |blas| blas.x_bf16_ptr)
+        }
+        /// The bf16 QKV rows buffer (0 without cuBLAS).
+        fn qkv_bf16_ptr(&self) -> u64 {
+            self.s.blas.as_ref().map_or(0, |blas| blas.qkv_bf16_ptr)
+        }
+        /// Upload `values` (bf16-exact) as bf16 QKV rows.
+        fn put_bf16(&mut self, values: &[f32]) -> Result<(), Gpt2Error> {
+            let bits: Vec<u16> = values
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let stream = self.s.stream.clone();
+            let blas =
+                self.s.blas.as_mut().ok_or_else(|| {
+                    Gpt2Error::Device("no cuBLAS, so no bf16 QKV rows buffer".into())
+                })?;
+            let mut dst = blas.qkv_bf16.slice_mut(0..bits.len());
+            stream
+                .memcpy_htod(&bits, &mut dst)
+                .map_err(device_err("upload"))
         }
         fn get_bf16(&self, n: usize) -> Result<Vec<f32>, Gpt2Error> {
             let blas = self.s.blas.as_ref().ok_or_else(|| {
@@ -2093,33 +2174,31 @@ pub mod kernel_checks {
         let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
         report("matvec+residual", &b.get(|s| &s.x.slice, c)?, &want, 1e-4);
 
-        // matvec over the vocabulary (the LM head) + argmax
+        // the LM head (matvec over the vocabulary, final LayerNorm fused) and its argmax, from
+        // a cleared key
         b.put(|s| &mut s.x.slice, &x)?;
-        b.s.matvec(
-            b.s.logits.ptr,
-            b.s.x.ptr,
-            dev.wte.ptr,
-            0,
-            v,
-            c,
-            (dev.lnf_w.ptr, dev.lnf_b.ptr),
-            EPI_STORE,
-            none,
-        )?;
-        b.s.argmax_kernel()?;
+        let stream = b.s.stream.clone();
+        stream
+            .memset_zeros(&mut b.s.next)
+            .map_err(device_err("clear"))?;
+        b.s.lm_head(b.s.x.ptr)?;
         let mut h = vec![0.0; c];
         cpu::layer_norm(&mut h, &x, &w.lnf_w, &w.lnf_b);
         let mut want = vec![0.0; v];
         cpu::linear(&mut want, &h, &w.wte, None, c, v);
         let logits = b.get(|s| &s.logits.slice, v)?;
         report("matvec lm-head", &logits, &want, 1e-4);
-        let gpu_argmax = b.s.argmax()? as f32;
-        report(
-            "argmax",
-            &[gpu_argmax],
-            &[crate::backend::argmax(&logits) as f32],
-            0.0,
-        );
+        let argmax = |logits: &[f32]| [crate::backend::argmax(logits) as f32];
+        report("argmax", &[b.s.argmax()? as f32], &argmax(&logits), 0.0);
+        // with the key still set by larger logits, the embedding kernel must clear it
+        let big: Vec<f32> = x.iter().map(|v| v * 8.0).collect();
+        b.put(|s| &mut s.x.slice, &big)?;
+        b.s.lm_head(b.s.x.ptr)?;
+        b.s.embed(1, 0)?;
+        b.s.lm_head(b.s.x.ptr)?;
+        let logits = b.get(|s| &s.logits.slice, v)?;
+        let gpu = b.s.argmax()? as f32;
+        report("argmax after embed clears", &[gpu], &argmax(&logits), 0.0);
 
         // prefill products (cuBLAS or the tiled kernel) at several row counts
         for rows in [1usize, 7, 70] {
@@ -2378,7 +2457,7 @@ pub mod kernel_checks {
             qkv = b.random(q_rows * 3 * c);
             b.put(|s| &mut s.qkv.slice, &qkv)?;
             let out = b.attention_out(fused);
-            b.s.prefill_attention(kv, Start::Host(start), q_rows, out, false)?;
+            b.s.prefill_attention(kv, Start::Host(start), q_rows, out, None)?;
             let mut want = vec![0.0; q_rows * c];
             let visible = (start + q_rows) * c;
             cpu::attention(
@@ -2410,15 +2489,22 @@ pub mod kernel_checks {
         );
         report("attention decode", &b.get(|s| &s.h.slice, c)?, &want, 2e-4);
 
-        // the tensor-core attention reading the prompt's keys and values from the QKV rows
-        // (after a prefix in the cache) and appending them to the cache
+        // the tensor-core attention reading the prompt's queries, keys and values from bf16
+        // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees
+        // bf16 everywhere (the prefix is rounded on the way, probabilities too)
         let (mut keys, mut values) = (keys, values);
         if tc {
+            let bf16 = |v: &[f32]| -> Vec<f32> {
+                v.iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect()
+            };
             for (start, q_rows) in [(0usize, len - 3), (len - 70, 70)] {
-                let rows_qkv = b.random(q_rows * 3 * c);
-                b.put(|s| &mut s.qkv.slice, &rows_qkv)?;
+                let rows_qkv = bf16(&b.random(q_rows * 3 * c));
+                b.put_bf16(&rows_qkv)?;
                 let out = b.attention_out(fused);
-                b.s.prefill_attention(kv, Start::Host(start), q_rows, out, true)?;
+                let rows_ptr = b.qkv_bf16_ptr();
+                b.s.prefill_attention(kv, Start::Host(start), q_rows, out, Some(rows_ptr))?;
                 for (t, row) in rows_qkv.chunks(3 * c).enumerate() {
                     let at = (start + t) * c;
                     keys[at..at + c].copy_from_slice(&row[c..2 * c]);
@@ -2426,17 +2512,23 @@ pub mod kernel_checks {
                 }
                 let visible = (start + q_rows) * c;
                 let mut want = vec![0.0; q_rows * c];
-                let cache = (&round(&keys[..visible]), &round(&values[..visible]));
-                let q_r = round(&rows_qkv);
-                cpu::attention(&mut want, &q_r, (cache.0, cache.1), start, cfg.n_head, c);
+                let cache = (&bf16(&keys[..visible]), &bf16(&values[..visible]));
+                cpu::attention(
+                    &mut want,
+                    &rows_qkv,
+                    (cache.0, cache.1),
+                    start,
+                    cfg.n_head,
+                    c,
+                );
                 let got = b.get_attention_out(out, q_rows * c)?;
-                let name = format!("attention prefill fresh kv start={start} rows={q_rows}");
-                report(&name, &got, &want, if out.1 { 1e-2 } else { tolerance });
+                let name = format!("attention prefill bf16 rows start={start} rows={q_rows}");
+                report(&name, &got, &want, 1e-2);
                 let k_got = b.get(|s| &s.k_cache.slice, visible)?;
                 let v_got = b.get(|s| &s.v_cache.slice, visible)?;
                 let got = [&k_got[start * c..], &v_got[start * c..]].concat();
                 let want = [&keys[start * c..visible], &values[start * c..visible]].concat();
-                let name = format!("attention prefill fresh kv appended start={start}");
+                let name = format!("attention prefill bf16 rows appended start={start}");
                 report(&name, &got, &want, 0.0);
             }
         }

@@ -99,6 +99,9 @@ enum Command {
     CompileKernels {
         #[arg(long, default_value = "compute_90")]
         arch: String,
+        /// Also write the PTX to this file (e.g. for `ptxas -v`).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
@@ -203,8 +206,11 @@ fn main() -> Result<()> {
             prompt,
             steps,
         } => check_cuda(&models, prompt, steps)?,
-        Command::CompileKernels { arch } => {
+        Command::CompileKernels { arch, out } => {
             let ptx = wasi_nn_host::cuda::compile_kernels(&arch)?;
+            if let Some(out) = out {
+                std::fs::write(&out, &ptx).with_context(|| format!("writing {}", out.display()))?;
+            }
             let kernels = ptx.lines().filter(|l| l.contains(".entry")).count();
             println!(
                 "compiled {kernels} kernels for {arch} ({} bytes of PTX)",
@@ -226,9 +232,10 @@ fn load_model_spec(spec: &str) -> Result<model::Gpt2Weights> {
     })
 }
 
+/// The median; NaN (null in the JSON) when nothing was measured (`--steps 0`).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Memory copy bandwidth (read + write bytes per second) over a buffer much larger than cache.
