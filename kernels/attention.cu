@@ -440,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(128)
 #define TC_HD 64
 #define TC_LD (TC_HD + 8)  // shared row stride (144 bytes): 16-byte aligned rows, no bank conflicts
 #define TC_THREADS 256
+#define TC_LOG2E 1.44269504f  // the fp16 kernel's scores are already scaled by 1/8
 
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     u32 r;
@@ -481,6 +482,152 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* row) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(row)));
 #endif
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// Two floats as bf16x2, rounded to nearest even (lo in the low half).
+__device__ __forceinline__ u32 pack_bf16_rn(float lo, float hi) {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+// The mma and the fp16x2 / bf16x2 packing of the tensor-core attentions' operands.
+template <bool BF16>
+__device__ __forceinline__ void tc_mma(float d[4], const u32 a[4], u32 b0, u32 b1) {
+    if (BF16) mma_bf16_16816(d, a, b0, b1);
+    else mma_f16_16816(d, a, b0, b1);
+}
+template <bool BF16>
+__device__ __forceinline__ u32 tc_pack(float lo, float hi) {
+    return BF16 ? pack_bf16_rn(lo, hi) : pack_f16(lo, hi);
+}
+
+// One warp's 16 query rows (fragments `qf`) against the 64 keys kt..kt+63 held in shared
+// memory (kt_s, vt_s: [key][dim]): S = Q K^T, masked to key <= qpos and key < keys, the online
+// softmax update of (m, l, o), O += P V. Scores times `scale` are in base 2 (m stays unscaled).
+template <bool BF16>
+__device__ __forceinline__ void tc_tile(float o[8][4], float m[2], float l[2], const u32 qf[4][4],
+                                        const unsigned short (*kt_s)[TC_LD], const unsigned short (*vt_s)[TC_LD],
+                                        int kt, const int qpos[2], int keys, float scale) {
+    int lane = threadIdx.x & 31, t = lane & 3, mi = lane >> 3, mr = lane & 7;
+    float s[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    // S = Q K^T: ldmatrix (not transposed) of K rows gives the B fragments of two key
+    // blocks of 8 for one 16-dim step, or one key block for two steps.
+#pragma unroll
+    for (int kk = 0; kk < 4; kk += 2)
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            u32 b[4];
+            ldmatrix_x4(b, &kt_s[j * 8 + mr][kk * 16 + mi * 8]);
+            tc_mma<BF16>(s[j], qf[kk], b[0], b[1]);
+            tc_mma<BF16>(s[j], qf[kk + 1], b[2], b[3]);
+        }
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        float mx = m[rr];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = kt + j * 8 + 2 * t + e;
+                float v = (key <= qpos[rr] && key < keys) ? s[j][2 * rr + e] : -INFINITY;
+                s[j][2 * rr + e] = v;
+                mx = fmaxf(mx, v);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // a row may see none of this tile's keys yet (group 1, a prefix before the prompt)
+        float base = mx == -INFINITY ? 0.0f : mx * scale;
+        float corr = fast_exp2(m[rr] * scale - base);
+        m[rr] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float p = fast_exp2(fmaf(s[j][2 * rr + e], scale, -base));
+                s[j][2 * rr + e] = p;
+                sum += p;
+            }
+        l[rr] = l[rr] * corr + sum;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            o[j][2 * rr] *= corr;
+            o[j][2 * rr + 1] *= corr;
+        }
+    }
+    u32 pf[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        pf[kk][0] = tc_pack<BF16>(s[2 * kk][0], s[2 * kk][1]);
+        pf[kk][1] = tc_pack<BF16>(s[2 * kk][2], s[2 * kk][3]);
+        pf[kk][2] = tc_pack<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pf[kk][3] = tc_pack<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int dp = 0; dp < 4; dp++) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, &vt_s[kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
+            tc_mma<BF16>(o[2 * dp], pf[kk], b[0], b[1]);
+            tc_mma<BF16>(o[2 * dp + 1], pf[kk], b[2], b[3]);
+        }
+}
+
+// Merge warp group 1's partial softmax into group 0's (same rows, same lane, through `part`:
+// 4 * 32 * 36 floats of shared memory no warp still reads), then group 0 writes rows r0 and
+// r0 + 8 of head h to `out` (f32, or bf16 when out_bf16). Called by every thread of the block.
+__device__ __forceinline__ void tc_merge_store(float o[8][4], float m[2], float l[2], float* part_base, int r0,
+                                               int rows, int c, int h, void* out, int out_bf16, float scale) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3, group = warp >> 2;
+    __syncthreads();
+    float* part = part_base + (size_t)((warp & 3) * 32 + lane) * 36;
+    if (group == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) part[j * 4 + e] = o[j][e];
+        part[32] = m[0]; part[33] = m[1]; part[34] = l[0]; part[35] = l[1];
+    }
+    __syncthreads();
+    if (group == 1) return;
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
+        float c0 = fast_exp2((m[rr] - mx) * scale), c1 = fast_exp2((m1 - mx) * scale);
+        float sum = l[rr] * c0 + part[34 + rr] * c1;
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        int row = r0 + rr * 8;
+        if (row >= rows) continue;
+        float inv = 1.0f / sum;
+        size_t at = (size_t)row * c + h * TC_HD + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float a = (o[j][2 * rr] * c0 + part[j * 4 + 2 * rr] * c1) * inv;
+            float b = (o[j][2 * rr + 1] * c0 + part[j * 4 + 2 * rr + 1] * c1) * inv;
+            if (out_bf16) *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + at + j * 8) = pack_bf16(a, b);
+            else *reinterpret_cast<float2*>(static_cast<float*>(out) + at + j * 8) = make_float2(a, b);
+        }
+    }
 }
 
 // Rows k0..k0+127 of one head's keys and values from the f32 cache (zeros past `keys`): 8
@@ -533,7 +680,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     int keys = min(start + q0 + TC_Q, start + rows);
     float4 kr[8], vr[8];
     tc_load_tiles(kr, vr, k_cache, v_cache, 0, keys, c, h);
-    int mi = lane >> 3, mr = lane & 7;
     for (int k0 = 0; k0 < keys; k0 += 2 * TC_K) {
         __syncthreads();
 #pragma unroll
@@ -549,103 +695,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
             tc_load_tiles(kr, vr, k_cache, v_cache, k0 + 2 * TC_K, keys, c, h);
         int kt = k0 + group * TC_K;  // this warp's tile
         if (kt >= keys || kt > warp_last) continue;  // past the end, or all in the warp's future
-        float s[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        // S = Q K^T: ldmatrix (not transposed) of K rows gives the B fragments of two key
-        // blocks of 8 for one 16-dim step, or one key block for two steps.
-#pragma unroll
-        for (int kk = 0; kk < 4; kk += 2)
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                u32 b[4];
-                ldmatrix_x4(b, &ks[group][j * 8 + mr][kk * 16 + mi * 8]);
-                mma_f16_16816(s[j], qf[kk], b[0], b[1]);
-                mma_f16_16816(s[j], qf[kk + 1], b[2], b[3]);
-            }
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            float mx = m[rr];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int key = kt + j * 8 + 2 * t + e;
-                    float v = (key <= qpos[rr] && key < keys) ? s[j][2 * rr + e] : -INFINITY;
-                    s[j][2 * rr + e] = v;
-                    mx = fmaxf(mx, v);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // a row may see none of this tile's keys yet (group 1, a prefix before the prompt)
-            float base = mx == -INFINITY ? 0.0f : mx;
-            float corr = __expf(m[rr] - base);
-            m[rr] = mx;
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float p = __expf(s[j][2 * rr + e] - base);
-                    s[j][2 * rr + e] = p;
-                    sum += p;
-                }
-            l[rr] = l[rr] * corr + sum;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                o[j][2 * rr] *= corr;
-                o[j][2 * rr + 1] *= corr;
-            }
-        }
-        u32 pf[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            pf[kk][0] = pack_f16(s[2 * kk][0], s[2 * kk][1]);
-            pf[kk][1] = pack_f16(s[2 * kk][2], s[2 * kk][3]);
-            pf[kk][2] = pack_f16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pf[kk][3] = pack_f16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int dp = 0; dp < 4; dp++) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, &vs[group][kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
-                mma_f16_16816(o[2 * dp], pf[kk], b[0], b[1]);
-                mma_f16_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
-            }
+        tc_tile<false>(o, m, l, qf, ks[group], vs[group], kt, qpos, keys, TC_LOG2E);
     }
-    // merge group 1's partial softmax into group 0's (same rows, same lane)
-    __syncthreads();
-    float* part = reinterpret_cast<float*>(&ks[0][0][0]) + (size_t)(wq * 32 + lane) * 36;
-    if (group == 1) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) part[j * 4 + e] = o[j][e];
-        part[32] = m[0]; part[33] = m[1]; part[34] = l[0]; part[35] = l[1];
-    }
-    __syncthreads();
-    if (group == 1) return;
-#pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
-        float c0 = __expf(m[rr] - mx), c1 = __expf(m1 - mx);
-        float sum = l[rr] * c0 + part[34 + rr] * c1;
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        int row = r0 + rr * 8;
-        if (row >= rows) continue;
-        float inv = 1.0f / sum;
-        size_t at = (size_t)row * c + h * TC_HD + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float a = (o[j][2 * rr] * c0 + part[j * 4 + 2 * rr] * c1) * inv;
-            float b = (o[j][2 * rr + 1] * c0 + part[j * 4 + 2 * rr + 1] * c1) * inv;
-            if (out_bf16) *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + at + j * 8) = pack_bf16(a, b);
-            else *reinterpret_cast<float2*>(static_cast<float*>(out) + at + j * 8) = make_float2(a, b);
-        }
-    }
+    float* part = reinterpret_cast<float*>(&ks[0][0][0]);
+    tc_merge_store(o, m, l, part, r0, rows, c, h, out, out_bf16, TC_LOG2E);
 }
 
 // Prefill on tensor cores from bf16 rows (sm_80+, bf16 mode, hd == 64): the prompt's queries,
@@ -661,28 +714,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 #define FA_SMEM (2 * 2 * FA_KEYS * TC_LD * 2)
 #define FA_SCALE 0.18033688f  // log2(e) / sqrt(64)
 
-__device__ __forceinline__ void mma_bf16_16816(float d[4], const u32 a[4], u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-// Two floats as bf16x2, rounded to nearest even (lo in the low half).
-__device__ __forceinline__ u32 pack_bf16_rn(float lo, float hi) {
-    u32 r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
 // 16 bytes global -> shared without passing through registers; zeros when !valid.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -785,7 +816,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     int qpos[2] = {start + r0, start + r0 + 8};
     int warp_last = start + q0 + wq * 16 + 15;  // the warp's last query position
-    int mi = lane >> 3, mr = lane & 7;
     for (int it = 0; it < iters; it++) {
         int st = it & 1, k0 = it * FA_KEYS;
         if (it + 1 < iters) {
@@ -796,103 +826,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
         }
         __syncthreads();
         int kt = k0 + group * TC_K;  // this warp's tile
-        if (kt < keys && kt <= warp_last) {
-            const unsigned short(*kt_s)[TC_LD] = &ks[st][group * TC_K];
-            const unsigned short(*vt_s)[TC_LD] = &vs[st][group * TC_K];
-            float s[8][4];
-#pragma unroll
-            for (int j = 0; j < 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < 4; kk += 2)
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    u32 b[4];
-                    ldmatrix_x4(b, &kt_s[j * 8 + mr][kk * 16 + mi * 8]);
-                    mma_bf16_16816(s[j], qf[kk], b[0], b[1]);
-                    mma_bf16_16816(s[j], qf[kk + 1], b[2], b[3]);
-                }
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                float mx = m[rr];
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        int key = kt + j * 8 + 2 * t + e;
-                        float v = (key <= qpos[rr] && key < keys) ? s[j][2 * rr + e] : -INFINITY;
-                        s[j][2 * rr + e] = v;
-                        mx = fmaxf(mx, v);
-                    }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                // a row may see none of this tile's keys yet (group 1, a prefix before the prompt)
-                float base = mx == -INFINITY ? 0.0f : mx * FA_SCALE;
-                float corr = fast_exp2(m[rr] * FA_SCALE - base);
-                m[rr] = mx;
-                float sum = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        float p = fast_exp2(fmaf(s[j][2 * rr + e], FA_SCALE, -base));
-                        s[j][2 * rr + e] = p;
-                        sum += p;
-                    }
-                l[rr] = l[rr] * corr + sum;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    o[j][2 * rr] *= corr;
-                    o[j][2 * rr + 1] *= corr;
-                }
-            }
-            u32 pf[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                pf[kk][0] = pack_bf16_rn(s[2 * kk][0], s[2 * kk][1]);
-                pf[kk][1] = pack_bf16_rn(s[2 * kk][2], s[2 * kk][3]);
-                pf[kk][2] = pack_bf16_rn(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pf[kk][3] = pack_bf16_rn(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-                for (int dp = 0; dp < 4; dp++) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, &vt_s[kk * 16 + (mi & 1) * 8 + mr][dp * 16 + (mi >> 1) * 8]);
-                    mma_bf16_16816(o[2 * dp], pf[kk], b[0], b[1]);
-                    mma_bf16_16816(o[2 * dp + 1], pf[kk], b[2], b[3]);
-                }
-        }
+        if (kt < keys && kt <= warp_last)
+            tc_tile<true>(o, m, l, qf, &ks[st][group * TC_K], &vs[st][group * TC_K], kt, qpos, keys, FA_SCALE);
         __syncthreads();  // the stage is read by all before it is loaded again
     }
-    // merge group 1's partial softmax into group 0's (same rows, same lane)
-    float* part = reinterpret_cast<float*>(fa_smem) + (size_t)(wq * 32 + lane) * 36;
-    if (group == 1) {
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) part[j * 4 + e] = o[j][e];
-        part[32] = m[0]; part[33] = m[1]; part[34] = l[0]; part[35] = l[1];
-    }
-    __syncthreads();
-    if (group == 1) return;
-#pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        float m1 = part[32 + rr], mx = fmaxf(m[rr], m1);
-        float c0 = fast_exp2((m[rr] - mx) * FA_SCALE), c1 = fast_exp2((m1 - mx) * FA_SCALE);
-        float sum = l[rr] * c0 + part[34 + rr] * c1;
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        int row = r0 + rr * 8;
-        if (row >= rows) continue;
-        float inv = 1.0f / sum;
-        size_t at = (size_t)row * c + h * TC_HD + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float a = (o[j][2 * rr] * c0 + part[j * 4 + 2 * rr] * c1) * inv;
-            float b = (o[j][2 * rr + 1] * c0 + part[j * 4 + 2 * rr + 1] * c1) * inv;
-            if (out_bf16) *reinterpret_cast<u32*>(static_cast<bf16_t*>(out) + at + j * 8) = pack_bf16(a, b);
-            else *reinterpret_cast<float2*>(static_cast<float*>(out) + at + j * 8) = make_float2(a, b);
-        }
-    }
+    tc_merge_store(o, m, l, reinterpret_cast<float*>(fa_smem), r0, rows, c, h, out, out_bf16, FA_SCALE);
 }
