@@ -7,7 +7,8 @@
 // Prefill: one block per (head, query row), scores in shared memory.
 #include "common.cuh"
 
-#define ATT_CHUNK 32
+// ATT_CHUNK, ATT_THREADS, DA_MAX_CLUSTER, DA_THREADS, FA_Q, TC_Q, TC_THREADS and FA_SMEM are defined
+// once by the host (host/src/cuda/ops/attention.rs) and handed to NVRTC as -D defines.
 
 // scores[0..count) (shared memory) -> exp(score - m) in place; returns their sum over the block.
 __device__ __forceinline__ float exp_in_place(float* scores, int count, float m, float* scratch) {
@@ -19,7 +20,6 @@ __device__ __forceinline__ float exp_in_place(float* scores, int count, float m,
     }
     return block_sum(sum, scratch);
 }
-#define ATT_THREADS 128
 #define MAX_HD 128
 
 // Score of one cached position against q (in shared memory): the `parts` threads of a
@@ -120,8 +120,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // of the positions 0..pos (position `pos` from shared memory), and after a second barrier the
 // blocks combine the shares through distributed shared memory, each writing hd / n
 // dimensions of the head's output. Dynamic shared memory: c + ceil(capacity / n) floats.
-#define DA_MAX_CLUSTER 16
-#define DA_THREADS 256
 #define DA_ROWS 3
 
 template <typename W>
@@ -305,7 +303,6 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // an online softmax. Thread t owns query t/4 and, of each key tile, keys (t%4) + 4m for scores
 // and the contiguous dimensions (t%4) * hd/4 .. for the output; shared memory is read 16 bytes
 // at a time. Needs hd <= 64 and hd % 16 == 0.
-#define FA_Q 32
 #define FA_K 32
 #define FA_HD 64
 extern "C" __global__ void __launch_bounds__(128)
@@ -435,11 +432,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // The output is f32, or bf16 when `out_bf16` (the input of the projection GEMM). This one
 // reads every key and value from the cache (prompts whose QKV product went through cuBLAS and
 // the scatter pass); `attention_prefill_fresh` below reads the prompt's from the QKV rows.
-#define TC_Q 64
 #define TC_K 64
 #define TC_HD 64
 #define TC_LD (TC_HD + 8)  // shared row stride (144 bytes): 16-byte aligned rows, no bank conflicts
-#define TC_THREADS 256
 #define TC_LOG2E 1.44269504f  // the fp16 kernel's scores are already scaled by 1/8
 
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
@@ -711,7 +706,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 // natural units; the softmax folds log2(e)/8 into one FMA before exp2. Dynamic shared memory:
 // FA_SMEM bytes.
 #define FA_KEYS (2 * TC_K)
-#define FA_SMEM (2 * 2 * FA_KEYS * TC_LD * 2)
+static_assert(FA_SMEM == 2 * 2 * FA_KEYS * TC_LD * 2, "FA_SMEM (ops/attention.rs) must hold two stages of keys and values");
 #define FA_SCALE 0.18033688f  // log2(e) / sqrt(64)
 
 // 16 bytes global -> shared without passing through registers; zeros when !valid.

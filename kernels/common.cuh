@@ -273,13 +273,10 @@ __device__ __forceinline__ float peer_load(u32 addr) {
     return v;
 }
 
-// What a matrix product does with each output value (bias already added).
-enum Epilogue {
-    EPI_STORE = 0,     // out[o] = v
-    EPI_GELU = 1,      // out[o] = gelu(v)
-    EPI_RESIDUAL = 2,  // out[o] += v
-    EPI_QKV = 3,       // q -> out[o]; k, v -> the KV cache at the row's position
-};
+// What a matrix product does with each output value (bias already added), the modes EPI_STORE
+// (out[o] = v), EPI_GELU (out[o] = gelu(v)), EPI_RESIDUAL (out[o] += v) and EPI_QKV (q -> out[o];
+// k, v -> the KV cache at the row's position): defined by the host (host/src/cuda/ops/mod.rs,
+// `Epilogue`) and handed to NVRTC as -D defines.
 
 // Write output column `o` of a row at absolute position `pos`. For EPI_QKV, `out` is the q
 // buffer (row stride c), k_cache/v_cache are [n_ctx, c].

@@ -3,7 +3,7 @@
 // same epilogues as the matrix-vector kernels; row t sits at absolute position start + t.
 #include "common.cuh"
 
-#define TILE 64
+// TILE is defined by the host (host/src/cuda/ops/matmul.rs) and handed to NVRTC as -D TILE.
 #define TK 16
 
 template <typename W>

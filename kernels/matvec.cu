@@ -5,8 +5,8 @@
 // fused epilogue (bias, GELU, residual add, or the QKV scatter into the KV cache).
 #include "common.cuh"
 
-#define MV_WARPS 4
-#define MV_ROWS_PER_WARP 2
+// MV_WARPS and MV_ROWS_PER_WARP are defined by the host (host/src/cuda/ops/matvec.rs) and handed
+// to NVRTC as -D defines.
 
 // With `best` (the LM head), also the argmax of the outputs: each block folds its rows into one
 // key (order-preserving bits of the value above the complement of the row, so the largest

@@ -6,8 +6,11 @@
 //! projection + residual; a final LayerNorm and the LM head tied to `wte`.
 //! Matrix products are parallel over output features with rayon; a prompt goes through as one
 //! matrix-matrix pass rather than token by token.
+//!
+//! [`CpuExecutor`] puts it behind the engine's [`Executor`] / [`Session`] traits.
 
-use crate::model::Gpt2Weights;
+use crate::engine::{argmax, EngineError, Executor, Session};
+use crate::model::{Gpt2Config, Gpt2Weights};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -233,7 +236,7 @@ pub fn linear(
 
 /// Causal multi-head attention for `n` new positions starting at absolute position `start`.
 /// `qkv` is `[n, 3C]`; the caches hold keys and values of positions `0..start + n`.
-pub(crate) fn attention(
+pub fn attention(
     out: &mut [f32],
     qkv: &[f32],
     (k_cache, v_cache): (&[f32], &[f32]),
@@ -268,4 +271,63 @@ pub(crate) fn attention(
             }
         }
     });
+}
+
+/// The CPU reference as an [`Executor`].
+pub struct CpuExecutor(CpuModel);
+
+impl CpuExecutor {
+    pub fn new(weights: Arc<Gpt2Weights>) -> Self {
+        Self(CpuModel::new(weights))
+    }
+}
+
+struct CpuSession {
+    model: CpuModel,
+    cache: CpuKvCache,
+    /// Logits of the last extend: one row, or every new row.
+    logits: Vec<f32>,
+}
+
+impl Executor for CpuExecutor {
+    fn config(&self) -> Gpt2Config {
+        self.0.weights().config
+    }
+    fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
+        Ok(Box::new(CpuSession {
+            model: self.0.clone(),
+            cache: Default::default(),
+            logits: Vec::new(),
+        }))
+    }
+}
+
+impl CpuSession {
+    /// The last position's row of the last extend's logits.
+    fn last_row(&self) -> &[f32] {
+        let vocab = self.model.weights().config.vocab_size;
+        &self.logits[self.logits.len().saturating_sub(vocab)..]
+    }
+}
+
+impl Session for CpuSession {
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+    fn truncate(&mut self, len: usize) {
+        self.cache.truncate(len, self.model.weights().config.n_embd);
+    }
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
+        self.logits = self.model.forward(&mut self.cache, tokens, all_positions);
+        Ok(())
+    }
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.last_row().to_vec())
+    }
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.logits.clone())
+    }
+    fn argmax(&mut self) -> Result<u32, EngineError> {
+        Ok(argmax(self.last_row()))
+    }
 }

@@ -1,15 +1,20 @@
-//! `wasi-nn-host`: a wasmtime embedding that runs WebAssembly guests with WASI preview 1 and
-//! WASI-NN, backed by our own GPT-2 implementation.
+//! `wasi-nn-host`: a wasmtime embedding that runs WebAssembly guests with WASI and WASI-NN,
+//! backed by our own GPT-2 implementation.
 //!
-//! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
+//! The rooms, in the order a token passes them (dependencies point down this list only):
+//! - [`runtime`]: the wasmtime host that instantiates guests: preview 1 modules (witx
+//!   `wasi_ephemeral_nn`) and components (`wasi:nn` WIT, world `gpt2:text`).
+//! - [`wasi_nn`]: our backend behind wasmtime-wasi-nn's traits: the graph contract (inputs,
+//!   outputs, errors) and the KV-cache prefix reuse, shared by both devices.
+//! - [`engine`]: what both devices share: [`Device`], the [`engine::Executor`] /
+//!   [`engine::Session`] traits, the engine error, a session pool.
 //! - [`cpu`]: the CPU reference forward pass (the specification).
-//! - [`backend`]: the wasi-nn backend traits over an [`backend::Executor`] (CPU or CUDA).
-//! - [`runtime`]: the wasmtime host that instantiates guests (WASI preview 1 modules).
-//! - [`component`]: the same for the guest as a component (WASI preview 2, `wasi:nn` WIT).
+//! - [`cuda`]: the CUDA backend (our kernels, NVRTC, cuBLAS/cuBLASLt).
+//! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
 //!
 //! ```no_run
-//! use wasi_nn_host::{backend::Device, runtime::{HostBuilder, RunOptions}};
-//! # fn main() -> Result<(), wasi_nn_host::runtime::HostError> {
+//! use wasi_nn_host::{Device, HostBuilder, RunOptions};
+//! # fn main() -> Result<(), wasi_nn_host::HostError> {
 //! let host = HostBuilder::new(Device::Cpu)
 //!     .graph("gpt2", std::path::Path::new("models/gpt2-shakespeare"))?
 //!     .build()?;
@@ -20,17 +25,18 @@
 //! # Ok(()) }
 //! ```
 
-pub mod backend;
-pub mod component;
 pub mod cpu;
-mod cublaslt;
 pub mod cuda;
-pub mod gpu_check;
+pub mod engine;
 pub mod model;
 pub mod runtime;
+pub mod wasi_nn;
 
-pub use backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype};
+pub use engine::{Device, EngineError, GpuDtype};
 pub use runtime::{Host, HostBuilder, HostError, RunOptions, RunOutcome};
+pub use wasi_nn::{Gpt2Backend, Gpt2Error};
+
+use std::sync::Arc;
 
 /// Where the embedded default model lives, relative to the repository root.
 pub const DEFAULT_MODEL_DIR: &str = "models/gpt2-shakespeare";
@@ -50,4 +56,22 @@ pub fn find_default_model() -> Option<std::path::PathBuf> {
         .flat_map(|r| r.ancestors())
         .map(|dir| dir.join(DEFAULT_MODEL_DIR))
         .find(|dir| dir.join("config.json").is_file())
+}
+
+/// Load `weights` onto `device` as an executor (GPU weights stored as `dtype`; each GPU
+/// session's KV cache capped at `max_kv_bytes`).
+pub fn executor_for(
+    weights: model::Gpt2Weights,
+    device: Device,
+    dtype: GpuDtype,
+    max_kv_bytes: usize,
+) -> Result<Arc<dyn engine::Executor>, EngineError> {
+    match device {
+        Device::Cpu => Ok(Arc::new(cpu::CpuExecutor::new(Arc::new(weights)))),
+        Device::Cuda => Ok(Arc::new(cuda::CudaExecutor::new(
+            &weights,
+            dtype,
+            max_kv_bytes,
+        )?)),
+    }
 }

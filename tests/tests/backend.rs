@@ -4,8 +4,10 @@
 
 use integration_tests::*;
 use std::sync::Arc;
-use wasi_nn_host::backend::{CpuExecutor, Device, Gpt2Backend, Gpt2Context, Gpt2Error};
+use wasi_nn_host::cpu::CpuExecutor;
 use wasi_nn_host::model;
+use wasi_nn_host::wasi_nn::{Gpt2Backend, Gpt2Context, Gpt2Error};
+use wasi_nn_host::Device;
 use wasmtime_wasi_nn::backend::{BackendExecutionContext, BackendInner, Id};
 use wasmtime_wasi_nn::wit::{ExecutionTarget, TensorType};
 use wasmtime_wasi_nn::Tensor;

@@ -2,7 +2,7 @@
 //! the same text as the wasip1 command, streamed piece by piece, and the same perplexity.
 
 use integration_tests::*;
-use wasi_nn_host::component::Sampling;
+use wasi_nn_host::runtime::Sampling;
 use wasi_nn_host::{Device, HostBuilder, RunOptions};
 
 fn sampling(max_tokens: u32, temperature: f32, stop: Vec<String>) -> Sampling {

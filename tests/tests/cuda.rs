@@ -1,11 +1,11 @@
 //! The CUDA backend against the CPU reference. Without a GPU these tests print why and skip;
-//! on the GPU machine `wasi-nn-host check-cuda` runs the same checks (`gpu_check`) from one
+//! on the GPU machine `wasi-nn-bench check-cuda` runs the same checks (`wasi_nn_bench`) from one
 //! binary (see BENCHMARKS.md for the commands and results).
 
 use integration_tests::*;
-use wasi_nn_host::backend::GpuDtype;
-use wasi_nn_host::gpu_check;
+use wasi_nn_bench::checks as gpu_check;
 use wasi_nn_host::model;
+use wasi_nn_host::GpuDtype;
 
 fn gpu_or_skip(test: &str) -> bool {
     match wasi_nn_host::cuda::describe() {
@@ -25,8 +25,7 @@ fn each_kernel_alone_matches_the_cpu_reference() {
     if !gpu_or_skip("kernel checks") {
         return;
     }
-    let reports =
-        wasi_nn_host::cuda::kernel_checks::run(std::process::id() as u64).expect("kernel checks");
+    let reports = wasi_nn_bench::kernels::run(std::process::id() as u64).expect("kernel checks");
     assert!(reports.len() > 40);
     for r in &reports {
         assert!(r.passed, "{r:?}");
@@ -73,13 +72,9 @@ fn no_gpu_is_a_clear_error_not_a_crash() {
         return;
     }
     let weights = model::load_path(&fixture("tiny")).expect("tiny");
-    let err = wasi_nn_host::backend::executor_for(
-        weights,
-        wasi_nn_host::Device::Cuda,
-        GpuDtype::F32,
-        1 << 30,
-    )
-    .err()
-    .expect("no executor without a GPU");
+    let err =
+        wasi_nn_host::executor_for(weights, wasi_nn_host::Device::Cuda, GpuDtype::F32, 1 << 30)
+            .err()
+            .expect("no executor without a GPU");
     assert!(err.to_string().contains("device"), "{err}");
 }

@@ -7,8 +7,9 @@ use integration_tests::*;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
-use wasi_nn_host::backend::{Device, Gpt2Backend, Gpt2Error};
 use wasi_nn_host::runtime::{Host, HostBuilder, RunOptions, RunOutcome};
+use wasi_nn_host::wasi_nn::{Gpt2Backend, Gpt2Error};
+use wasi_nn_host::Device;
 use wasmtime_wasi_nn::wit::ExecutionTarget;
 
 /// A host with the shakespeare model preloaded as `gpt2`, and `gpt2.wasm` compiled for it.
@@ -138,7 +139,7 @@ fn target_gpu_without_a_gpu_and_without_device_is_a_clear_error() {
     let st = std::fs::read(fixture("tiny/model.safetensors")).expect("read");
     let cfg = std::fs::read(fixture("tiny/config.json")).expect("read");
     match backend.load_bytes(&[&st, &cfg], ExecutionTarget::Gpu) {
-        Err(e @ Gpt2Error::Device(_)) => {
+        Err(e @ Gpt2Error::TargetDevice(_)) => {
             let message = e.to_string();
             assert!(
                 message.contains("execution target gpu") && message.contains("CUDA"),

@@ -3,8 +3,8 @@
 
 use integration_tests::*;
 use std::sync::OnceLock;
-use wasi_nn_host::backend::Device;
 use wasi_nn_host::runtime::{Host, HostBuilder, RunOptions, RunOutcome};
+use wasi_nn_host::Device;
 
 fn host() -> &'static (Host, wasmtime::Module) {
     static HOST: OnceLock<(Host, wasmtime::Module)> = OnceLock::new();

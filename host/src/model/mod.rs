@@ -321,6 +321,23 @@ pub fn load_path(path: &Path) -> Result<Gpt2Weights, LoadError> {
     }
 }
 
+/// Load a model named on a command line: `random:SIZE` (124M, 355M, 774M, 1558M: the
+/// deterministic random weights of that GPT-2 shape, seed 0), else a path as [`load_path`].
+pub fn load_spec(spec: &str) -> Result<Gpt2Weights, LoadError> {
+    match spec.strip_prefix("random:") {
+        Some(size) => {
+            let config = Gpt2Config::preset(size).ok_or_else(|| {
+                LoadError::malformed(
+                    spec,
+                    "unknown size; random: takes 124M, 355M, 774M or 1558M",
+                )
+            })?;
+            Ok(random_weights(config, 0))
+        }
+        None => load_path(Path::new(spec)),
+    }
+}
+
 /// Load a model from in-memory buffers, as a wasi-nn guest passes them to `load`:
 /// `[llm.c bytes]` or `[model.safetensors bytes, config.json bytes]`.
 pub fn load_buffers(buffers: &[&[u8]]) -> Result<Gpt2Weights, LoadError> {

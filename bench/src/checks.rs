@@ -1,14 +1,16 @@
-//! The CUDA backend checked against the CPU reference. Used by the GPU tests
-//! (`tests/tests/cuda.rs`, which skip without a GPU) and by `wasi-nn-host check-cuda`, which runs
-//! the same checks on the GPU machine from one binary.
+//! Whole models: the CUDA backend checked against the CPU reference. Used by the GPU tests
+//! (`tests/tests/cuda.rs`, which skip without a GPU) and by `wasi-nn-bench check-cuda`, which
+//! runs the same checks on the GPU machine from one binary.
 //!
 //! Each check runs a prompt as one prefill and then greedy decode steps (the decode graph) on
 //! both backends and compares last-position logits after the prefill and after every step,
 //! with the error scaled as `|gpu - cpu| / max(1, |cpu|)`.
 
-use crate::backend::{executor_for, Device, Executor, GpuDtype};
-use crate::model::{random_weights, Gpt2Config, Gpt2Weights};
 use std::sync::Arc;
+use wasi_nn_host::cpu::CpuExecutor;
+use wasi_nn_host::engine::{argmax, Device, EngineError, Executor, GpuDtype};
+use wasi_nn_host::executor_for;
+use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
 
 /// What one comparison saw.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -39,7 +41,7 @@ pub struct CheckReport {
 }
 
 /// The worst `|ours - reference| / max(1, |reference|)`; NaN and length mismatches count as infinite.
-pub(crate) fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
+pub fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
     if ours.len() != reference.len() {
         return f32::INFINITY;
     }
@@ -56,8 +58,6 @@ pub(crate) fn scaled_error(ours: &[f32], reference: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-use crate::backend::argmax;
-
 /// Compare GPU (`dtype`) and CPU on `prompt` then `steps` greedy steps. The CPU is fed the
 /// GPU's chosen tokens so both see the same sequence; `greedy_agree` counts how long the
 /// CPU's own greedy choice matches. A prompt that would not leave room for the steps in the
@@ -69,7 +69,7 @@ pub fn compare(
     prompt: &[u32],
     steps: usize,
     tolerance: f32,
-) -> Result<CheckReport, crate::Gpt2Error> {
+) -> Result<CheckReport, EngineError> {
     let room = weights.config.n_ctx.saturating_sub(steps).max(1);
     let prompt = &prompt[..prompt.len().min(room)];
     let steps = steps.min(weights.config.n_ctx - prompt.len());
@@ -79,10 +79,9 @@ pub fn compare(
         GpuDtype::F32 => weights.clone(),
         GpuDtype::Bf16 => weights.bf16_rounded(),
     };
-    let cpu = crate::backend::CpuExecutor::new(Arc::new(reference));
+    let cpu = CpuExecutor::new(Arc::new(reference));
     // the unrounded model as well, for the f32_model_* figures
-    let f32_model = (dtype == GpuDtype::Bf16)
-        .then(|| crate::backend::CpuExecutor::new(Arc::new(weights.clone())));
+    let f32_model = (dtype == GpuDtype::Bf16).then(|| CpuExecutor::new(Arc::new(weights.clone())));
     let gpu = executor_for(weights, Device::Cuda, dtype, usize::MAX)?;
     let mut cpu_s = cpu.new_session()?;
     let mut gpu_s = gpu.new_session()?;
@@ -181,7 +180,7 @@ pub fn prompt(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
 
 /// Small random models that exercise every kernel at awkward sizes: several head counts and
 /// widths, vocabularies that are no multiple of the block sizes, contexts up to n_ctx.
-pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, crate::Gpt2Error> {
+pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, EngineError> {
     let configs = [
         (1, 1, 64, 64, 517),
         (2, 3, 96, 130, 1000),

@@ -3,6 +3,7 @@
 //! heuristic picks) is built once per shape and reused; a shape cuBLASLt has no algorithm for is
 //! remembered as such and the caller takes its other path.
 
+use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -10,7 +11,7 @@ use std::sync::Mutex;
 
 /// What follows the product (before it is added to D when accumulating).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub(crate) enum Epilogue {
+pub enum Epilogue {
     /// `+ bias`
     Bias,
     /// `gelu(. + bias)`, GELU's tanh form (as GPT-2's).
@@ -19,7 +20,7 @@ pub(crate) enum Epilogue {
 
 /// One product: `rows` x `n` results over `k`, D's leading dimension `ldc`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub(crate) struct Shape {
+pub struct Shape {
     pub rows: usize,
     pub n: usize,
     pub k: usize,
@@ -35,7 +36,7 @@ pub(crate) struct Shape {
 
 impl Shape {
     /// `rows` x `n` over `k` into a dense f32 D (leading dimension n), bf16 bias, no accumulate.
-    pub(crate) fn new((rows, n, k): (usize, usize, usize), epilogue: Epilogue) -> Shape {
+    pub fn new((rows, n, k): (usize, usize, usize), epilogue: Epilogue) -> Shape {
         Shape {
             rows,
             n,
@@ -219,16 +220,14 @@ impl Lt {
         stream: sys::cudaStream_t,
         shape: Shape,
         (w, x, bias, dst): (u64, u64, u64, u64),
-    ) -> Result<bool, String> {
+    ) -> Result<bool, CudaError> {
         if output_overlaps_input(&shape, x, dst) {
-            return Err(format!(
-                "cuBLASLt product {shape:?}: its output overlaps its input"
-            ));
+            return Err(CudaError::Bounds("cuBLASLt product: its output overlaps its input"));
         }
         let mut plans = self
             .plans
             .lock()
-            .map_err(|_| "cuBLASLt plans poisoned".to_string())?;
+            .map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))?;
         let plan = plans
             .entry(shape)
             .or_insert_with(|| Plan::new(self.handle, shape, self.workspace.1));
@@ -264,8 +263,7 @@ impl Lt {
                 self.workspace.1,
                 stream,
             )
-        }
-        .map_err(|e| format!("cuBLASLt product: {e:?}"))?;
+        }?;
         Ok(true)
     }
 }

@@ -2,9 +2,9 @@
 //! WASI preview 2 plus `wasi:nn` through `wasmtime_wasi_nn::wit`, over the same backend and
 //! the same preloaded graphs as the preview-1 path. Each call instantiates the component
 //! afresh (its own WASI context, wasi-nn state and KV caches) with the same limits as
-//! [`crate::runtime::RunOptions`].
+//! [`RunOptions`].
 
-use crate::runtime::{arm_deadline, run_error, store_limits, Host, HostError, RunOptions};
+use super::{arm_deadline, run_error, store_limits, Host, HostError, RunOptions};
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{Store, StoreLimits};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};

@@ -3,19 +3,19 @@
 //! guest module with its own WASI context and its own wasi-nn state (its own execution
 //! contexts and KV caches) over the shared weights.
 
-use crate::backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype, GraphSet};
+mod component;
+mod module;
+
+pub use component::{Completion, ComponentState, Sampling, Score};
+pub use module::GuestState;
+
+use crate::engine::{Device, GpuDtype};
+use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use wasmtime::{
-    Config, Engine, Linker, Module, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline,
-};
-use wasmtime_wasi::p1::WasiP1Ctx;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
-use wasmtime_wasi_nn::witx::WasiNnCtx;
-use wasmtime_wasi_nn::{Backend, Registry};
+use wasmtime::{Config, Engine, Linker, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
 
 /// Errors of the host library.
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +43,7 @@ pub enum HostError {
 /// How often the engine's epoch advances: the granularity of time limits and cancellation.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
 
-fn wasmtime_err(e: wasmtime::Error) -> HostError {
+pub(crate) fn wasmtime_err(e: wasmtime::Error) -> HostError {
     HostError::Wasmtime(format!("{e:?}"))
 }
 
@@ -163,12 +163,8 @@ impl HostBuilder {
                 }
             })
             .map_err(|e| HostError::Wasmtime(format!("epoch thread: {e}")))?;
-        let mut linker: Linker<GuestState> = Linker::new(&engine);
-        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut GuestState| &mut s.wasi)
-            .map_err(wasmtime_err)?;
-        wasmtime_wasi_nn::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)
-            .map_err(wasmtime_err)?;
-        let component_linker = crate::component::component_linker(&engine).map_err(wasmtime_err)?;
+        let linker = module::module_linker(&engine).map_err(wasmtime_err)?;
+        let component_linker = component::component_linker(&engine).map_err(wasmtime_err)?;
         Ok(Host {
             backend: self.backend(),
             engine,
@@ -177,13 +173,6 @@ impl HostBuilder {
             graphs: self.graphs,
         })
     }
-}
-
-/// Per-instance state: the guest's WASI context and wasi-nn state.
-pub struct GuestState {
-    wasi: WasiP1Ctx,
-    nn: WasiNnCtx,
-    limits: StoreLimits,
 }
 
 /// The memory cap of `options` as store limits.
@@ -228,66 +217,6 @@ pub(crate) fn run_error(options: &RunOptions, e: wasmtime::Error) -> HostError {
 /// Receives a guest's stdout as it is written.
 pub type OutputCallback = Arc<dyn Fn(&[u8]) + Send + Sync>;
 
-/// A WASI stdout that hands every write to a callback (for streaming to a caller).
-#[derive(Clone)]
-struct CallbackOutput(OutputCallback);
-
-impl wasmtime_wasi::cli::IsTerminal for CallbackOutput {
-    fn is_terminal(&self) -> bool {
-        false
-    }
-}
-
-impl wasmtime_wasi::cli::StdoutStream for CallbackOutput {
-    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
-        Box::new(self.clone())
-    }
-    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
-        Box::new(self.clone())
-    }
-}
-
-#[wasmtime_wasi::async_trait]
-impl wasmtime_wasi::p2::Pollable for CallbackOutput {
-    async fn ready(&mut self) {}
-}
-
-impl wasmtime_wasi::p2::OutputStream for CallbackOutput {
-    fn write(&mut self, bytes: bytes::Bytes) -> Result<(), wasmtime_wasi::p2::StreamError> {
-        (self.0)(&bytes);
-        Ok(())
-    }
-    fn flush(&mut self) -> Result<(), wasmtime_wasi::p2::StreamError> {
-        Ok(())
-    }
-    fn check_write(&mut self) -> Result<usize, wasmtime_wasi::p2::StreamError> {
-        Ok(1 << 20)
-    }
-}
-
-impl tokio::io::AsyncWrite for CallbackOutput {
-    fn poll_write(
-        self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        (self.0)(buf);
-        std::task::Poll::Ready(Ok(buf.len()))
-    }
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-}
-
 /// A loaded host: compile guests with [`Host::load_module`], run them with [`Host::run`].
 /// `Host` is `Send + Sync`: share one (e.g. in an `Arc`) and run many instances at once from
 /// several threads; each run is a fresh sandboxed instance with its own wasi-nn contexts
@@ -296,7 +225,7 @@ pub struct Host {
     backend: Gpt2Backend,
     engine: Engine,
     linker: Linker<GuestState>,
-    component_linker: wasmtime::component::Linker<crate::component::ComponentState>,
+    component_linker: wasmtime::component::Linker<ComponentState>,
     graphs: GraphSet,
 }
 
@@ -359,107 +288,7 @@ impl Host {
         &self.graphs
     }
 
-    pub(crate) fn component_linker(
-        &self,
-    ) -> &wasmtime::component::Linker<crate::component::ComponentState> {
+    pub(crate) fn component_linker(&self) -> &wasmtime::component::Linker<ComponentState> {
         &self.component_linker
-    }
-
-    /// Compile a guest module (`.wasm` or `.wat`) from a file.
-    pub fn load_module(&self, path: &Path) -> Result<Module, HostError> {
-        Module::from_file(&self.engine, path).map_err(|e| HostError::Module {
-            path: path.to_owned(),
-            message: format!("{e:?}"),
-        })
-    }
-
-    /// Run `module`'s `_start` in a fresh instance; returns its exit code (0 when `_start`
-    /// returns normally, the `proc_exit` code otherwise).
-    pub fn run(
-        &self,
-        module: &Module,
-        program: &str,
-        options: &RunOptions,
-    ) -> Result<RunOutcome, HostError> {
-        let mut wasi = WasiCtxBuilder::new();
-        let mut argv = vec![program.to_owned()];
-        argv.extend(options.args.iter().cloned());
-        wasi.args(&argv);
-        let pipes = options
-            .capture
-            .map(|cap| (MemoryOutputPipe::new(cap), MemoryOutputPipe::new(cap)));
-        match &pipes {
-            Some((out, err)) => {
-                wasi.stdout(out.clone()).stderr(err.clone());
-            }
-            None => {
-                wasi.inherit_stdout().inherit_stderr();
-            }
-        }
-        if let Some(callback) = &options.on_stdout {
-            wasi.stdout(CallbackOutput(callback.clone()));
-        }
-        for (host_path, guest_path) in &options.dirs {
-            wasi.preopened_dir(host_path, guest_path, FsPerms::ReadOnly)
-                .map_err(|e| HostError::Dir {
-                    path: host_path.clone(),
-                    message: format!("{e}"),
-                })?;
-        }
-        let backends = [Backend::from(self.backend.clone())];
-        let state = GuestState {
-            wasi: wasi.build_p1(),
-            nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
-            limits: store_limits(options),
-        };
-        let mut store = Store::new(&self.engine, state);
-        store.limiter(|s| &mut s.limits);
-        arm_deadline(&mut store, options);
-        let instance = self
-            .linker
-            .instantiate(&mut store, module)
-            .map_err(wasmtime_err)?;
-        let start = instance
-            .get_typed_func::<(), ()>(&mut store, "_start")
-            .map_err(wasmtime_err)?;
-        // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
-        // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
-        // away either way; catching the panic keeps one bad guest from taking down the host.
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
-        let exit_code = match result {
-            Ok(Ok(())) => 0,
-            Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
-                Some(exit) => exit.0,
-                None if options
-                    .cancel
-                    .as_ref()
-                    .is_some_and(|c| c.load(Ordering::Relaxed)) =>
-                {
-                    return Err(HostError::Cancelled)
-                }
-                None if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
-                    return Err(HostError::Timeout(options.timeout.unwrap_or_default()))
-                }
-                None => return Err(HostError::Trap(format!("{e:?}"))),
-            },
-            Err(panic) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                return Err(HostError::Trap(format!("a host call panicked: {message}")));
-            }
-        };
-        let (stdout, stderr) = match pipes {
-            Some((out, err)) => (out.contents().to_vec(), err.contents().to_vec()),
-            None => Default::default(),
-        };
-        Ok(RunOutcome {
-            exit_code,
-            stdout,
-            stderr,
-        })
     }
 }

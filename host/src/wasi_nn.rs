@@ -12,11 +12,12 @@
 //! - output 2: the greedy next token, `I32 [1]`, the argmax of output 0 computed where the
 //!   logits are (on the GPU only 4 bytes come back).
 //!
-//! A graph holds the weights once ([`Executor`]); every execution context holds its own KV
-//! cache ([`Session`]). `compute` keeps the longest common prefix of the cached sequence and
-//! the new one, rewinds the cache to it and runs only the rest as one batch.
+//! A graph holds the weights once (an [`Executor`], CPU or CUDA); every execution context
+//! holds its own KV cache (a [`Session`]); both devices share this contract. `compute` keeps
+//! the longest common prefix of the cached sequence and the new one, rewinds the cache to it
+//! and runs only the rest as one batch.
 
-pub use crate::cuda::GpuDtype;
+use crate::engine::{Device, EngineError, Executor, GpuDtype, Session};
 use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
@@ -28,14 +29,7 @@ use wasmtime_wasi_nn::backend::{
 use wasmtime_wasi_nn::wit::{ExecutionTarget, GraphEncoding, TensorType};
 use wasmtime_wasi_nn::{ExecutionContext, Graph, GraphRegistry, Tensor};
 
-/// Where the forward pass runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Device {
-    Cpu,
-    Cuda,
-}
-
-/// Errors of the GPT-2 backend; each reaches the guest as a wasi-nn error code and is logged
+/// Errors of the graph contract; each reaches the guest as a wasi-nn error code and is logged
 /// on the host with this message.
 #[derive(Debug, thiserror::Error)]
 pub enum Gpt2Error {
@@ -71,9 +65,10 @@ pub enum Gpt2Error {
     #[error("output 1 needs input 1 (logits_from) to be set before compute")]
     NoAllLogits,
     #[error(transparent)]
-    Load(#[from] LoadError),
-    #[error("device: {0}")]
-    Device(String),
+    Engine(#[from] EngineError),
+    /// The device the guest's execution target chose could not take the graph.
+    #[error("execution target gpu: {0}")]
+    TargetDevice(#[source] EngineError),
     #[error(
         "execution target {0} is not supported: this backend runs on the CPU (target cpu) or a \
          CUDA GPU (target gpu)"
@@ -81,133 +76,17 @@ pub enum Gpt2Error {
     UnsupportedTarget(&'static str),
 }
 
+impl From<LoadError> for Gpt2Error {
+    fn from(e: LoadError) -> Self {
+        Gpt2Error::Engine(EngineError::Load(e))
+    }
+}
+
 impl From<Gpt2Error> for BackendError {
     fn from(e: Gpt2Error) -> Self {
         // The guest only sees an error code; the host's log keeps the reason.
         tracing::warn!("wasi-nn: {e}");
         BackendError::BackendAccess(wasmtime::Error::new(e))
-    }
-}
-
-/// A model loaded on a device, shared by every execution context of its graph.
-pub trait Executor: Send + Sync {
-    fn config(&self) -> Gpt2Config;
-    fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error>;
-}
-
-/// One sequence's KV cache on a device. Logits stay on the device until asked for, so a
-/// greedy step can bring back just the argmax.
-pub trait Session: Send + Sync {
-    /// Number of cached positions.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Forget every position from `len` on.
-    fn truncate(&mut self, len: usize);
-    /// Run `tokens` at the next positions; keep the last position's logits, and every new
-    /// position's when `all_positions`.
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error>;
-    /// Logits of the last position of the last `extend`, `[V]`.
-    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error>;
-    /// Logits of every position of the last `extend(.., true)`, `[n, V]`.
-    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error>;
-    /// Index of the largest last-position logit (first index on ties, NaN never wins).
-    fn argmax(&mut self) -> Result<u32, Gpt2Error>;
-}
-
-/// The index of the largest value, first on ties, NaN never chosen (as the GPU kernel).
-pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_value = f32::NEG_INFINITY;
-    for (i, &v) in values.iter().enumerate() {
-        if v > best_value {
-            best = i;
-            best_value = v;
-        }
-    }
-    best as u32
-}
-
-/// The CPU reference as an [`Executor`].
-pub struct CpuExecutor(crate::cpu::CpuModel);
-
-impl CpuExecutor {
-    pub fn new(weights: Arc<model::Gpt2Weights>) -> Self {
-        Self(crate::cpu::CpuModel::new(weights))
-    }
-}
-
-struct CpuSession {
-    model: crate::cpu::CpuModel,
-    cache: crate::cpu::CpuKvCache,
-    /// Logits of the last extend: one row, or every new row.
-    logits: Vec<f32>,
-}
-
-impl Executor for CpuExecutor {
-    fn config(&self) -> Gpt2Config {
-        self.0.weights().config
-    }
-    fn new_session(&self) -> Result<Box<dyn Session>, Gpt2Error> {
-        Ok(Box::new(CpuSession {
-            model: self.0.clone(),
-            cache: Default::default(),
-            logits: Vec::new(),
-        }))
-    }
-}
-
-impl Session for CpuSession {
-    fn len(&self) -> usize {
-        self.cache.len()
-    }
-    fn truncate(&mut self, len: usize) {
-        self.cache.truncate(len, self.model.weights().config.n_embd);
-    }
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), Gpt2Error> {
-        self.logits = self.model.forward(&mut self.cache, tokens, all_positions);
-        Ok(())
-    }
-    fn last_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
-        let vocab = self.model.weights().config.vocab_size;
-        Ok(self.logits[self.logits.len().saturating_sub(vocab)..].to_vec())
-    }
-    fn all_logits(&mut self) -> Result<Vec<f32>, Gpt2Error> {
-        Ok(self.logits.clone())
-    }
-    fn argmax(&mut self) -> Result<u32, Gpt2Error> {
-        let vocab = self.model.weights().config.vocab_size;
-        Ok(argmax(
-            &self.logits[self.logits.len().saturating_sub(vocab)..],
-        ))
-    }
-}
-
-/// Build an executor for `weights` on `device` (GPU weights stored as `dtype`).
-pub fn executor_for(
-    weights: model::Gpt2Weights,
-    device: Device,
-    dtype: GpuDtype,
-    max_kv_bytes: usize,
-) -> Result<Arc<dyn Executor>, Gpt2Error> {
-    match device {
-        Device::Cpu => Ok(Arc::new(CpuExecutor::new(Arc::new(weights)))),
-        Device::Cuda => {
-            // Without libcuda, cudarc panics (caught in `cuda`, but its message and backtrace
-            // still reach stderr); ask first so that case is a plain error.
-            // SAFETY: this only tries to load the CUDA driver library by name, as cudarc would.
-            if !unsafe { cudarc::driver::sys::is_culib_present() } {
-                return Err(Gpt2Error::Device(
-                    "no CUDA driver (libcuda.so) found on this machine".into(),
-                ));
-            }
-            Ok(Arc::new(crate::cuda::CudaExecutor::new(
-                &weights,
-                dtype,
-                max_kv_bytes,
-            )?))
-        }
     }
 }
 
@@ -314,24 +193,25 @@ impl Gpt2Backend {
         let device = self.device_for(target)?;
         let size: usize = builders.iter().map(|b| b.len()).sum();
         if size > self.max_load_bytes {
-            return Err(Gpt2Error::Load(LoadError::TooLarge {
+            return Err(LoadError::TooLarge {
                 source_name: "guest buffer".into(),
                 size,
                 limit: self.max_load_bytes,
-            }));
+            }
+            .into());
         }
         let weights = model::load_buffers(builders)?;
         self.graph_on(weights, device).map_err(|e| match e {
             // Say why the GPU was tried: the guest's target chose it.
-            Gpt2Error::Device(message) if self.device.is_none() => {
-                Gpt2Error::Device(format!("execution target gpu: {message}"))
+            Gpt2Error::Engine(e) if self.device.is_none() && device == Device::Cuda => {
+                Gpt2Error::TargetDevice(e)
             }
             e => e,
         })
     }
 
     fn graph_on(&self, weights: model::Gpt2Weights, device: Device) -> Result<Graph, Gpt2Error> {
-        let executor = executor_for(weights, device, self.dtype, self.max_kv_bytes)?;
+        let executor = crate::executor_for(weights, device, self.dtype, self.max_kv_bytes)?;
         let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
         Ok(graph.into())
     }
@@ -498,7 +378,7 @@ impl Gpt2Context {
             // The cache may hold part of the failed step; start over next time.
             self.session.truncate(0);
             self.cached.clear();
-            return Err(e);
+            return Err(e.into());
         }
         self.cached.extend_from_slice(&tokens[keep..]);
         self.last_reused = keep;

@@ -1,0 +1,862 @@
+//! The kernel workbench: each kernel alone against the CPU reference functions, on fresh
+//! random inputs of several sizes (`wasi-nn-bench check-cuda` and `tests/tests/cuda.rs` run
+//! it). It drives the host's launchers (`wasi_nn_host::cuda::ops`, the `dev` feature) on
+//! buffers of its own. For bf16 weights the reference uses the same bf16-rounded weights, so
+//! both sides multiply the same numbers.
+
+use crate::checks::scaled_error;
+use rand::{Rng, SeedableRng};
+use wasi_nn_host::cpu;
+use wasi_nn_host::cuda::blas::{Blas, LtBias, LtEpilogue, Shape};
+use wasi_nn_host::cuda::buffer::{Act, Bf16, DevBuf, DevPtr};
+use wasi_nn_host::cuda::error::CudaError;
+use wasi_nn_host::cuda::ops::attention::{
+    DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
+};
+use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
+use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
+use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};
+use wasi_nn_host::cuda::ops::{Epilogue, KvLayer, Launcher};
+use wasi_nn_host::cuda::weights::DevWeights;
+use wasi_nn_host::cuda::CudaExecutor;
+use wasi_nn_host::engine::{argmax, EngineError, GpuDtype};
+use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
+
+/// One kernel on one size: the worst `|gpu - cpu| / max(1, |cpu|)`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelReport {
+    pub kernel: String,
+    pub dtype: String,
+    pub size: String,
+    pub max_error: f32,
+    pub tolerance: f32,
+    pub passed: bool,
+}
+
+fn bf16_round(v: &[f32]) -> Vec<f32> {
+    v.iter()
+        .map(|x| half::bf16::from_f32(*x).to_f32())
+        .collect()
+}
+
+/// The buffers one kernel check needs (as a session holds them, one layer, the whole
+/// context), the launcher and the random inputs.
+struct Bench {
+    l: Launcher,
+    rng: rand_chacha::ChaCha8Rng,
+    x: DevBuf<f32>,
+    h: DevBuf<f32>,
+    qkv: DevBuf<f32>,
+    fc: DevBuf<f32>,
+    k_cache: DevBuf<f32>,
+    v_cache: DevBuf<f32>,
+    partial: DevBuf<f32>,
+    logits: DevBuf<f32>,
+    ids: DevBuf<i32>,
+    next: DevBuf<u64>,
+    max_chunks: usize,
+    blas: Option<Blas>,
+    /// The session's plan: tensor-core prefill attention.
+    tensor_cores: bool,
+    tiled_attention: bool,
+    fused_decode: bool,
+}
+
+/// Which f32 buffer of the bench.
+#[derive(Clone, Copy)]
+enum B {
+    X,
+    H,
+    Qkv,
+    Fc,
+    K,
+    V,
+    Logits,
+}
+
+impl Bench {
+    fn new(exec: &CudaExecutor, config: Gpt2Config, seed: u64) -> Result<Self, EngineError> {
+        let l = exec.launcher()?;
+        let plan = exec.open()?.plan();
+        let stream = l.stream().clone();
+        let (c, t) = (config.n_embd, config.n_ctx);
+        let max_chunks = t.div_ceil(ATT_CHUNK as usize);
+        let zeros = |n, what| DevBuf::<f32>::zeros(&stream, n, what);
+        let tuning = exec.gpu().tuning();
+        Ok(Self {
+            x: zeros(t * c, "x")?,
+            h: zeros(t * c, "h")?,
+            qkv: zeros(t * 3 * c, "qkv")?,
+            fc: zeros(t * 4 * c, "fc")?,
+            k_cache: zeros(t * c, "keys")?,
+            v_cache: zeros(t * c, "values")?,
+            partial: zeros(
+                config.n_head * max_chunks * (config.head_dim() + 2),
+                "partial",
+            )?,
+            logits: zeros(config.vocab_size, "logits")?,
+            ids: DevBuf::zeros(&stream, t + 1, "ids")?,
+            next: DevBuf::zeros(&stream, 1, "argmax")?,
+            max_chunks,
+            blas: tuning
+                .cublas
+                .then(|| Blas::new(&stream, t, c, tuning.cublaslt))
+                .flatten(),
+            tensor_cores: plan.tensor_cores,
+            tiled_attention: plan.tiled_attention,
+            fused_decode: exec.gpu().fused_decode(),
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+            l,
+        })
+    }
+
+    fn buf(&self, which: B) -> &DevBuf<f32> {
+        match which {
+            B::X => &self.x,
+            B::H => &self.h,
+            B::Qkv => &self.qkv,
+            B::Fc => &self.fc,
+            B::K => &self.k_cache,
+            B::V => &self.v_cache,
+            B::Logits => &self.logits,
+        }
+    }
+
+    fn ptr(&self, which: B) -> DevPtr<f32> {
+        self.buf(which).ptr()
+    }
+
+    fn random(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| self.rng.random::<f32>() * 2.0 - 1.0)
+            .collect()
+    }
+
+    fn put(&mut self, which: B, values: &[f32]) -> Result<(), CudaError> {
+        let stream = self.l.stream().clone();
+        let buf = match which {
+            B::X => &mut self.x,
+            B::H => &mut self.h,
+            B::Qkv => &mut self.qkv,
+            B::Fc => &mut self.fc,
+            B::K => &mut self.k_cache,
+            B::V => &mut self.v_cache,
+            B::Logits => &mut self.logits,
+        };
+        buf.write(&stream, 0, values)
+    }
+
+    fn get(&self, which: B, n: usize) -> Result<Vec<f32>, CudaError> {
+        self.buf(which).read(self.l.stream(), n)
+    }
+
+    /// Upload `tokens` to ids[1..], and with `first` the position to ids[0].
+    fn put_ids(&mut self, first: Option<usize>, tokens: &[i32]) -> Result<(), CudaError> {
+        let stream = self.l.stream().clone();
+        match first {
+            Some(pos) => {
+                let all: Vec<i32> = std::iter::once(pos as i32)
+                    .chain(tokens.iter().copied())
+                    .collect();
+                self.ids.write(&stream, 0, &all)
+            }
+            None => self.ids.write(&stream, 1, tokens),
+        }
+    }
+
+    fn position(&self) -> DevPtr<i32> {
+        self.ids.ptr()
+    }
+
+    fn kv(&self) -> KvLayer {
+        KvLayer {
+            k: self.k_cache.ptr(),
+            v: self.v_cache.ptr(),
+        }
+    }
+
+    fn blas(&self) -> Result<&Blas, CudaError> {
+        self.blas
+            .as_ref()
+            .ok_or_else(|| CudaError::Unavailable("no cuBLAS".into()))
+    }
+
+    /// The bf16 GEMM-input buffer.
+    fn x_bf16(&self) -> Result<DevPtr<Bf16>, CudaError> {
+        Ok(self.blas()?.x_bf16.ptr())
+    }
+
+    /// Where prefill attention writes: the projection's bf16 input in the fused bf16 mode,
+    /// else h (f32).
+    fn attention_out(&self, fused: bool) -> Result<Act, CudaError> {
+        Ok(if fused {
+            Act::Bf16(self.x_bf16()?)
+        } else {
+            Act::F32(self.h.ptr())
+        })
+    }
+
+    /// `n` values of what `attention_out` named.
+    fn get_act(&self, out: Act, n: usize) -> Result<Vec<f32>, CudaError> {
+        match out {
+            Act::Bf16(_) => self.get_bf16(n),
+            Act::F32(_) => self.get(B::H, n),
+        }
+    }
+
+    /// Upload `values` (bf16-exact) as bf16 QKV rows.
+    fn put_qkv_bf16(&mut self, values: &[f32]) -> Result<(), CudaError> {
+        let bits: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let stream = self.l.stream().clone();
+        let blas = self
+            .blas
+            .as_mut()
+            .ok_or_else(|| CudaError::Unavailable("no cuBLAS".into()))?;
+        blas.qkv_bf16.write(&stream, 0, &bits)
+    }
+
+    fn get_bf16(&self, n: usize) -> Result<Vec<f32>, CudaError> {
+        let bits = self.blas()?.x_bf16.read(self.l.stream(), n)?;
+        Ok(bits
+            .iter()
+            .map(|&v| half::bf16::from_bits(v).to_f32())
+            .collect())
+    }
+
+    /// Prefill attention on the kernel a session's plan would pick (tensor cores, from the
+    /// bf16 rows `fresh` or the cache; else tiled or one block per row, through h and a
+    /// conversion for a bf16 output).
+    fn prefill_attention(
+        &self,
+        a: PrefillAttention,
+        fresh: Option<DevPtr<Bf16>>,
+    ) -> Result<(), CudaError> {
+        let qkv = self.qkv.ptr();
+        if self.tensor_cores {
+            return match fresh {
+                Some(rows) => self.l.prefill_attention_fresh(a, rows),
+                None => self.l.prefill_attention_mma(a, qkv),
+            };
+        }
+        if let Act::Bf16(out) = a.out {
+            let h = self.h.ptr();
+            self.prefill_attention(
+                PrefillAttention {
+                    out: Act::F32(h),
+                    ..a
+                },
+                None,
+            )?;
+            return self.l.to_bf16(out, h, a.rows * self.l.config().n_embd);
+        }
+        if self.tiled_attention {
+            self.l.prefill_attention_tiled(a, qkv)
+        } else {
+            self.l.prefill_attention_plain(a, qkv)
+        }
+    }
+
+    /// The LM head over the row in x (final LayerNorm fused), argmax key into `next`.
+    fn lm_head(&self, w: &DevWeights) -> Result<(), CudaError> {
+        let cfg = self.l.config();
+        self.l.matvec(Matvec {
+            out: self.logits.ptr(),
+            x: self.x.ptr(),
+            w: w.wte.ptr(),
+            bias: None,
+            n: cfg.vocab_size,
+            k: cfg.n_embd,
+            norm: Some(w.lnf()),
+            epilogue: Epilogue::Store,
+            kv: None,
+            argmax_key: Some(self.next.ptr()),
+        })
+    }
+
+    fn argmax(&self) -> Result<u32, CudaError> {
+        let key = self.next.read(self.l.stream(), 1)?;
+        Ok(argmax_row(key.first().copied().unwrap_or(0)))
+    }
+}
+
+/// Run every kernel on random inputs for a few model widths, in f32 and bf16.
+pub fn run(seed: u64) -> Result<Vec<KernelReport>, EngineError> {
+    let mut reports = Vec::new();
+    for (i, &(n_head, n_embd, n_ctx, vocab_size)) in
+        [(4, 64, 96, 301), (4, 256, 160, 1000), (12, 768, 300, 5003)]
+            .iter()
+            .enumerate()
+    {
+        let config = Gpt2Config {
+            n_layer: 1,
+            n_head,
+            n_embd,
+            n_ctx,
+            vocab_size,
+        };
+        let weights = random_weights(config, seed.wrapping_add(i as u64));
+        for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
+            let reference = match dtype {
+                GpuDtype::F32 => weights.clone(),
+                GpuDtype::Bf16 => weights.bf16_rounded(),
+            };
+            let exec = CudaExecutor::new(&weights, dtype, usize::MAX)?;
+            let mut bench = Bench::new(&exec, config, seed ^ (i as u64 * 7919 + dtype as u64))?;
+            let size = format!("C{n_embd} H{n_head} T{n_ctx} V{vocab_size}");
+            let mut report = |kernel: &str, ours: &[f32], want: &[f32], tolerance: f32| {
+                let max_error = scaled_error(ours, want);
+                reports.push(KernelReport {
+                    kernel: kernel.to_owned(),
+                    dtype: format!("{dtype:?}").to_lowercase(),
+                    size: size.clone(),
+                    max_error,
+                    tolerance,
+                    passed: max_error <= tolerance,
+                });
+            };
+            check_one(&mut bench, exec.weights(), &reference, dtype, &mut report)?;
+        }
+    }
+    Ok(reports)
+}
+
+fn check_one(
+    b: &mut Bench,
+    dev: &DevWeights,
+    w: &Gpt2Weights,
+    dtype: GpuDtype,
+    report: &mut impl FnMut(&str, &[f32], &[f32], f32),
+) -> Result<(), EngineError> {
+    let cfg = w.config;
+    let (c, v) = (cfg.n_embd, cfg.vocab_size);
+    let (lw, dl) = (&w.layers[0], &dev.layers[0]);
+
+    // matvec: LayerNorm prologue, bias + GELU epilogue (the FC step of decode)
+    let x = b.random(c);
+    b.put(B::X, &x)?;
+    b.l.matvec(Matvec {
+        out: b.ptr(B::Fc),
+        x: b.ptr(B::X),
+        w: dl.fc_w.ptr(),
+        bias: Some(dl.fc_b.ptr()),
+        n: 4 * c,
+        k: c,
+        norm: Some(dl.ln2()),
+        epilogue: Epilogue::Gelu,
+        kv: None,
+        argmax_key: None,
+    })?;
+    let mut h = vec![0.0; c];
+    cpu::layer_norm(&mut h, &x, &lw.ln2_w, &lw.ln2_b);
+    let mut want = vec![0.0; 4 * c];
+    cpu::linear(&mut want, &h, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+    want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+    report("matvec+layernorm+gelu", &b.get(B::Fc, 4 * c)?, &want, 1e-4);
+
+    // matvec: k = 4C, bias + residual epilogue (the MLP projection)
+    let (fc_in, x0) = (b.random(4 * c), b.random(c));
+    b.put(B::Fc, &fc_in)?;
+    b.put(B::X, &x0)?;
+    b.l.matvec(Matvec {
+        out: b.ptr(B::X),
+        x: b.ptr(B::Fc),
+        w: dl.fc_proj_w.ptr(),
+        bias: Some(dl.fc_proj_b.ptr()),
+        n: c,
+        k: 4 * c,
+        norm: None,
+        epilogue: Epilogue::Residual,
+        kv: None,
+        argmax_key: None,
+    })?;
+    let mut delta = vec![0.0; c];
+    cpu::linear(
+        &mut delta,
+        &fc_in,
+        &lw.fc_proj_w,
+        Some(&lw.fc_proj_b),
+        4 * c,
+        c,
+    );
+    let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+    report("matvec+residual", &b.get(B::X, c)?, &want, 1e-4);
+
+    // the LM head (matvec over the vocabulary, final LayerNorm fused) and its argmax, from
+    // a cleared key
+    b.put(B::X, &x)?;
+    let stream = b.l.stream().clone();
+    b.next.clear(&stream)?;
+    b.lm_head(dev)?;
+    let mut h = vec![0.0; c];
+    cpu::layer_norm(&mut h, &x, &w.lnf_w, &w.lnf_b);
+    let mut want = vec![0.0; v];
+    cpu::linear(&mut want, &h, &w.wte, None, c, v);
+    let logits = b.get(B::Logits, v)?;
+    report("matvec lm-head", &logits, &want, 1e-4);
+    let argmax_of = |logits: &[f32]| [argmax(logits) as f32];
+    report("argmax", &[b.argmax()? as f32], &argmax_of(&logits), 0.0);
+    // with the key still set by larger logits, the embedding kernel must clear it
+    let big: Vec<f32> = x.iter().map(|v| v * 8.0).collect();
+    b.put(B::X, &big)?;
+    b.lm_head(dev)?;
+    let embed = |b: &Bench, rows, start| {
+        b.l.embed(Embed {
+            out: b.ptr(B::X),
+            tokens: b.ids.ptr().skip(1),
+            wte: dev.wte.ptr(),
+            wpe: dev.wpe.ptr(),
+            rows,
+            start: Some(start),
+            position: b.position(),
+            argmax_key: b.next.ptr(),
+        })
+    };
+    embed(b, 1, 0)?;
+    b.lm_head(dev)?;
+    let logits = b.get(B::Logits, v)?;
+    let gpu = b.argmax()? as f32;
+    report(
+        "argmax after embed clears",
+        &[gpu],
+        &argmax_of(&logits),
+        0.0,
+    );
+
+    // prefill products (cuBLAS + the epilogue pass, or the tiled kernel) at several row counts
+    for rows in [1usize, 7, 70] {
+        let xs = b.random(rows * c);
+        b.put(B::H, &xs)?;
+        match &b.blas {
+            Some(blas) => {
+                // bf16 weights: the activations go in as bf16 (tensor cores)
+                let input = match dtype {
+                    GpuDtype::Bf16 => {
+                        b.l.to_bf16(blas.x_bf16.ptr(), b.ptr(B::H), rows * c)?;
+                        Act::Bf16(blas.x_bf16.ptr())
+                    }
+                    GpuDtype::F32 => Act::F32(b.ptr(B::H)),
+                };
+                let tmp = blas.tmp.ptr();
+                blas.gemm(
+                    &b.l,
+                    dl.fc_w.ptr(),
+                    input,
+                    (rows, 4 * c, c),
+                    tmp,
+                    4 * c,
+                    false,
+                )?;
+                b.l.gemm_epilogue(GemmEpilogue {
+                    out: Act::F32(b.ptr(B::Fc)),
+                    tmp,
+                    bias: dl.fc_b.ptr(),
+                    rows,
+                    n: 4 * c,
+                    epilogue: Epilogue::Gelu,
+                    start: 0,
+                    kv: None,
+                    out_stride: 4 * c,
+                })?;
+            }
+            None => b.l.matmul(Matmul {
+                out: b.ptr(B::Fc),
+                x: b.ptr(B::H),
+                w: dl.fc_w.ptr(),
+                bias: Some(dl.fc_b.ptr()),
+                rows,
+                n: 4 * c,
+                k: c,
+                epilogue: Epilogue::Gelu,
+                start: 0,
+                kv: None,
+                out_stride: 4 * c,
+            })?,
+        }
+        // bf16 through cuBLAS rounds the activations to bf16 as well
+        let xr = if dtype == GpuDtype::Bf16 && b.blas.is_some() {
+            bf16_round(&xs)
+        } else {
+            xs
+        };
+        let mut want = vec![0.0; rows * 4 * c];
+        cpu::linear(&mut want, &xr, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+        want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+        report(
+            &format!("matmul+gelu rows={rows}"),
+            &b.get(B::Fc, rows * 4 * c)?,
+            &want,
+            1e-3,
+        );
+    }
+
+    // cuBLASLt products with fused epilogues (bf16 prefill): GELU + bias into f32 on inputs
+    // large enough to tell GELU's tanh form from erf's (they differ by ~1e-4 near 1.5),
+    // into bf16 as the prefill uses it, and bias + accumulate into the residual stream
+    if dtype == GpuDtype::Bf16 && b.blas.as_ref().is_some_and(Blas::has_lt) {
+        let rows = 33;
+        let act: Vec<f32> = b.random(rows * c).iter().map(|v| v * 4.0).collect();
+        let x0 = b.random(rows * c);
+        b.put(B::H, &act)?;
+        b.put(B::X, &x0)?;
+        let xb = b.x_bf16()?;
+        b.l.to_bf16(xb, b.ptr(B::H), rows * c)?;
+        let act_r = bf16_round(&act);
+        let mut gelu_ref = vec![0.0; rows * 4 * c];
+        cpu::linear(&mut gelu_ref, &act_r, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+        gelu_ref.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+        let mut delta = vec![0.0; rows * c];
+        cpu::linear(&mut delta, &act_r, &lw.proj_w, Some(&lw.proj_b), c, c);
+        let res_ref: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+        // the f32 products take an f32 bias (cuBLASLt has no bf16 bias with an f32 result)
+        b.put(B::H, &lw.fc_b)?;
+        let fc_b32 = b.ptr(B::H);
+        let gelu = Shape::new((rows, 4 * c, c), LtEpilogue::GeluBias);
+        for what in ["gelu f32", "gelu bf16", "residual"] {
+            let blas = b.blas()?;
+            let fc = b.ptr(B::Fc);
+            let ran = match what {
+                "gelu f32" => blas.lt_matmul(
+                    &b.l,
+                    gelu,
+                    dl.fc_w.ptr(),
+                    xb,
+                    LtBias::F32(fc_b32),
+                    Act::F32(fc),
+                )?,
+                "gelu bf16" => {
+                    let out = Act::Bf16(fc.cast());
+                    blas.lt_matmul(
+                        &b.l,
+                        gelu,
+                        dl.fc_w.ptr(),
+                        xb,
+                        LtBias::Stored(dl.fc_b.ptr()),
+                        out,
+                    )?
+                }
+                _ => {
+                    let shape = Shape {
+                        accumulate: true,
+                        ..Shape::new((rows, c, c), LtEpilogue::Bias)
+                    };
+                    let bias = LtBias::F32(dl.proj_b32());
+                    blas.lt_matmul(
+                        &b.l,
+                        shape,
+                        dl.proj_w.ptr(),
+                        xb,
+                        bias,
+                        Act::F32(b.ptr(B::X)),
+                    )?
+                }
+            };
+            let name = format!("cublaslt {what}");
+            if !ran {
+                // no algorithm for this shape: the prefill takes the cuBLAS path instead
+                report(&format!("{name} (no plan; cuBLAS path)"), &[], &[], 0.0);
+                continue;
+            }
+            let (got, want, tolerance) = match what {
+                "gelu f32" => (b.get(B::Fc, rows * 4 * c)?, &gelu_ref, 2e-5),
+                "gelu bf16" => {
+                    let words = b.get(B::Fc, rows * 2 * c)?;
+                    let got = words
+                        .iter()
+                        .flat_map(|w| {
+                            let bits = w.to_bits();
+                            [bits as u16, (bits >> 16) as u16]
+                        })
+                        .map(|h| half::bf16::from_bits(h).to_f32())
+                        .collect();
+                    (got, &gelu_ref, 1e-2)
+                }
+                _ => (b.get(B::X, rows * c)?, &res_ref, 1e-3),
+            };
+            report(&name, &got, want, tolerance);
+        }
+    }
+
+    // layernorm over rows: plain, with a pending bias, and into bf16 (the fused prefill)
+    let rows = 5;
+    let fused = dtype == GpuDtype::Bf16 && b.blas.is_some();
+    for (pre, to_bf16) in [(false, false), (true, false), (true, true)] {
+        if to_bf16 && !fused {
+            continue;
+        }
+        let xs = b.random(rows * c);
+        b.put(B::X, &xs)?;
+        let out = if to_bf16 {
+            Act::Bf16(b.x_bf16()?)
+        } else {
+            Act::F32(b.ptr(B::H))
+        };
+        b.l.layernorm(LayerNorm {
+            out,
+            x: b.ptr(B::X),
+            norm: dl.ln1(),
+            pre_bias: pre.then(|| dl.proj_b.ptr()),
+            rows,
+        })?;
+        let biased: Vec<f32> = xs
+            .chunks(c)
+            .flat_map(|r| {
+                r.iter()
+                    .zip(&lw.proj_b)
+                    .map(|(a, p)| if pre { a + p } else { *a })
+            })
+            .collect();
+        let mut want = vec![0.0; rows * c];
+        cpu::layer_norm(&mut want, &biased, &lw.ln1_w, &lw.ln1_b);
+        let (got, tolerance) = if to_bf16 {
+            (b.get_bf16(rows * c)?, 1e-2)
+        } else {
+            (b.get(B::H, rows * c)?, 1e-4)
+        };
+        let name = format!("layernorm pre_bias={pre} to_bf16={to_bf16}");
+        report(&name, &got, &want, tolerance);
+        if pre {
+            let x_after = b.get(B::X, rows * c)?;
+            report("layernorm pre_bias written back", &x_after, &biased, 1e-6);
+        }
+    }
+
+    // the fused prefill's products: a projection accumulating into the residual stream,
+    // and the FC product with its GELU epilogue writing the next product's input
+    if b.blas.is_some() {
+        let rows = 33;
+        let (act, x0) = (b.random(rows * c), b.random(rows * c));
+        b.put(B::H, &act)?;
+        b.put(B::X, &x0)?;
+        let bf16 = dtype == GpuDtype::Bf16;
+        let (a, a_4c) = if bf16 {
+            let xb = b.x_bf16()?;
+            b.l.to_bf16(xb, b.ptr(B::H), rows * c)?;
+            (Act::Bf16(xb), Act::Bf16(xb))
+        } else {
+            (Act::F32(b.ptr(B::H)), Act::F32(b.ptr(B::Fc)))
+        };
+        let act_r = if bf16 { bf16_round(&act) } else { act };
+        let blas = b.blas()?;
+        blas.gemm(&b.l, dl.proj_w.ptr(), a, (rows, c, c), b.ptr(B::X), c, true)?;
+        let tmp = blas.tmp.ptr();
+        blas.gemm(&b.l, dl.fc_w.ptr(), a, (rows, 4 * c, c), tmp, 4 * c, false)?;
+        b.l.gemm_epilogue(GemmEpilogue {
+            out: a_4c,
+            tmp,
+            bias: dl.fc_b.ptr(),
+            rows,
+            n: 4 * c,
+            epilogue: Epilogue::Gelu,
+            start: 0,
+            kv: None,
+            out_stride: 4 * c,
+        })?;
+        let mut delta = vec![0.0; rows * c];
+        cpu::linear(&mut delta, &act_r, &lw.proj_w, None, c, c);
+        let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();
+        report("gemm accumulate", &b.get(B::X, rows * c)?, &want, 1e-3);
+        let mut want = vec![0.0; rows * 4 * c];
+        cpu::linear(&mut want, &act_r, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
+        want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
+        let (got, tolerance) = if bf16 {
+            (b.get_bf16(rows * 4 * c)?, 1e-2)
+        } else {
+            (b.get(B::Fc, rows * 4 * c)?, 1e-3)
+        };
+        report(
+            &format!("gemm + gelu epilogue to_bf16={bf16}"),
+            &got,
+            &want,
+            tolerance,
+        );
+    }
+
+    // embedding of a few tokens at a start position
+    let (n, start) = (4usize, 3usize);
+    let tokens: Vec<i32> = (0..n).map(|_| b.rng.random_range(0..v as i32)).collect();
+    b.put_ids(None, &tokens)?;
+    embed(b, n, start)?;
+    let want: Vec<f32> = tokens
+        .iter()
+        .enumerate()
+        .flat_map(|(t, &tok)| (0..c).map(move |k| (t, tok as usize, k)))
+        .map(|(t, tok, k)| w.wte[tok * c + k] + w.wpe[(start + t) * c + k])
+        .collect();
+    report("embed", &b.get(B::X, n * c)?, &want, 1e-6);
+
+    // attention: random keys and values for the whole context, then decode at the last
+    // position and prefill the last rows
+    let len = cfg.n_ctx;
+    let (keys, values) = (b.random(len * c), b.random(len * c));
+    b.put(B::K, &keys)?;
+    b.put(B::V, &values)?;
+    let kv = b.kv();
+    // Tensor cores see fp16 queries, keys and values (and round the probabilities).
+    let (tc, tolerance) = if b.tensor_cores {
+        (true, 3e-3)
+    } else {
+        (false, 2e-4)
+    };
+    let round = |v: &[f32]| {
+        v.iter()
+            .map(|&x| {
+                if tc {
+                    half::f16::from_f32(x).to_f32()
+                } else {
+                    x
+                }
+            })
+            .collect::<Vec<f32>>()
+    };
+    let (keys_r, values_r) = (round(&keys), round(&values));
+    let mut qkv = Vec::new();
+    // a whole prompt (a partial last tile), then a few rows after a long prefix
+    for (start, q_rows) in [(0usize, len), (len - 40, 40), (10, len - 10)] {
+        qkv = b.random(q_rows * 3 * c);
+        b.put(B::Qkv, &qkv)?;
+        let out = b.attention_out(fused)?;
+        let attention = PrefillAttention {
+            out,
+            kv,
+            start: Start::Host(start),
+            rows: q_rows,
+        };
+        b.prefill_attention(attention, None)?;
+        let mut want = vec![0.0; q_rows * c];
+        let visible = (start + q_rows) * c;
+        cpu::attention(
+            &mut want,
+            &round(&qkv),
+            (&keys_r[..visible], &values_r[..visible]),
+            start,
+            cfg.n_head,
+            c,
+        );
+        let got = b.get_act(out, q_rows * c)?;
+        let name = format!(
+            "attention prefill start={start} rows={q_rows} to_bf16={}",
+            out.is_bf16()
+        );
+        // a bf16 output is rounded too
+        report(
+            &name,
+            &got,
+            &want,
+            if out.is_bf16() { 1e-2 } else { tolerance },
+        );
+    }
+    b.put_ids(Some(len - 1), &[])?;
+    b.l.decode_attention(DecodeAttention {
+        out: b.ptr(B::H),
+        qkv: b.ptr(B::Qkv),
+        kv,
+        position: b.position(),
+        partial: b.partial.ptr(),
+        max_chunks: b.max_chunks,
+    })?;
+    let mut want = vec![0.0; c];
+    cpu::attention(
+        &mut want,
+        &qkv[..3 * c],
+        (&keys, &values),
+        len - 1,
+        cfg.n_head,
+        c,
+    );
+    report("attention decode", &b.get(B::H, c)?, &want, 2e-4);
+
+    // the tensor-core attention reading the prompt's queries, keys and values from bf16
+    // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees
+    // bf16 everywhere (the prefix is rounded on the way, probabilities too)
+    let (mut keys, mut values) = (keys, values);
+    if tc {
+        for (start, q_rows) in [(0usize, len - 3), (len - 70, 70)] {
+            let rows_qkv = bf16_round(&b.random(q_rows * 3 * c));
+            b.put_qkv_bf16(&rows_qkv)?;
+            let out = b.attention_out(fused)?;
+            let rows_ptr = b.blas()?.qkv_bf16.ptr();
+            let attention = PrefillAttention {
+                out,
+                kv,
+                start: Start::Host(start),
+                rows: q_rows,
+            };
+            b.prefill_attention(attention, Some(rows_ptr))?;
+            for (t, row) in rows_qkv.chunks(3 * c).enumerate() {
+                let at = (start + t) * c;
+                keys[at..at + c].copy_from_slice(&row[c..2 * c]);
+                values[at..at + c].copy_from_slice(&row[2 * c..]);
+            }
+            let visible = (start + q_rows) * c;
+            let mut want = vec![0.0; q_rows * c];
+            let cache = (
+                &bf16_round(&keys[..visible]),
+                &bf16_round(&values[..visible]),
+            );
+            cpu::attention(
+                &mut want,
+                &rows_qkv,
+                (cache.0, cache.1),
+                start,
+                cfg.n_head,
+                c,
+            );
+            let got = b.get_act(out, q_rows * c)?;
+            let name = format!("attention prefill bf16 rows start={start} rows={q_rows}");
+            report(&name, &got, &want, 1e-2);
+            let k_got = b.get(B::K, visible)?;
+            let v_got = b.get(B::V, visible)?;
+            let got = [&k_got[start * c..], &v_got[start * c..]].concat();
+            let want = [&keys[start * c..visible], &values[start * c..visible]].concat();
+            let name = format!("attention prefill bf16 rows appended start={start}");
+            report(&name, &got, &want, 0.0);
+        }
+    }
+
+    // the fused decode step (sm_90 clusters): LayerNorm + QKV + cache append + attention,
+    // at the last position, at one where some blocks of a cluster get no positions, and at 0
+    if b.fused_decode {
+        for pos in [len - 1, 5, 0] {
+            let x = b.random(c);
+            b.put(B::X, &x)?;
+            b.put_ids(Some(pos), &[])?;
+            // the session's default cluster shape (8 blocks; 128 threads for wide f32)
+            let wide_f32 = dtype == GpuDtype::F32 && c > 768;
+            let chosen = b.l.gpu().tuning().decode_cluster;
+            let (cluster, threads) = chosen.unwrap_or(if wide_f32 { (8, 128) } else { (8, 256) });
+            b.l.fused_decode(FusedDecode {
+                out: b.ptr(B::H),
+                x: b.ptr(B::X),
+                qkv_w: dl.qkv_w.ptr(),
+                qkv_b: dl.qkv_b.ptr(),
+                norm: dl.ln1(),
+                kv,
+                position: b.position(),
+                capacity: len,
+                cluster,
+                threads,
+            })?;
+            let mut normed = vec![0.0; c];
+            cpu::layer_norm(&mut normed, &x, &lw.ln1_w, &lw.ln1_b);
+            let mut qkv = vec![0.0; 3 * c];
+            cpu::linear(&mut qkv, &normed, &lw.qkv_w, Some(&lw.qkv_b), c, 3 * c);
+            keys[pos * c..(pos + 1) * c].copy_from_slice(&qkv[c..2 * c]);
+            values[pos * c..(pos + 1) * c].copy_from_slice(&qkv[2 * c..]);
+            let mut want = vec![0.0; c];
+            let visible = (pos + 1) * c;
+            let cache = (&keys[..visible], &values[..visible]);
+            cpu::attention(&mut want, &qkv, cache, pos, cfg.n_head, c);
+            let name = format!("decode qkv+attention (clusters) pos={pos}");
+            report(&name, &b.get(B::H, c)?, &want, 2e-4);
+            let k_row = b.get(B::K, visible)?;
+            let v_row = b.get(B::V, visible)?;
+            let appended = [&k_row[pos * c..], &v_row[pos * c..]].concat();
+            let name = format!("decode qkv+attention cache append pos={pos}");
+            report(&name, &appended, &qkv[c..], 1e-4);
+        }
+    }
+    Ok(())
+}

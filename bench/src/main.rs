@@ -1,0 +1,325 @@
+//! `wasi-nn-bench`: the GPU checks against the CPU reference (`check-cuda`) and backend-only
+//! timings (`bench`), for the GPU machine (a binary built elsewhere runs there) and this one.
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+use std::time::Instant;
+use wasi_nn_host::cuda::CudaExecutor;
+use wasi_nn_host::engine::Session;
+use wasi_nn_host::model;
+use wasi_nn_host::{executor_for, Device, GpuDtype};
+
+#[derive(Parser)]
+#[command(
+    name = "wasi-nn-bench",
+    version,
+    about = "Check and measure the GPT-2 backend"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure backend-only decode time per token (no guest), and the memory-bandwidth floor.
+    Bench {
+        /// A model path, or `random:SIZE` (e.g. random:124M) for deterministic random weights.
+        #[arg(long, default_value = "random:124M")]
+        model: String,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: Device,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: GpuDtype,
+        /// Context length before the timed decode steps.
+        #[arg(long, default_value_t = 128)]
+        context: usize,
+        /// Timed decode steps (after 3 warm-up steps).
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        /// Also time a prefill of this many tokens (GPU).
+        #[arg(long)]
+        prefill: Option<usize>,
+    },
+    /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
+    CheckCuda {
+        /// Models to compare besides the kernel sweep: paths or random:SIZE.
+        #[arg(long = "model")]
+        models: Vec<String>,
+        /// Prompt tokens and greedy steps per model.
+        #[arg(long, default_value_t = 16)]
+        prompt: usize,
+        #[arg(long, default_value_t = 64)]
+        steps: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Bench {
+            model,
+            device,
+            dtype,
+            context,
+            steps,
+            prefill,
+        } => match device {
+            Device::Cpu => bench(&model, context, steps)?,
+            Device::Cuda => bench_cuda(&model, dtype, context, steps, prefill)?,
+        },
+        Command::CheckCuda {
+            models,
+            prompt,
+            steps,
+        } => check_cuda(&models, prompt, steps)?,
+    }
+    Ok(())
+}
+
+/// The median; NaN (null in the JSON) when nothing was measured (`--steps 0`).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Memory copy bandwidth (read + write bytes per second) over a buffer much larger than cache.
+fn copy_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let n = 1 << 27; // 512 MiB of f32
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            dst.par_chunks_mut(1 << 16)
+                .zip(src.par_chunks(1 << 16))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    std::hint::black_box(&dst);
+    2.0 * (n * 4) as f64 / median(times)
+}
+
+fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
+    let device = Device::Cpu;
+    let weights = model::load_spec(spec)?;
+    let config = weights.config;
+    let weight_bytes = weights.nbytes(4);
+    let executor = executor_for(weights, device, GpuDtype::F32, usize::MAX)?;
+    let mut session = executor.new_session()?;
+    if context + 3 + steps > config.n_ctx {
+        bail!(
+            "context {context} + {steps} steps exceeds n_ctx {}",
+            config.n_ctx
+        );
+    }
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919) % config.vocab_size as u32)
+        .collect();
+    let t = Instant::now();
+    session.extend(&prompt, false)?;
+    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut next = 50u32;
+    for _ in 0..3 {
+        session.extend(&[next], false)?;
+        session.last_logits()?;
+    }
+    let times: Vec<f64> = (0..steps)
+        .map(|i| {
+            next = (next + 101 * i as u32) % config.vocab_size as u32;
+            let t = Instant::now();
+            let r = session
+                .extend(&[next], false)
+                .and_then(|_| session.last_logits());
+            std::hint::black_box(&r);
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    let decode_ms = median(times);
+    let bw = if device == Device::Cpu {
+        copy_bandwidth()
+    } else {
+        f64::NAN
+    };
+    let floor_ms = weight_bytes as f64 / bw * 1e3;
+    let line = serde_json::json!({
+        "model": spec, "device": format!("{device:?}").to_lowercase(), "threads": rayon::current_num_threads(),
+        "params": config.num_params(), "weight_MB": weight_bytes as f64 / 1e6,
+        "context": context, "prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
+        "copy_GBps": bw / 1e9, "floor_ms_per_token": floor_ms,
+    });
+    println!("{line}");
+    Ok(())
+}
+
+/// GPU decode timing: the graph step alone (synchronised clock over batches of steps) and the
+/// backend step as the guest gets it (graph + logits copy back), plus prefill.
+fn bench_cuda(
+    spec: &str,
+    dtype: GpuDtype,
+    context: usize,
+    steps: usize,
+    prefill: Option<usize>,
+) -> Result<()> {
+    let weights = model::load_spec(spec)?;
+    let config = weights.config;
+    let executor = CudaExecutor::new(&weights, dtype, usize::MAX)?;
+    drop(weights);
+    if context + 10 * (steps + 2) > config.n_ctx {
+        bail!(
+            "context {context} + {} steps exceeds n_ctx {}",
+            10 * (steps + 2),
+            config.n_ctx
+        );
+    }
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919) % config.vocab_size as u32)
+        .collect();
+    let mut session = executor.open()?;
+    session.extend(&prompt, false)?;
+    // graph-only steps, 10 per sample
+    let mut samples = Vec::new();
+    for i in 0..steps + 2 {
+        session.synchronize()?;
+        let t = Instant::now();
+        for j in 0..5 {
+            session.decode_only(((i * 5 + j) * 131 % config.vocab_size) as u32)?;
+        }
+        session.synchronize()?;
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let graph_ms = median(samples);
+    session.truncate(context);
+    let mut samples = Vec::new();
+    for i in 0..steps + 2 {
+        let t = Instant::now();
+        for j in 0..5 {
+            session.extend(&[((i * 5 + j) * 577 % config.vocab_size) as u32], false)?;
+            session.last_logits()?;
+        }
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let step_ms = median(samples);
+    // greedy: only the argmax comes back
+    session.truncate(context);
+    let mut samples = Vec::new();
+    let mut next = 11u32;
+    for i in 0..steps + 2 {
+        let t = Instant::now();
+        for _ in 0..5 {
+            session.extend(&[next], false)?;
+            next = session.argmax()?;
+        }
+        if i >= 2 {
+            samples.push(t.elapsed().as_secs_f64() * 1e3 / 5.0);
+        }
+    }
+    let greedy_ms = median(samples);
+    let (mut prefill_ms, mut prefill_enqueue_ms, mut prefill_gpu_ms) = (None, None, None);
+    let mut prefill_graph_ms = None;
+    if let Some(n) = prefill {
+        let ids: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 31 + 7) % config.vocab_size as u32)
+            .collect();
+        // eager: every kernel launched from the host, as for a prompt length seen once
+        session.set_prefill_graphs(false);
+        let (mut times, mut enqueue) = (Vec::new(), Vec::new());
+        for _ in 0..7 {
+            session.truncate(0);
+            session.synchronize()?;
+            let t = Instant::now();
+            session.extend(&ids, false)?;
+            enqueue.push(t.elapsed().as_secs_f64() * 1e3);
+            session.argmax()?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        prefill_ms = Some(median(times[2..].to_vec()));
+        // a length seen before: the session replays the prefill it captured
+        session.set_prefill_graphs(true);
+        let mut graphed = Vec::new();
+        for _ in 0..9 {
+            session.truncate(0);
+            session.synchronize()?;
+            let t = Instant::now();
+            session.extend(&ids, false)?;
+            session.argmax()?;
+            graphed.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        // the first is eager, the second captures
+        prefill_graph_ms = Some(median(graphed[4..].to_vec()));
+        // host time to issue the prefill's launches (close to prefill_ms: launch-bound)
+        prefill_enqueue_ms = Some(median(enqueue[2..].to_vec()));
+        // the same launches replayed as one CUDA graph: the GPU's own time
+        prefill_gpu_ms = Some(session.prefill_gpu_ms(&ids, 20)?);
+    }
+    let line = serde_json::json!({
+        "model": spec, "device": "cuda", "gpu": executor.gpu().name(), "dtype": format!("{dtype:?}").to_lowercase(),
+        "params": config.num_params(), "weight_MB": wasi_nn_host::cuda::weight_bytes(&config, dtype) as f64 / 1e6,
+        "context": context, "graph_ms_per_token": graph_ms, "backend_ms_per_token": step_ms, "backend_greedy_ms_per_token": greedy_ms,
+        "prefill_tokens": prefill, "prefill_ms": prefill_ms, "prefill_repeat_ms": prefill_graph_ms, "prefill_enqueue_ms": prefill_enqueue_ms, "prefill_gpu_ms": prefill_gpu_ms,
+    });
+    println!("{line}");
+    Ok(())
+}
+
+fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> {
+    use wasi_nn_bench::checks;
+    println!("GPU: {}", wasi_nn_host::cuda::describe()?);
+    let seed = std::process::id() as u64;
+    let mut kernel_failures = 0;
+    let kernel_reports = wasi_nn_bench::kernels::run(seed)?;
+    for r in &kernel_reports {
+        println!("{}", serde_json::to_string(r)?);
+        kernel_failures += usize::from(!r.passed);
+    }
+    if kernel_failures > 0 {
+        bail!(
+            "{kernel_failures} of {} kernel checks failed",
+            kernel_reports.len()
+        );
+    }
+    println!("all {} kernel checks passed", kernel_reports.len());
+    let mut reports = checks::kernel_sweep(seed)?;
+    for spec in models {
+        let weights = model::load_spec(spec)?;
+        let p = checks::prompt(prompt_len, weights.config.vocab_size, 1);
+        reports.push(checks::compare(
+            spec,
+            weights.clone(),
+            GpuDtype::F32,
+            &p,
+            steps,
+            1e-3,
+        )?);
+        reports.push(checks::compare(
+            spec,
+            weights,
+            GpuDtype::Bf16,
+            &p,
+            steps,
+            5e-2,
+        )?);
+    }
+    let mut failed = 0;
+    for r in &reports {
+        println!("{}", serde_json::to_string(r)?);
+        failed += usize::from(!r.passed);
+    }
+    if failed > 0 {
+        bail!("{failed} of {} GPU checks failed", reports.len());
+    }
+    println!("all {} GPU checks passed", reports.len());
+    Ok(())
+}

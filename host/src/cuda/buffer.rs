@@ -1,0 +1,174 @@
+//! Typed device memory: an owned buffer ([`DevBuf`]) and typed views into device memory
+//! ([`DevPtr`]) that the kernel launchers take instead of raw addresses. A view knows its
+//! element type and length; offsets into it are checked.
+
+use super::error::{CudaError, DriverContext};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// bf16 values as their bits (kernels read them as `bf16_t`).
+pub type Bf16 = u16;
+
+/// Weights as stored on the GPU: f32 or bf16 bits, per the executor's dtype (the kernels of
+/// that dtype read them).
+#[derive(Clone, Copy, Debug)]
+pub enum Stored {}
+
+/// `len` elements of `T` at device address `addr`. Plain data: the allocation it points into
+/// must outlive every launch that uses it (the session or executor owns it).
+pub struct DevPtr<T> {
+    addr: u64,
+    len: usize,
+    _element: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for DevPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DevPtr<T> {}
+
+impl<T> std::fmt::Debug for DevPtr<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevPtr({:#x}, {})", self.addr, self.len)
+    }
+}
+
+impl<T> DevPtr<T> {
+    pub(crate) fn new(addr: u64, len: usize) -> Self {
+        Self {
+            addr,
+            len,
+            _element: PhantomData,
+        }
+    }
+
+    /// The device address, as a kernel argument.
+    pub fn addr(self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+
+    /// The view from element `offset` on, `element_bytes` bytes each (empty past the end:
+    /// the launchers then refuse it as too small).
+    fn skip_bytes(self, offset: usize, element_bytes: usize) -> Self {
+        let offset = offset.min(self.len);
+        Self::new(
+            self.addr + (offset * element_bytes) as u64,
+            self.len - offset,
+        )
+    }
+}
+
+impl<T: DeviceRepr> DevPtr<T> {
+    /// The view from element `offset` on.
+    pub fn skip(self, offset: usize) -> Self {
+        self.skip_bytes(offset, std::mem::size_of::<T>())
+    }
+
+    /// The same bytes as elements of another type.
+    pub fn cast<U: DeviceRepr>(self) -> DevPtr<U> {
+        let bytes = self.len * std::mem::size_of::<T>();
+        DevPtr::new(self.addr, bytes / std::mem::size_of::<U>())
+    }
+}
+
+impl DevPtr<Stored> {
+    /// The weights from element `offset` on (elements of `element_bytes`: 4 or 2).
+    pub fn skip_stored(self, offset: usize, element_bytes: usize) -> Self {
+        self.skip_bytes(offset, element_bytes)
+    }
+}
+
+/// An activation or GEMM operand: f32, or bf16 (the fused bf16 prefill's products read and
+/// write bf16 rows).
+#[derive(Clone, Copy, Debug)]
+pub enum Act {
+    F32(DevPtr<f32>),
+    Bf16(DevPtr<Bf16>),
+}
+
+impl Act {
+    pub fn addr(self) -> u64 {
+        match self {
+            Act::F32(p) => p.addr(),
+            Act::Bf16(p) => p.addr(),
+        }
+    }
+    pub fn is_bf16(self) -> bool {
+        matches!(self, Act::Bf16(_))
+    }
+}
+
+/// An owned device allocation of `len` elements of `T`, with its address.
+pub struct DevBuf<T: DeviceRepr> {
+    slice: CudaSlice<T>,
+    addr: u64,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
+    /// `len` zeroed elements (at least one) on `stream`; `what` names it in errors.
+    pub fn zeros(stream: &Arc<CudaStream>, len: usize, what: &'static str) -> Result<Self, CudaError> {
+        let slice = stream.alloc_zeros::<T>(len.max(1)).ctx(what)?;
+        let addr = slice.device_ptr(stream).0;
+        Ok(Self { slice, addr })
+    }
+}
+
+impl<T: DeviceRepr> DevBuf<T> {
+    /// A copy of `values` on the device.
+    pub fn from_host(stream: &Arc<CudaStream>, values: &[T], what: &'static str) -> Result<Self, CudaError> {
+        let slice = stream.clone_htod(values).ctx(what)?;
+        let addr = slice.device_ptr(stream).0;
+        Ok(Self { slice, addr })
+    }
+
+    /// The whole buffer as a view.
+    pub fn ptr(&self) -> DevPtr<T> {
+        DevPtr::new(self.addr, self.slice.len())
+    }
+
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// Copy `values` to the buffer's first elements (stream-ordered).
+    pub fn write(&mut self, stream: &Arc<CudaStream>, at: usize, values: &[T]) -> Result<(), CudaError> {
+        let mut dst = self.slice.slice_mut(at..at + values.len());
+        stream.memcpy_htod(values, &mut dst).ctx("copy to the device")
+    }
+
+    /// The first `count` elements, copied back once the stream reaches this point.
+    pub fn read(&self, stream: &Arc<CudaStream>, count: usize) -> Result<Vec<T>, CudaError>
+    where
+        T: Default + Clone,
+    {
+        let mut out = vec![T::default(); count];
+        stream
+            .memcpy_dtoh(&self.slice.slice(0..count), &mut out)
+            .ctx("copy from the device")?;
+        stream.synchronize().ctx("copy from the device")?;
+        Ok(out)
+    }
+
+    /// Set every element to zero bits (stream-ordered).
+    pub fn clear(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError>
+    where
+        T: ValidAsZeroBits,
+    {
+        stream.memset_zeros(&mut self.slice).ctx("clear")
+    }
+}

@@ -1,0 +1,244 @@
+//! The GPU: its context, the compiled kernel module, its capabilities, and [`Tuning`], the
+//! run-time switches read once per process (`WASI_NN_HOST_*`, for measurements).
+
+use super::error::{CudaError, DriverContext};
+use super::ops::{attention, Kernels};
+use crate::engine::GpuDtype;
+use cudarc::driver::{CudaContext, CudaModule};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Parts of a forward pass to leave out (`WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` in the
+/// decode graph, `gemm,pattn,ln,epi` in a prefill): a profiling aid; the results are then
+/// wrong, only the time counts.
+#[derive(Clone, Debug, Default)]
+pub struct Skip {
+    pub attn: bool,
+    pub qkv: bool,
+    pub proj: bool,
+    pub mlp: bool,
+    pub head: bool,
+    pub gemm: bool,
+    pub pattn: bool,
+    pub ln: bool,
+    pub epi: bool,
+}
+
+/// Every run-time switch, read once (see the README for what each is for).
+#[derive(Clone, Debug)]
+pub struct Tuning {
+    /// Decode and prefill CUDA graphs (`WASI_NN_HOST_NO_GRAPH` turns them off).
+    pub graphs: bool,
+    /// Programmatic dependent launch on sm_90+ (`_NO_PDL`).
+    pub pdl: bool,
+    /// cuBLAS for prefill products (`_NO_CUBLAS`: our tiled kernel).
+    pub cublas: bool,
+    /// cuBLASLt for bf16 products with fused epilogues (`_NO_CUBLASLT`).
+    pub cublaslt: bool,
+    /// Tensor-core prefill attention in bf16 mode (`_NO_TC_ATTENTION`).
+    pub tc_attention: bool,
+    /// The tiled CUDA-core prefill attention (`_NO_TILED_ATTENTION`: one block per row).
+    pub tiled_attention: bool,
+    /// Tensor-core attention reading the QKV product's bf16 rows (`_NO_FRESH_KV`).
+    pub fresh_kv: bool,
+    /// The fused decode QKV + attention kernel on sm_90+ (`_NO_FUSED_ATTENTION`).
+    pub fused_attention: bool,
+    /// Blocks per head and threads of the fused decode kernel (`_DECODE_CLUSTER=8x256`).
+    pub decode_cluster: Option<(u32, u32)>,
+    pub skip: Skip,
+    /// Compile the `.cu` files of this folder instead of the built-in ones
+    /// (`WASI_NN_HOST_KERNELS=DIR`).
+    pub kernels_dir: Option<PathBuf>,
+}
+
+impl Tuning {
+    pub fn from_env() -> Self {
+        let off = |name: &str| std::env::var_os(format!("WASI_NN_HOST_{name}")).is_some();
+        let decode_cluster = std::env::var("WASI_NN_HOST_DECODE_CLUSTER")
+            .ok()
+            .and_then(|v| {
+                let (n, t) = v.split_once('x')?;
+                Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
+            })
+            .filter(|&(n, t)| {
+                (2..=attention::DA_MAX_CLUSTER).contains(&n) && (t == 128 || t == 256)
+            });
+        let parts = std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default();
+        let has = |part: &str| parts.split(',').any(|s| s == part);
+        Self {
+            graphs: !off("NO_GRAPH"),
+            pdl: !off("NO_PDL"),
+            cublas: !off("NO_CUBLAS"),
+            cublaslt: !off("NO_CUBLASLT"),
+            tc_attention: !off("NO_TC_ATTENTION"),
+            tiled_attention: !off("NO_TILED_ATTENTION"),
+            fresh_kv: !off("NO_FRESH_KV"),
+            fused_attention: !off("NO_FUSED_ATTENTION"),
+            decode_cluster,
+            skip: Skip {
+                attn: has("attn"),
+                qkv: has("qkv"),
+                proj: has("proj"),
+                mlp: has("mlp"),
+                head: has("head"),
+                gemm: has("gemm"),
+                pattn: has("pattn"),
+                ln: has("ln"),
+                epi: has("epi"),
+            },
+            kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
+        }
+    }
+}
+
+/// The GPU and its compiled kernels, shared by every graph in the process.
+pub struct Gpu {
+    pub(crate) ctx: Arc<CudaContext>,
+    module: Arc<CudaModule>,
+    name: String,
+    pub(crate) tuning: Tuning,
+    /// Programmatic dependent launch (sm_90+, unless switched off).
+    pub(crate) pdl: bool,
+    /// bf16 tensor-core instructions (mma.sync, sm_80+).
+    pub(crate) tensor_cores: bool,
+    /// Thread-block clusters (sm_90+): decode's LayerNorm, QKV and attention as one kernel per
+    /// layer, a cluster per head; `Some(chosen)` with the switch's (blocks, threads) if set.
+    pub(crate) clusters: Option<Option<(u32, u32)>>,
+    /// Held while a session is created or destroyed and while a graph is captured:
+    /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
+    /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
+    setup: Mutex<()>,
+}
+
+impl Gpu {
+    /// The first GPU (device 0), once per process.
+    pub fn get() -> Result<Arc<Gpu>, CudaError> {
+        static GPU: OnceLock<Mutex<Option<Arc<Gpu>>>> = OnceLock::new();
+        let slot = GPU.get_or_init(|| Mutex::new(None));
+        let mut slot = slot
+            .lock()
+            .map_err(|_| CudaError::unavailable("GPU state poisoned"))?;
+        if let Some(gpu) = slot.as_ref() {
+            return Ok(gpu.clone());
+        }
+        let gpu = Arc::new(Self::open()?);
+        *slot = Some(gpu.clone());
+        Ok(gpu)
+    }
+
+    fn open() -> Result<Gpu, CudaError> {
+        let no_driver =
+            || CudaError::unavailable("no CUDA driver (libcuda.so) found on this machine");
+        // Without libcuda, cudarc panics (caught below, but its message and backtrace still
+        // reach stderr); ask first so that case is a plain error.
+        // SAFETY: this only tries to load the CUDA driver library by name, as cudarc would.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(no_driver());
+        }
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+            .map_err(|_| no_driver())?
+            .map_err(|e| CudaError::unavailable(format!("no usable GPU: {e:?}")))?;
+        // We order work on each session's stream ourselves; cudarc's per-buffer event
+        // tracking would add events to every launch and to captured graphs.
+        // SAFETY: called before any allocation or launch on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().ctx("compute capability")?;
+        let name = ctx.name().unwrap_or_default();
+        let tuning = Tuning::from_env();
+        let arch = format!("compute_{major}{minor}");
+        let ptx = super::nvrtc::cached_ptx(&arch, tuning.kernels_dir.as_deref())?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .ctx("loading the kernels")?;
+        let clusters = (major >= 9 && tuning.fused_attention).then_some(tuning.decode_cluster);
+        Ok(Gpu {
+            ctx,
+            module,
+            name,
+            pdl: major >= 9 && tuning.pdl,
+            tensor_cores: major >= 8,
+            clusters,
+            tuning,
+            setup: Mutex::new(()),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
+    }
+
+    /// Whether the fused decode kernel (thread-block clusters, sm_90+) is in use.
+    pub fn fused_decode(&self) -> bool {
+        self.clusters.is_some()
+    }
+
+    /// Whether the GPU has bf16 tensor-core instructions (sm_80+).
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores
+    }
+
+    pub(crate) fn setup_lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.setup
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The kernels for weights stored as `dtype`.
+    pub(crate) fn kernels(&self, dtype: GpuDtype) -> Result<Kernels, CudaError> {
+        let suffix = match dtype {
+            GpuDtype::F32 => "f32",
+            GpuDtype::Bf16 => "bf16",
+        };
+        let f = |name: &str| {
+            self.module
+                .load_function(name)
+                .map_err(|e| CudaError::unavailable(format!("kernel {name}: {e:?}")))
+        };
+        Ok(Kernels {
+            embed: f(&format!("embed_{suffix}"))?,
+            layernorm: f(&format!("layernorm_{suffix}"))?,
+            matvec: f(&format!("matvec_{suffix}"))?,
+            matmul: f(&format!("matmul_{suffix}"))?,
+            att_partial: f("attention_decode_partial")?,
+            att_combine: f("attention_decode_combine")?,
+            decode_qkv_att: {
+                let func = f(&format!("decode_qkv_attention_{suffix}"))?;
+                if self.clusters.flatten().is_some_and(|(n, _)| n > 8) {
+                    // clusters above 8 blocks are allowed per kernel (sm_90 has up to 16)
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                        .ctx("cluster size")?;
+                }
+                func
+            },
+            att_prefill: f("attention_prefill")?,
+            att_prefill_tiled: f("attention_prefill_tiled")?,
+            att_prefill_mma: f("attention_prefill_mma")?,
+            att_prefill_fresh: {
+                let func = f("attention_prefill_fresh")?;
+                if self.tensor_cores {
+                    attention::allow_fresh_shared_memory(&func)?;
+                }
+                func
+            },
+            gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
+            add_bias: f(&format!("add_bias_{suffix}"))?,
+            to_bf16: f("f32_to_bf16")?,
+        })
+    }
+
+    /// The GPU's name and free memory, for diagnostics.
+    pub fn describe(&self) -> Result<String, CudaError> {
+        let (free, total) = self.ctx.mem_get_info().ctx("memory info")?;
+        Ok(format!(
+            "{} ({} MiB free of {} MiB)",
+            self.name(),
+            free >> 20,
+            total >> 20
+        ))
+    }
+}

@@ -1,0 +1,151 @@
+//! The CUDA backend: GPT-2 forward passes on our own kernels (`kernels/*.cu`).
+//!
+//! - [`device`]: the GPU (device 0, once per process), its capabilities and the run-time
+//!   switches, read once ([`device::Tuning`]); [`nvrtc`] compiles the kernels for it (PTX
+//!   cached on disk). cudarc finds libcuda and libnvrtc at run time: the binary builds
+//!   without CUDA.
+//! - [`CudaExecutor`] holds the weights on the GPU once ([`weights`]: f32, or bf16 converted
+//!   at load) and a pool of idle sessions; every [`session::CudaSession`] (one per wasi-nn
+//!   execution context) has its own stream, KV cache, activation buffers and captured graphs.
+//! - [`ops`]: the kernel launchers, one module per `.cu` family, typed arguments
+//!   ([`buffer`]); [`blas`]: cuBLAS and cuBLASLt for the prefill's products.
+//! - [`error::CudaError`] keeps the driver's, NVRTC's and cuBLAS's errors typed.
+//!
+//! Unsafe code here is kernel and library launches: each passes device addresses into
+//! allocations owned by the executor or the session (alive for the call), with sizes checked
+//! by the launcher before the launch.
+
+/// Modules whose insides only the checks and benchmarks (the `dev` feature) reach.
+macro_rules! dev_modules {
+    ($($module:ident),*) => {$(
+        #[cfg(feature = "dev")]
+        pub mod $module;
+        #[cfg(not(feature = "dev"))]
+        #[allow(dead_code)]
+        pub(crate) mod $module;
+    )*};
+}
+dev_modules!(blas, buffer, ops, session, weights);
+pub mod device;
+pub mod error;
+pub mod nvrtc;
+
+pub use device::Gpu;
+pub use error::CudaError;
+pub use nvrtc::compile_kernels;
+pub use session::CudaSession;
+
+use crate::engine::{EngineError, Executor, GpuDtype, Session, SessionPool};
+use crate::model::{Gpt2Config, Gpt2Weights};
+use ops::Kernels;
+use std::sync::Arc;
+use weights::DevWeights;
+
+/// What every session of an executor shares.
+pub(crate) struct ExecutorInner {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) config: Gpt2Config,
+    pub(crate) dtype: GpuDtype,
+    pub(crate) kernels: Arc<Kernels>,
+    pub(crate) weights: DevWeights,
+    pub(crate) max_kv_bytes: usize,
+}
+
+/// GPT-2 on the GPU: weights uploaded once, shared by every session; idle sessions pooled
+/// (a request then skips the allocation of its KV cache and buffers, the cuBLAS set-up and
+/// the decode-graph capture; a reused session starts empty).
+pub struct CudaExecutor {
+    inner: Arc<ExecutorInner>,
+    pool: Arc<SessionPool<CudaSession>>,
+}
+
+impl CudaExecutor {
+    /// Upload `weights` (converted to `dtype`) to the GPU. `max_kv_bytes` caps each session's
+    /// KV cache.
+    pub fn new(
+        weights: &Gpt2Weights,
+        dtype: GpuDtype,
+        max_kv_bytes: usize,
+    ) -> Result<Self, EngineError> {
+        let config = weights.config;
+        if !config.n_embd.is_multiple_of(8)
+            || config.n_embd > 2048
+            || !config.head_dim().is_multiple_of(16)
+            || config.head_dim() > 128
+        {
+            return Err(CudaError::unavailable(format!(
+                "the CUDA kernels need n_embd % 8 == 0, n_embd <= 2048 and head_dim % 16 == 0, <= 128 (got {config:?})"
+            ))
+            .into());
+        }
+        let gpu = Gpu::get()?;
+        let kernels = Arc::new(gpu.kernels(dtype)?);
+        let weights = DevWeights::upload(&gpu.ctx.default_stream(), weights, dtype)?;
+        // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
+        let session_bytes = 2 * config.n_layer * config.n_ctx * config.n_embd * 4
+            + config.n_ctx * 16 * config.n_embd * 4;
+        let max_idle = ((8usize << 30) / session_bytes.max(1)).clamp(1, 64);
+        Ok(Self {
+            inner: Arc::new(ExecutorInner {
+                gpu,
+                config,
+                dtype,
+                kernels,
+                weights,
+                max_kv_bytes,
+            }),
+            pool: SessionPool::new(max_idle),
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.inner.gpu
+    }
+
+    /// A new session with its concrete type, outside the pool (checks and benchmarks).
+    #[cfg(feature = "dev")]
+    pub fn open(&self) -> Result<CudaSession, EngineError> {
+        Ok(CudaSession::new(self.inner.clone())?)
+    }
+
+    /// The weights on the GPU (the kernel workbench feeds them to single kernels).
+    #[cfg(feature = "dev")]
+    pub fn weights(&self) -> &DevWeights {
+        &self.inner.weights
+    }
+
+    /// A launcher on a new stream for this executor's kernels (the kernel workbench).
+    #[cfg(feature = "dev")]
+    pub fn launcher(&self) -> Result<ops::Launcher, EngineError> {
+        use error::DriverContext;
+        let stream = self.inner.gpu.ctx.new_stream().ctx("creating a stream")?;
+        let inner = &self.inner;
+        Ok(ops::Launcher::new(
+            inner.gpu.clone(),
+            stream,
+            inner.kernels.clone(),
+            inner.config,
+            inner.dtype,
+        ))
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn config(&self) -> Gpt2Config {
+        self.inner.config
+    }
+    fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
+        let inner = self.inner.clone();
+        self.pool.checkout(move || Ok(CudaSession::new(inner)?))
+    }
+}
+
+/// The GPU's name and free memory, or why there is no usable GPU; for diagnostics.
+pub fn describe() -> Result<String, EngineError> {
+    Ok(Gpu::get()?.describe()?)
+}
+
+/// The bytes of all weights stored as `dtype`.
+pub fn weight_bytes(config: &Gpt2Config, dtype: GpuDtype) -> usize {
+    config.num_params() * dtype.bytes()
+}

@@ -1,0 +1,108 @@
+//! The kernels' source and its compilation: every `.cu` file of `kernels/` (built into the
+//! binary) pasted into one translation unit, compiled with NVRTC for the GPU at hand with the
+//! constants both sides share handed over as `-D` defines ([`super::ops::DEFINES`]), and the
+//! PTX cached on disk by a hash of source, defines and architecture.
+
+use super::error::CudaError;
+use super::ops::DEFINES;
+use std::path::{Path, PathBuf};
+
+const KERNEL_SOURCES: [(&str, &str); 5] = [
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    (
+        "embed_norm.cu",
+        include_str!("../../../kernels/embed_norm.cu"),
+    ),
+    ("matvec.cu", include_str!("../../../kernels/matvec.cu")),
+    ("matmul.cu", include_str!("../../../kernels/matmul.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+    ),
+];
+
+/// One translation unit of every kernel file: the header pasted in place of its includes.
+/// With `dir` (`WASI_NN_HOST_KERNELS=DIR`) the files are read from there instead of the
+/// copies built into the binary (development: kernel variants without a rebuild).
+pub fn kernel_source(dir: Option<&Path>) -> Result<String, CudaError> {
+    let mut src = String::new();
+    for (name, built_in) in KERNEL_SOURCES {
+        let text = match dir {
+            Some(dir) => {
+                let path = dir.join(name);
+                std::fs::read_to_string(&path)
+                    .map_err(|source| CudaError::KernelFile { path, source })?
+            }
+            None => built_in.to_string(),
+        };
+        src.push_str(&format!("// ---- {name}\n"));
+        for line in text.lines() {
+            if !line.starts_with("#include \"common.cuh\"") && !line.starts_with("#pragma once") {
+                src.push_str(line);
+                src.push('\n');
+            }
+        }
+    }
+    Ok(src)
+}
+
+/// NVRTC's options for `arch`: the architecture, C++17, and the shared constants.
+fn options(arch: &str) -> Vec<String> {
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(
+        DEFINES
+            .iter()
+            .map(|(name, value)| format!("-D{name}={value}")),
+    );
+    options
+}
+
+/// Compile all kernels to PTX for `arch` (e.g. `compute_90`) with NVRTC; no GPU needed.
+/// `WASI_NN_HOST_KERNELS=DIR` compiles the files in DIR instead of the built-in copies.
+pub fn compile_kernels(arch: &str) -> Result<String, CudaError> {
+    let dir = std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from);
+    compile_source(kernel_source(dir.as_deref())?, arch)
+}
+
+fn compile_source(source: String, arch: &str) -> Result<String, CudaError> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options(arch),
+        ..Default::default()
+    };
+    // cudarc panics when libnvrtc cannot be loaded: turn that into an error.
+    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts))
+        .map_err(|_| {
+            CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH")
+        })?;
+    Ok(compiled?.to_src())
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("WASI_NN_HOST_CACHE") {
+        return Some(dir.into());
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
+    Some(base.join("wasi-nn-host"))
+}
+
+/// PTX for `arch`, from the disk cache when the same source was compiled before.
+pub(crate) fn cached_ptx(arch: &str, kernels_dir: Option<&Path>) -> Result<String, CudaError> {
+    use std::hash::{Hash, Hasher};
+    let source = kernel_source(kernels_dir)?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    source.hash(&mut hasher);
+    options(arch).hash(&mut hasher);
+    let file = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", hasher.finish())));
+    if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(ptx);
+    }
+    let ptx = compile_source(source, arch)?;
+    if let Some(file) = file {
+        // A cache we cannot write is only slower.
+        let _ = file.parent().map(std::fs::create_dir_all);
+        let _ = std::fs::write(&file, &ptx);
+    }
+    Ok(ptx)
+}

@@ -1,0 +1,202 @@
+//! Kernel launchers: the only code that launches our kernels. One module per kernel family,
+//! named like its file in `kernels/` (`embed_norm`, `matvec`, `matmul`, `attention`); each
+//! launcher takes typed device views ([`DevPtr`], [`Act`]) and the shapes, picks the grid, and
+//! says in a `// SAFETY:` comment what the kernel touches.
+//!
+//! The constants both sides need (tile sizes, threads per block, epilogue modes) are
+//! defined here once and handed to NVRTC as `-D` defines ([`DEFINES`]).
+
+pub mod attention;
+pub mod embed_norm;
+pub mod matmul;
+pub mod matvec;
+
+use super::buffer::{DevPtr, Stored};
+use super::device::Gpu;
+use super::error::{CudaError, DriverContext};
+use crate::engine::GpuDtype;
+use crate::model::Gpt2Config;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use std::sync::Arc;
+
+/// What a matrix product does with each output value, bias already added (`EPI_*` in the
+/// kernels).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(i32)]
+pub enum Epilogue {
+    /// `out[o] = v`
+    Store = 0,
+    /// `out[o] = gelu(v)`
+    Gelu = 1,
+    /// `out[o] += v`
+    Residual = 2,
+    /// q to `out`; k and v to the KV cache at the row's position
+    Qkv = 3,
+}
+
+/// Every constant the kernels take from the host, as `(name, value)` defines.
+pub(crate) const DEFINES: &[(&str, u32)] = &[
+    ("EPI_STORE", Epilogue::Store as u32),
+    ("EPI_GELU", Epilogue::Gelu as u32),
+    ("EPI_RESIDUAL", Epilogue::Residual as u32),
+    ("EPI_QKV", Epilogue::Qkv as u32),
+    ("MV_WARPS", matvec::MV_WARPS),
+    ("MV_ROWS_PER_WARP", matvec::MV_ROWS_PER_WARP),
+    ("TILE", matmul::TILE),
+    ("ATT_CHUNK", attention::ATT_CHUNK),
+    ("ATT_THREADS", attention::ATT_THREADS),
+    ("DA_MAX_CLUSTER", attention::DA_MAX_CLUSTER),
+    ("DA_THREADS", attention::DA_THREADS),
+    ("FA_Q", attention::FA_Q),
+    ("TC_Q", attention::TC_Q),
+    ("TC_THREADS", attention::TC_THREADS),
+    ("FA_SMEM", attention::FA_SMEM),
+];
+
+/// One layer's KV cache, `[capacity, C]` each.
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayer {
+    pub k: DevPtr<f32>,
+    pub v: DevPtr<f32>,
+}
+
+/// A LayerNorm's weight and bias.
+#[derive(Clone, Copy, Debug)]
+pub struct Norm {
+    pub w: DevPtr<Stored>,
+    pub b: DevPtr<Stored>,
+}
+
+/// The kernels of one weight dtype, looked up by name in the compiled module.
+pub struct Kernels {
+    pub(crate) embed: CudaFunction,
+    pub(crate) layernorm: CudaFunction,
+    pub(crate) matvec: CudaFunction,
+    pub(crate) matmul: CudaFunction,
+    pub(crate) att_partial: CudaFunction,
+    pub(crate) att_combine: CudaFunction,
+    pub(crate) decode_qkv_att: CudaFunction,
+    pub(crate) att_prefill: CudaFunction,
+    pub(crate) att_prefill_tiled: CudaFunction,
+    pub(crate) att_prefill_mma: CudaFunction,
+    pub(crate) att_prefill_fresh: CudaFunction,
+    pub(crate) gemm_epilogue: CudaFunction,
+    pub(crate) add_bias: CudaFunction,
+    pub(crate) to_bf16: CudaFunction,
+}
+
+/// Launches kernels of one model shape and weight dtype on one stream, with programmatic
+/// dependent launch where the GPU has it (every kernel waits with `griddepcontrol.wait`
+/// before touching activations).
+pub struct Launcher {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) kernels: Arc<Kernels>,
+    pub(crate) config: Gpt2Config,
+    pub(crate) dtype: GpuDtype,
+}
+
+/// Pointers to kernel arguments, in order, for `cuLaunchKernelEx`.
+macro_rules! kernel_args {
+    ($($arg:expr),* $(,)?) => {
+        [$($arg as *const _ as *mut std::ffi::c_void),*]
+    };
+}
+pub(crate) use kernel_args;
+
+/// The address of an optional view, 0 (the kernels' "none") when absent.
+pub(crate) fn addr_or_null<T>(p: Option<DevPtr<T>>) -> u64 {
+    p.map_or(0, DevPtr::addr)
+}
+
+impl Launcher {
+    pub fn new(
+        gpu: Arc<Gpu>,
+        stream: Arc<CudaStream>,
+        kernels: Arc<Kernels>,
+        config: Gpt2Config,
+        dtype: GpuDtype,
+    ) -> Self {
+        Self {
+            gpu,
+            stream,
+            kernels,
+            config,
+            dtype,
+        }
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn config(&self) -> Gpt2Config {
+        self.config
+    }
+
+    pub fn dtype(&self) -> GpuDtype {
+        self.dtype
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Launch `func` on the stream in thread-block clusters of `cluster` blocks along x (1:
+    /// none).
+    ///
+    /// # Safety
+    /// `args` must hold pointers to values of the kernel's parameter types, in order, and
+    /// every device address among them must cover what the kernel touches for `cfg`;
+    /// `cluster` > 1 needs sm_90 and must divide the grid's x.
+    pub(crate) unsafe fn launch(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: u32,
+        args: &mut [*mut std::ffi::c_void],
+        what: &'static str,
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        self.gpu.ctx.bind_to_thread().ctx(what)?;
+        // SAFETY: an all-zero launch attribute is valid (id 0 = ignored); we fill in up to two.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if self.gpu.pdl {
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
+        };
+        // SAFETY: the caller vouches for the arguments; config and attrs outlive the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .ctx(what)
+    }
+}

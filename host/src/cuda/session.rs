@@ -1,0 +1,846 @@
+//! One sequence on the GPU ([`CudaSession`]): its stream, KV cache and activation buffers,
+//! the captured decode graph, the prefill plan chosen once, and the captured prefills.
+//!
+//! - A decode step (one new token) is one CUDA graph, captured on the session's first step,
+//!   of `1 + k * n_layer + 1` kernels that read the token and position from device memory;
+//!   only what the guest asks for comes back (4 bytes of argmax, or the logits).
+//! - Several new tokens go through as one batched prefill, on the path the [`PrefillPlan`]
+//!   names: cuBLAS (+ cuBLASLt in bf16) with the fused bf16 flow, or our tiled kernels. A
+//!   bf16 prompt length seen before replays a prefill captured the second time.
+
+use super::blas::{Blas, LtBias, LtEpilogue, Shape};
+use super::buffer::{Act, DevBuf, DevPtr};
+use super::device::Skip;
+use super::error::{CudaError, DriverContext};
+use super::ops::attention::{DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK};
+use super::ops::embed_norm::{Embed, LayerNorm};
+use super::ops::matmul::{GemmEpilogue, Matmul};
+use super::ops::matvec::{argmax_row, Matvec};
+use super::ops::{Epilogue, KvLayer, Launcher};
+use super::weights::DevLayer;
+use super::ExecutorInner;
+use crate::engine::{EngineError, GpuDtype, Reusable, Session};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use std::sync::Arc;
+
+/// Captured prefills kept per session (by prompt length), and so twice that many lengths
+/// remembered: a length is captured the second time it is seen.
+const PREFILL_GRAPHS: usize = 4;
+
+/// How this session's prefills run, chosen once from the GPU, the dtype, the model and the
+/// switches.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillPlan {
+    /// Products through cuBLAS (and cuBLASLt in bf16), else our tiled kernel.
+    pub blas: bool,
+    /// Attention on tensor cores (bf16 mode, head size 64, sm_80+), reading the QKV
+    /// product's bf16 rows when `fresh_kv` (and cuBLASLt has a plan for it).
+    pub tensor_cores: bool,
+    pub fresh_kv: bool,
+    /// Else the tiled CUDA-core attention (head size <= 64), else one block per row.
+    pub tiled_attention: bool,
+    /// Repeated prompt lengths are captured as graphs (the bf16 path whose every kernel takes
+    /// the first position from device memory).
+    pub graphs: bool,
+}
+
+/// One sequence on the GPU: KV cache, activations, and the captured graphs.
+pub struct CudaSession {
+    exec: Arc<ExecutorInner>,
+    launcher: Launcher,
+    /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
+    capacity: usize,
+    len: usize,
+    k_cache: DevBuf<f32>, // [L, capacity, C]
+    v_cache: DevBuf<f32>,
+    x: DevBuf<f32>,   // residual stream [capacity, C]
+    h: DevBuf<f32>,   // LayerNorm / attention output [capacity, C]
+    qkv: DevBuf<f32>, // [capacity, 3C]
+    fc: DevBuf<f32>,  // [capacity, 4C]
+    partial: DevBuf<f32>,
+    logits: DevBuf<f32>, // [V]
+    all_logits: Option<DevBuf<f32>>,
+    /// [position, ids...]: the decode step's position (or a captured prefill's first one),
+    /// then the token ids (one for a decode step), so a step uploads both in one copy.
+    ids: DevBuf<i32>,
+    /// [1] the argmax key of the last logits (see [`argmax_row`]).
+    next: DevBuf<u64>,
+    /// Rows of all-position logits from the last extend (0 when not asked for).
+    all_rows: usize,
+    max_chunks: usize,
+    graph: Option<CudaGraph>,
+    graph_failed: bool,
+    plan: PrefillPlan,
+    /// Captured prefills by (prompt length, all positions), most recently used last.
+    prefill_graphs: Vec<((usize, bool), CudaGraph)>,
+    /// Prompt shapes seen (a shape is captured when it comes again).
+    prefill_seen: Vec<(usize, bool)>,
+    /// cuBLAS for prefill products (None: our tiled kernel), with its scratch buffers.
+    blas: Option<Blas>,
+}
+
+// SAFETY: the session's device state is only touched through `&mut self` (the `Session`
+// methods that launch work take `&mut self`); `&self` methods read plain integers. The raw
+// handles inside `CudaGraph` and `Blas` are used from one thread at a time as a result.
+unsafe impl Send for CudaSession {}
+unsafe impl Sync for CudaSession {}
+
+impl CudaSession {
+    pub(crate) fn new(exec: Arc<ExecutorInner>) -> Result<Self, CudaError> {
+        let gpu = exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let cfg = exec.config;
+        let c = cfg.n_embd;
+        let per_position = 2 * cfg.n_layer * c * 4;
+        let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position);
+        if capacity == 0 {
+            return Err(CudaError::unavailable(format!(
+                "the per-context KV cap of {} bytes is below one position ({per_position} bytes)",
+                exec.max_kv_bytes
+            )));
+        }
+        let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
+        let max_chunks = capacity.div_ceil(ATT_CHUNK as usize);
+        let kv = cfg.n_layer * capacity * c;
+        let tuning = gpu.tuning();
+        let blas = tuning
+            .cublas
+            .then(|| Blas::new(&stream, capacity, c, tuning.cublaslt))
+            .flatten();
+        let tensor_cores = exec.dtype == GpuDtype::Bf16
+            && cfg.head_dim() == 64
+            && gpu.tensor_cores
+            && tuning.tc_attention;
+        let has_lt = blas.as_ref().is_some_and(Blas::has_lt);
+        let plan = PrefillPlan {
+            blas: blas.is_some(),
+            tensor_cores,
+            fresh_kv: tensor_cores && tuning.fresh_kv && has_lt,
+            tiled_attention: cfg.head_dim() <= 64 && tuning.tiled_attention,
+            graphs: tensor_cores && has_lt && tuning.graphs && tuning.fresh_kv,
+        };
+        let launcher = Launcher::new(gpu.clone(), stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
+        Ok(Self {
+            k_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
+            v_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
+            x: DevBuf::zeros(&stream, capacity * c, "activations")?,
+            h: DevBuf::zeros(&stream, capacity * c, "activations")?,
+            qkv: DevBuf::zeros(&stream, capacity * 3 * c, "activations")?,
+            fc: DevBuf::zeros(&stream, capacity * 4 * c, "activations")?,
+            partial: DevBuf::zeros(
+                &stream,
+                cfg.n_head * max_chunks * (cfg.head_dim() + 2),
+                "attention scratch",
+            )?,
+            logits: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+            all_logits: None,
+            ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
+            next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
+            all_rows: 0,
+            max_chunks,
+            capacity,
+            len: 0,
+            graph: None,
+            graph_failed: false,
+            plan,
+            prefill_graphs: Vec::new(),
+            prefill_seen: Vec::new(),
+            blas,
+            launcher,
+            exec,
+        })
+    }
+
+    /// The prefill plan this session chose.
+    pub fn plan(&self) -> PrefillPlan {
+        self.plan
+    }
+
+    fn skip(&self) -> &Skip {
+        &self.exec.gpu.tuning.skip
+    }
+
+    /// The position slot (`ids[0]`) and the token ids (`ids[1..]`).
+    fn position(&self) -> DevPtr<i32> {
+        DevPtr::new(self.ids.ptr().addr(), 1)
+    }
+    fn tokens(&self) -> DevPtr<i32> {
+        self.ids.ptr().skip(1)
+    }
+
+    fn kv_layer(&self, l: usize) -> KvLayer {
+        let per_layer = self.capacity * self.exec.config.n_embd;
+        let layer = |buf: &DevBuf<f32>| {
+            let p = buf.ptr().skip(l * per_layer);
+            DevPtr::new(p.addr(), per_layer)
+        };
+        KvLayer {
+            k: layer(&self.k_cache),
+            v: layer(&self.v_cache),
+        }
+    }
+
+    /// The embedding of `rows` tokens from `ids[1..]` into x, at positions `start..` (None:
+    /// from `ids[0]`).
+    fn embed(&self, rows: usize, start: Option<usize>) -> Result<(), CudaError> {
+        let w = &self.exec.weights;
+        self.launcher.embed(Embed {
+            out: self.x.ptr(),
+            tokens: self.tokens(),
+            wte: w.wte.ptr(),
+            wpe: w.wpe.ptr(),
+            rows,
+            start,
+            position: self.position(),
+            argmax_key: self.next.ptr(),
+        })
+    }
+
+    /// The LM head for the row at `x`: logits (final LayerNorm fused) into `logits`, and
+    /// their argmax key into `next` (cleared by the step's embedding kernel).
+    fn lm_head(&self, x: DevPtr<f32>) -> Result<(), CudaError> {
+        let (cfg, w) = (self.exec.config, &self.exec.weights);
+        self.launcher.matvec(Matvec {
+            out: self.logits.ptr(),
+            x,
+            w: w.wte.ptr(),
+            bias: None,
+            n: cfg.vocab_size,
+            k: cfg.n_embd,
+            norm: Some(w.lnf()),
+            epilogue: Epilogue::Store,
+            kv: None,
+            argmax_key: Some(self.next.ptr()),
+        })
+    }
+
+    /// The kernels of one decode step (token in ids[1], position in ids[0]).
+    fn decode_kernels(&self) -> Result<(), CudaError> {
+        let cfg = self.exec.config;
+        let w = &self.exec.weights;
+        let c = cfg.n_embd;
+        let skip = self.skip();
+        let l = &self.launcher;
+        self.embed(1, None)?;
+        for (i, lw) in w.layers.iter().enumerate() {
+            let kv = self.kv_layer(i);
+            if self.exec.gpu.clusters.is_some() {
+                if !skip.attn {
+                    self.fused_decode(lw, kv)?;
+                }
+            } else {
+                if !skip.qkv {
+                    l.matvec(Matvec {
+                        out: self.qkv.ptr(),
+                        x: self.x.ptr(),
+                        w: lw.qkv_w.ptr(),
+                        bias: Some(lw.qkv_b.ptr()),
+                        n: 3 * c,
+                        k: c,
+                        norm: Some(lw.ln1()),
+                        epilogue: Epilogue::Qkv,
+                        kv: Some((kv, self.position())),
+                        argmax_key: None,
+                    })?;
+                }
+                if !skip.attn {
+                    l.decode_attention(DecodeAttention {
+                        out: self.h.ptr(),
+                        qkv: self.qkv.ptr(),
+                        kv,
+                        position: self.position(),
+                        partial: self.partial.ptr(),
+                        max_chunks: self.max_chunks,
+                    })?;
+                }
+            }
+            let residual = |out: DevPtr<f32>, x: DevPtr<f32>, w: DevPtr<_>, b: DevPtr<_>, k| {
+                l.matvec(Matvec {
+                    out,
+                    x,
+                    w,
+                    bias: Some(b),
+                    n: c,
+                    k,
+                    norm: None,
+                    epilogue: Epilogue::Residual,
+                    kv: None,
+                    argmax_key: None,
+                })
+            };
+            if !skip.proj {
+                residual(self.x.ptr(), self.h.ptr(), lw.proj_w.ptr(), lw.proj_b.ptr(), c)?;
+            }
+            if !skip.mlp {
+                l.matvec(Matvec {
+                    out: self.fc.ptr(),
+                    x: self.x.ptr(),
+                    w: lw.fc_w.ptr(),
+                    bias: Some(lw.fc_b.ptr()),
+                    n: 4 * c,
+                    k: c,
+                    norm: Some(lw.ln2()),
+                    epilogue: Epilogue::Gelu,
+                    kv: None,
+                    argmax_key: None,
+                })?;
+                let (fp_w, fp_b) = (lw.fc_proj_w.ptr(), lw.fc_proj_b.ptr());
+                residual(self.x.ptr(), self.fc.ptr(), fp_w, fp_b, 4 * c)?;
+            }
+        }
+        if !skip.head {
+            self.lm_head(self.x.ptr())?;
+        }
+        Ok(())
+    }
+
+    /// LayerNorm, QKV product and attention of one decode step in one kernel: a cluster of
+    /// blocks per head (sm_90+); the new key and value are appended to the cache at ids[0]
+    /// and the attention output goes to h.
+    fn fused_decode(&self, lw: &DevLayer, kv: KvLayer) -> Result<(), CudaError> {
+        let chosen = self.exec.gpu.clusters.ok_or_else(|| {
+            CudaError::unavailable("the fused decode attention needs sm_90 clusters")
+        })?;
+        // 8 blocks per head; 128 threads for f32 weights past 124M's width (its 142 registers
+        // a thread would leave one 256-thread block per SM: measured slower there)
+        let wide_f32 = self.exec.dtype == GpuDtype::F32 && self.exec.config.n_embd > 768;
+        let (cluster, threads) = chosen.unwrap_or(if wide_f32 { (8, 128) } else { (8, 256) });
+        self.launcher.fused_decode(FusedDecode {
+            out: self.h.ptr(),
+            x: self.x.ptr(),
+            qkv_w: lw.qkv_w.ptr(),
+            qkv_b: lw.qkv_b.ptr(),
+            norm: lw.ln1(),
+            kv,
+            position: self.position(),
+            capacity: self.capacity,
+            cluster,
+            threads,
+        })
+    }
+
+    /// One decode step through the captured graph (captured on first use).
+    fn decode(&mut self, token: u32) -> Result<(), CudaError> {
+        self.upload_ids(Some(self.len), &[token as i32])?;
+        if self.graph.is_none() && !self.graph_failed && self.exec.gpu.tuning.graphs {
+            match self.capture(Self::decode_kernels) {
+                Ok(graph) => self.graph = graph,
+                Err(e) => {
+                    // Run this session's steps kernel by kernel instead of failing the request.
+                    tracing::warn!("decode graph capture failed, running without a graph: {e}");
+                    self.graph_failed = true;
+                }
+            }
+        }
+        match &self.graph {
+            Some(graph) => graph.launch().ctx("decode step"),
+            None => self.decode_kernels(),
+        }
+    }
+
+    /// The launches of `launches` captured on the session's stream as a graph (None: nothing
+    /// was launched). Holds the GPU's set-up lock.
+    fn capture(
+        &self,
+        launches: impl FnOnce(&Self) -> Result<(), CudaError>,
+    ) -> Result<Option<CudaGraph>, CudaError> {
+        let gpu = self.exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let stream = self.launcher.stream();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .ctx("graph capture")?;
+        let launched = launches(self);
+        // the capture is ended whatever the launches did
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        launched.and(graph.ctx("graph capture"))
+    }
+
+    /// A batched prefill of `tokens` at positions len..len+n.
+    fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), CudaError> {
+        let cfg = self.exec.config;
+        let (n, start) = (tokens.len(), self.len);
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        if all_positions && self.all_logits.is_none() {
+            self.all_logits = Some(DevBuf::zeros(
+                self.launcher.stream(),
+                self.capacity * cfg.vocab_size,
+                "logits of every position",
+            )?);
+        }
+        let key = (n, all_positions);
+        if self.prefill_graphable() {
+            let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
+            let graphed = cached.is_some() || self.prefill_seen.contains(&key);
+            // a captured prefill reads its first position from ids[0]
+            self.upload_ids(graphed.then_some(start), &ids)?;
+            if let Some(i) = cached {
+                // most recently used last
+                let entry = self.prefill_graphs.remove(i);
+                let launched = entry.1.launch().ctx("prefill graph");
+                self.prefill_graphs.push(entry);
+                return launched;
+            }
+            if graphed {
+                if let Some(graph) = self.capture_prefill(n, all_positions) {
+                    graph.launch().ctx("prefill graph")?;
+                    if self.prefill_graphs.len() >= PREFILL_GRAPHS {
+                        self.prefill_graphs.remove(0);
+                    }
+                    self.prefill_graphs.push((key, graph));
+                    return Ok(());
+                }
+            } else {
+                if self.prefill_seen.len() >= 2 * PREFILL_GRAPHS {
+                    self.prefill_seen.remove(0);
+                }
+                self.prefill_seen.push(key);
+            }
+        } else {
+            self.upload_ids(None, &ids)?;
+        }
+        self.prefill_kernels(n, Start::Host(start), all_positions)
+    }
+
+    /// Upload token ids to ids[1..], and with `first` the position to ids[0], in one copy.
+    fn upload_ids(&mut self, first: Option<usize>, tokens: &[i32]) -> Result<(), CudaError> {
+        let stream = self.launcher.stream().clone();
+        match first {
+            Some(pos) => {
+                let mut all = Vec::with_capacity(tokens.len() + 1);
+                all.push(pos as i32);
+                all.extend_from_slice(tokens);
+                self.ids.write(&stream, 0, &all)
+            }
+            None => self.ids.write(&stream, 1, tokens),
+        }
+    }
+
+    /// Whether this prefill may be captured as a graph (the plan allows it and no capture
+    /// failed in this session).
+    fn prefill_graphable(&self) -> bool {
+        self.plan.graphs && !self.graph_failed
+    }
+
+    /// Capture the prefill of `n` tokens (ids in ids[1..], the first position in ids[0]) as a
+    /// graph; None (and no more prefill graphs for this session) when capture fails.
+    fn capture_prefill(&mut self, n: usize, all_positions: bool) -> Option<CudaGraph> {
+        let position = self.position();
+        let launches = |s: &Self| s.prefill_kernels(n, Start::Device(position), all_positions);
+        match self.capture(launches) {
+            Ok(graph) => graph,
+            Err(e) => {
+                tracing::warn!("prefill graph capture failed, running prefills eagerly: {e}");
+                self.plan.graphs = false;
+                None
+            }
+        }
+    }
+
+    /// The launches of a prefill of the `n` ids in ids[1..] at positions `start..` (a device
+    /// start: a graph, whose kernels read the first position from ids[0]).
+    fn prefill_kernels(&self, n: usize, start: Start, all_positions: bool) -> Result<(), CudaError> {
+        let (cfg, c) = (self.exec.config, self.exec.config.n_embd);
+        let l = &self.launcher;
+        let host_start = match start {
+            Start::Host(s) => Some(s),
+            Start::Device(_) => None,
+        };
+        self.embed(n, host_start)?;
+        let w = &self.exec.weights;
+        if let Some(blas) = &self.blas {
+            // The last layer's MLP bias is still to be added to the rows that are read next.
+            if let Some(pending) = self.prefill_layers_blas(blas, n, start)? {
+                let first = if all_positions { 0 } else { n - 1 };
+                l.add_bias(self.x.ptr().skip(first * c), pending, n - first)?;
+            }
+        } else {
+            self.prefill_layers_tiled(n, host_start.unwrap_or(0))?;
+        }
+        if let Some(all) = self.all_logits.as_ref().filter(|_| all_positions) {
+            let v = cfg.vocab_size;
+            if let Some(blas) = &self.blas {
+                // the final LayerNorm writes the head product's input in the weights' type
+                let a = self.product_input(blas);
+                self.layernorm(a, self.x.ptr(), w.lnf(), None, n)?;
+                blas.gemm(l, w.wte.ptr(), a, (n, v, c), all.ptr(), v, false)?;
+            } else {
+                self.layernorm(Act::F32(self.h.ptr()), self.x.ptr(), w.lnf(), None, n)?;
+                l.matmul(Matmul {
+                    out: all.ptr(),
+                    x: self.h.ptr(),
+                    w: w.wte.ptr(),
+                    bias: None,
+                    rows: n,
+                    n: v,
+                    k: c,
+                    epilogue: Epilogue::Store,
+                    start: host_start.unwrap_or(0),
+                    kv: None,
+                    out_stride: v,
+                })?;
+            }
+        }
+        self.lm_head(self.x.ptr().skip((n - 1) * c))
+    }
+
+    /// A LayerNorm (left out under `WASI_NN_HOST_SKIP=ln`).
+    fn layernorm(
+        &self,
+        out: Act,
+        x: DevPtr<f32>,
+        norm: super::ops::Norm,
+        pre_bias: Option<DevPtr<super::buffer::Stored>>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        if self.skip().ln {
+            return Ok(());
+        }
+        self.launcher.layernorm(LayerNorm {
+            out,
+            x,
+            norm,
+            pre_bias,
+            rows,
+        })
+    }
+
+    /// The activations a product of width C reads in the weights' type: bf16 rows in bf16
+    /// mode, h in f32.
+    fn product_input(&self, blas: &Blas) -> Act {
+        match self.exec.dtype {
+            GpuDtype::Bf16 => Act::Bf16(blas.x_bf16.ptr()),
+            GpuDtype::F32 => Act::F32(self.h.ptr()),
+        }
+    }
+
+    /// The layers of a prefill through cuBLAS: LayerNorm and the attention and GELU epilogues
+    /// write the next GEMM's input directly (bf16 in bf16 mode); the projections accumulate
+    /// into the residual stream (beta = 1), with their bias fused (cuBLASLt) or added by the
+    /// next LayerNorm. Returns the bias still pending on `x` (the last layer's MLP projection
+    /// bias), if any.
+    fn prefill_layers_blas(
+        &self,
+        blas: &Blas,
+        n: usize,
+        start: Start,
+    ) -> Result<Option<DevPtr<super::buffer::Stored>>, CudaError> {
+        let c = self.exec.config.n_embd;
+        let l = &self.launcher;
+        let skip = self.skip();
+        let a_c = self.product_input(blas);
+        let a_4c = match self.exec.dtype {
+            GpuDtype::Bf16 => Act::Bf16(blas.fc_bf16.ptr()),
+            GpuDtype::F32 => Act::F32(self.fc.ptr()),
+        };
+        let bf16_in = |a: Act| match a {
+            Act::Bf16(p) => p,
+            Act::F32(p) => p.cast(),
+        };
+        let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
+        let host_start = match start {
+            Start::Host(s) => s,
+            Start::Device(_) => 0,
+        };
+        let mut pending = None;
+        for (i, lw) in self.exec.weights.layers.iter().enumerate() {
+            let kv = self.kv_layer(i);
+            self.layernorm(a_c, x, lw.ln1(), pending, n)?;
+            // QKV with its bias through cuBLASLt into bf16 rows, the tensor-core attention
+            // reading queries, keys and values from them and appending the keys and values to
+            // the cache; else a product, then a pass adding the bias and scattering keys and
+            // values into the cache
+            let qkv_rows = Act::Bf16(blas.qkv_bf16.ptr());
+            let qkv_shape = Shape::new((n, 3 * c, c), LtEpilogue::Bias);
+            let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), LtBias::Stored(lw.qkv_b.ptr()));
+            let fresh = self.plan.fresh_kv
+                && blas.lt_matmul(l, qkv_shape, qkv_w, bf16_in(a_c), qkv_b, qkv_rows)?;
+            if !fresh && matches!(start, Start::Device(_)) {
+                return Err(CudaError::unavailable(
+                    "no cuBLASLt plan for the QKV product: the prefill cannot be captured",
+                ));
+            }
+            if !fresh {
+                blas.gemm(l, qkv_w, a_c, (n, 3 * c, c), tmp, 3 * c, false)?;
+                self.epilogue(GemmEpilogue {
+                    out: Act::F32(self.qkv.ptr()),
+                    tmp,
+                    bias: lw.qkv_b.ptr(),
+                    rows: n,
+                    n: 3 * c,
+                    epilogue: Epilogue::Qkv,
+                    start: host_start,
+                    kv: Some(kv),
+                    out_stride: 3 * c,
+                })?;
+            }
+            if !skip.pattn {
+                let attention = PrefillAttention {
+                    out: a_c,
+                    kv,
+                    start,
+                    rows: n,
+                };
+                self.prefill_attention(attention, fresh.then(|| blas.qkv_bf16.ptr()))?;
+            }
+            // projection into the residual stream: with its bias (cuBLASLt), or the bias is
+            // left to the next LayerNorm
+            let residual = |k| Shape {
+                accumulate: true,
+                ..Shape::new((n, c, k), LtEpilogue::Bias)
+            };
+            let mut pre_bias = Some(lw.proj_b.ptr());
+            let proj_b32 = LtBias::F32(lw.proj_b32());
+            if blas.lt_matmul(l, residual(c), lw.proj_w.ptr(), bf16_in(a_c), proj_b32, Act::F32(x))? {
+                pre_bias = None;
+            } else {
+                blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), x, c, true)?;
+            }
+            self.layernorm(a_c, x, lw.ln2(), pre_bias, n)?;
+            let gelu = Shape::new((n, 4 * c, c), LtEpilogue::GeluBias);
+            let fc_b = LtBias::Stored(lw.fc_b.ptr());
+            if !blas.lt_matmul(l, gelu, lw.fc_w.ptr(), bf16_in(a_c), fc_b, a_4c)? {
+                blas.gemm(l, lw.fc_w.ptr(), a_c, (n, 4 * c, c), tmp, 4 * c, false)?;
+                self.epilogue(GemmEpilogue {
+                    out: a_4c,
+                    tmp,
+                    bias: lw.fc_b.ptr(),
+                    rows: n,
+                    n: 4 * c,
+                    epilogue: Epilogue::Gelu,
+                    start: host_start,
+                    kv: None,
+                    out_stride: 4 * c,
+                })?;
+            }
+            let fc_proj_b32 = LtBias::F32(lw.fc_proj_b32());
+            let fp_w = lw.fc_proj_w.ptr();
+            if blas.lt_matmul(l, residual(4 * c), fp_w, bf16_in(a_4c), fc_proj_b32, Act::F32(x))? {
+                pending = None;
+            } else {
+                blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), x, c, true)?;
+                pending = Some(lw.fc_proj_b.ptr());
+            }
+        }
+        Ok(pending)
+    }
+
+    /// A GEMM epilogue pass (left out under `WASI_NN_HOST_SKIP=epi`).
+    fn epilogue(&self, a: GemmEpilogue) -> Result<(), CudaError> {
+        if self.skip().epi {
+            return Ok(());
+        }
+        self.launcher.gemm_epilogue(a)
+    }
+
+    /// The layers of a prefill on our tiled matrix kernel (no cuBLAS), f32 activations.
+    fn prefill_layers_tiled(&self, n: usize, start: usize) -> Result<(), CudaError> {
+        let c = self.exec.config.n_embd;
+        let l = &self.launcher;
+        let (x, h, fc) = (self.x.ptr(), self.h.ptr(), self.fc.ptr());
+        let product = |out, x, w, b, n_out, k, epilogue, kv, stride| {
+            if self.skip().gemm {
+                return Ok(());
+            }
+            l.matmul(Matmul {
+                out,
+                x,
+                w,
+                bias: Some(b),
+                rows: n,
+                n: n_out,
+                k,
+                epilogue,
+                start,
+                kv,
+                out_stride: stride,
+            })
+        };
+        for (i, lw) in self.exec.weights.layers.iter().enumerate() {
+            let kv = self.kv_layer(i);
+            self.layernorm(Act::F32(h), x, lw.ln1(), None, n)?;
+            let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), lw.qkv_b.ptr());
+            product(self.qkv.ptr(), h, qkv_w, qkv_b, 3 * c, c, Epilogue::Qkv, Some(kv), 3 * c)?;
+            if !self.skip().pattn {
+                let attention = PrefillAttention {
+                    out: Act::F32(h),
+                    kv,
+                    start: Start::Host(start),
+                    rows: n,
+                };
+                self.prefill_attention(attention, None)?;
+            }
+            let (proj_w, proj_b) = (lw.proj_w.ptr(), lw.proj_b.ptr());
+            product(x, h, proj_w, proj_b, c, c, Epilogue::Residual, None, c)?;
+            self.layernorm(Act::F32(h), x, lw.ln2(), None, n)?;
+            let (fc_w, fc_b) = (lw.fc_w.ptr(), lw.fc_b.ptr());
+            product(fc, h, fc_w, fc_b, 4 * c, c, Epilogue::Gelu, None, 4 * c)?;
+            let (fp_w, fp_b) = (lw.fc_proj_w.ptr(), lw.fc_proj_b.ptr());
+            product(x, fc, fp_w, fp_b, c, 4 * c, Epilogue::Residual, None, c)?;
+        }
+        Ok(())
+    }
+
+    /// Causal attention of new rows on the plan's kernel: tensor cores (from the bf16 QKV
+    /// rows `fresh`, or from the cache), else tiled, else one block per row; a bf16 output
+    /// without tensor cores goes through h and a conversion.
+    fn prefill_attention(&self, a: PrefillAttention, fresh: Option<DevPtr<super::buffer::Bf16>>) -> Result<(), CudaError> {
+        let l = &self.launcher;
+        if self.plan.tensor_cores {
+            return match fresh {
+                Some(rows) => l.prefill_attention_fresh(a, rows),
+                None => l.prefill_attention_mma(a, self.qkv.ptr()),
+            };
+        }
+        if fresh.is_some() || matches!(a.start, Start::Device(_)) {
+            return Err(CudaError::unavailable(
+                "keys and values from the QKV rows, or the first position from device memory, need the tensor-core attention",
+            ));
+        }
+        if let Act::Bf16(out) = a.out {
+            let h = self.h.ptr();
+            self.prefill_attention(PrefillAttention { out: Act::F32(h), ..a }, None)?;
+            return l.to_bf16(out, h, a.rows * self.exec.config.n_embd);
+        }
+        if self.plan.tiled_attention {
+            l.prefill_attention_tiled(a, self.qkv.ptr())
+        } else {
+            l.prefill_attention_plain(a, self.qkv.ptr())
+        }
+    }
+
+    fn check(&self, n: usize) -> Result<(), EngineError> {
+        if self.len + n > self.capacity {
+            return Err(EngineError::OverCapacity {
+                len: self.len + n,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copy `count` logits back (from the all-position buffer when `all`) and wait for them.
+    fn read(&self, count: usize, all: bool) -> Result<Vec<f32>, CudaError> {
+        let stream = self.launcher.stream();
+        match (&self.all_logits, all) {
+            (Some(buf), true) => buf.read(stream, count),
+            (None, true) => Ok(Vec::new()),
+            _ => self.logits.read(stream, count),
+        }
+    }
+
+    /// Wait for the session's stream.
+    pub fn synchronize(&self) -> Result<(), EngineError> {
+        Ok(self.launcher.stream().synchronize().ctx("synchronize")?)
+    }
+}
+
+/// Hooks for the benchmarks (the `dev` feature): not part of the embedding API.
+#[cfg(feature = "dev")]
+impl CudaSession {
+    /// Turn the capture of repeated prefill shapes on or off (benchmarks of the eager path).
+    pub fn set_prefill_graphs(&mut self, on: bool) {
+        let tuning = self.exec.gpu.tuning();
+        self.plan.graphs = on && self.plan.tensor_cores && self.plan.fresh_kv && tuning.graphs;
+        if !on {
+            self.prefill_graphs.clear();
+            self.prefill_seen.clear();
+        }
+    }
+
+    /// GPU time of a prefill of `tokens` from position 0, without the host's launch costs: the
+    /// prefill's launches captured once as a CUDA graph, replayed `iters` times.
+    pub fn prefill_gpu_ms(&mut self, tokens: &[u32], iters: usize) -> Result<f64, EngineError> {
+        self.len = 0;
+        self.check(tokens.len())?;
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        self.upload_ids(None, &ids)?;
+        let stream = self.launcher.stream().clone();
+        stream.synchronize().ctx("prefill graph")?;
+        let graph = self
+            .capture(|s| s.prefill_kernels(tokens.len(), Start::Host(0), false))?
+            .ok_or_else(|| CudaError::unavailable("empty prefill graph"))?;
+        graph.launch().ctx("prefill graph")?;
+        stream.synchronize().ctx("prefill graph")?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            graph.launch().ctx("prefill graph")?;
+        }
+        stream.synchronize().ctx("prefill graph")?;
+        self.len = tokens.len();
+        Ok(t.elapsed().as_secs_f64() * 1e3 / iters.max(1) as f64)
+    }
+
+    /// Run one decode step without copying logits back (the GPU part alone).
+    pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
+        self.check(1)?;
+        self.decode(token)?;
+        self.len += 1;
+        Ok(())
+    }
+}
+
+impl Session for CudaSession {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) {
+        // Positions past `len` are simply overwritten by the next step.
+        self.len = self.len.min(len);
+    }
+
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
+        let vocab = self.exec.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(EngineError::EmptySequence);
+        }
+        self.check(tokens.len())?;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { id, vocab });
+        }
+        if tokens.len() == 1 && !all_positions {
+            self.decode(tokens[0])?;
+        } else {
+            self.prefill(tokens, all_positions)?;
+        }
+        self.all_rows = if all_positions { tokens.len() } else { 0 };
+        self.len += tokens.len();
+        Ok(())
+    }
+
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        let vocab = self.exec.config.vocab_size;
+        Ok(self.read(vocab, false)?)
+    }
+
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        let count = self.all_rows * self.exec.config.vocab_size;
+        Ok(self.read(count, true)?)
+    }
+
+    fn argmax(&mut self) -> Result<u32, EngineError> {
+        let key = self.next.read(self.launcher.stream(), 1)?;
+        Ok(argmax_row(key.first().copied().unwrap_or(0)))
+    }
+}
+
+impl Reusable for CudaSession {
+    fn reset(&mut self) {
+        self.len = 0;
+        self.all_rows = 0;
+    }
+}
+
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        // Free the graphs and cuBLAS under the set-up lock; the buffers follow (stream-ordered).
+        let gpu = self.exec.gpu.clone();
+        let _setup = gpu.setup_lock();
+        let _ = self.launcher.stream().synchronize();
+        self.graph = None;
+        self.prefill_graphs.clear();
+        self.blas = None;
+    }
+}

@@ -1,0 +1,192 @@
+//! What every device backend shares, and nothing device-specific: where a forward pass runs
+//! ([`Device`], [`GpuDtype`]), the engine's error ([`EngineError`]), the two traits a backend
+//! implements ([`Executor`]: a model loaded on a device; [`Session`]: one sequence's KV cache
+//! on it), the greedy [`argmax`], and a pool of idle sessions ([`SessionPool`]).
+//!
+//! The CPU reference ([`crate::cpu`]) and the CUDA backend ([`crate::cuda`]) depend on this
+//! module; it depends on neither. The wasi-nn contract ([`crate::wasi_nn`]) sits on top.
+
+use crate::model::{Gpt2Config, LoadError};
+use std::sync::{Arc, Mutex};
+
+/// Where the forward pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+/// Storage type of the weights on the GPU. Activations, the KV cache and logits stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
+pub enum GpuDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl GpuDtype {
+    /// Bytes of one stored weight.
+    pub fn bytes(self) -> usize {
+        match self {
+            GpuDtype::F32 => 4,
+            GpuDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Errors of a forward pass or of setting one up, on any device.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the token sequence is empty")]
+    EmptySequence,
+    #[error("sequence of {len} tokens exceeds this context's KV capacity of {capacity} positions")]
+    OverCapacity { len: usize, capacity: usize },
+    #[error("token id {id} is outside the vocabulary (0..{vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The device ran out of memory for `what` (a KV cache, activations, weights).
+    #[error("device: {what}: out of GPU memory")]
+    OutOfMemory { what: String },
+    /// Anything else the device reported (no GPU, no driver, a failed launch, ...).
+    #[error("device: {0}")]
+    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl EngineError {
+    /// A device error from a plain message.
+    pub fn device(message: impl Into<String>) -> Self {
+        EngineError::Device(message.into().into())
+    }
+}
+
+/// A model loaded on a device, shared by every execution context of its graph.
+pub trait Executor: Send + Sync {
+    fn config(&self) -> Gpt2Config;
+    fn new_session(&self) -> Result<Box<dyn Session>, EngineError>;
+}
+
+/// One sequence's KV cache on a device. Logits stay on the device until asked for, so a
+/// greedy step can bring back just the argmax.
+pub trait Session: Send + Sync {
+    /// Number of cached positions.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forget every position from `len` on.
+    fn truncate(&mut self, len: usize);
+    /// Run `tokens` at the next positions; keep the last position's logits, and every new
+    /// position's when `all_positions`.
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError>;
+    /// Logits of the last position of the last `extend`, `[V]`.
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError>;
+    /// Logits of every position of the last `extend(.., true)`, `[n, V]`.
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError>;
+    /// Index of the largest last-position logit (first index on ties, NaN never wins).
+    fn argmax(&mut self) -> Result<u32, EngineError>;
+}
+
+/// The index of the largest value, first on ties, NaN never chosen (as the GPU kernel).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &v) in values.iter().enumerate() {
+        if v > best_value {
+            best = i;
+            best_value = v;
+        }
+    }
+    best as u32
+}
+
+/// A session that can go back to a [`SessionPool`]: it is reset (emptied) on the way, so
+/// nothing of the previous sequence is readable by the next user.
+pub trait Reusable: Session + Sized + 'static {
+    /// Forget the sequence (length 0) and any per-sequence outputs.
+    fn reset(&mut self);
+}
+
+/// Idle sessions of one executor, reused by new execution contexts: a request then skips
+/// the allocation of its KV cache and buffers (and, on the GPU, library set-up and graph
+/// captures). Holds at most `max_idle` sessions.
+pub struct SessionPool<S> {
+    idle: Mutex<Vec<S>>,
+    max_idle: usize,
+}
+
+impl<S: Reusable> SessionPool<S> {
+    pub fn new(max_idle: usize) -> Arc<Self> {
+        Arc::new(Self {
+            idle: Mutex::new(Vec::new()),
+            max_idle,
+        })
+    }
+
+    /// An idle session if there is one, else a new one from `open`; it comes back to the
+    /// pool when the returned box is dropped.
+    pub fn checkout(
+        self: &Arc<Self>,
+        open: impl FnOnce() -> Result<S, EngineError>,
+    ) -> Result<Box<dyn Session>, EngineError> {
+        let reused = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let session = match reused {
+            Some(session) => session,
+            None => open()?,
+        };
+        Ok(Box::new(Pooled {
+            session: Some(session),
+            pool: self.clone(),
+        }))
+    }
+}
+
+/// A pooled session: goes back to the pool (reset) when its execution context is dropped.
+struct Pooled<S: Reusable> {
+    session: Option<S>,
+    pool: Arc<SessionPool<S>>,
+}
+
+impl<S: Reusable> Drop for Pooled<S> {
+    fn drop(&mut self) {
+        if let Some(mut session) = self.session.take() {
+            session.reset();
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                if idle.len() < self.pool.max_idle {
+                    idle.push(session);
+                }
+            }
+        }
+    }
+}
+
+impl<S: Reusable> Pooled<S> {
+    fn get(&mut self) -> Result<&mut S, EngineError> {
+        self.session
+            .as_mut()
+            .ok_or_else(|| EngineError::device("session already released"))
+    }
+}
+
+impl<S: Reusable> Session for Pooled<S> {
+    fn len(&self) -> usize {
+        self.session.as_ref().map_or(0, |s| s.len())
+    }
+    fn truncate(&mut self, len: usize) {
+        if let Some(s) = self.session.as_mut() {
+            s.truncate(len);
+        }
+    }
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
+        self.get()?.extend(tokens, all_positions)
+    }
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.get()?.last_logits()
+    }
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.get()?.all_logits()
+    }
+    fn argmax(&mut self) -> Result<u32, EngineError> {
+        self.get()?.argmax()
+    }
+}

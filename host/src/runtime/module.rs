@@ -1,0 +1,192 @@
+//! The preview 1 path: a guest module (`_start`) linked with WASI preview 1 and wasi-nn's
+//! witx ABI (`wasi_ephemeral_nn`). [`Host::run`] starts a fresh, sandboxed instance with its
+//! own WASI context and its own wasi-nn state (its own execution contexts and KV caches) over
+//! the host's shared graphs.
+
+use super::{
+    arm_deadline, store_limits, wasmtime_err, Host, HostError, OutputCallback, RunOptions,
+    RunOutcome,
+};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use wasmtime::{Linker, Module, Store, StoreLimits};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+use wasmtime_wasi_nn::witx::WasiNnCtx;
+use wasmtime_wasi_nn::{Backend, Registry};
+
+/// Per-instance state: the guest's WASI context and wasi-nn state.
+pub struct GuestState {
+    wasi: WasiP1Ctx,
+    nn: WasiNnCtx,
+    limits: StoreLimits,
+}
+
+/// The preview 1 linker: WASI preview 1 and wasi-nn's witx ABI.
+pub(crate) fn module_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<GuestState>> {
+    let mut linker: Linker<GuestState> = Linker::new(engine);
+    wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut GuestState| &mut s.wasi)?;
+    wasmtime_wasi_nn::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)?;
+    Ok(linker)
+}
+
+/// A WASI stdout that hands every write to a callback (for streaming to a caller).
+#[derive(Clone)]
+struct CallbackOutput(OutputCallback);
+
+impl wasmtime_wasi::cli::IsTerminal for CallbackOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl wasmtime_wasi::cli::StdoutStream for CallbackOutput {
+    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
+        Box::new(self.clone())
+    }
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for CallbackOutput {
+    async fn ready(&mut self) {}
+}
+
+impl wasmtime_wasi::p2::OutputStream for CallbackOutput {
+    fn write(&mut self, bytes: bytes::Bytes) -> Result<(), wasmtime_wasi::p2::StreamError> {
+        (self.0)(&bytes);
+        Ok(())
+    }
+    fn flush(&mut self) -> Result<(), wasmtime_wasi::p2::StreamError> {
+        Ok(())
+    }
+    fn check_write(&mut self) -> Result<usize, wasmtime_wasi::p2::StreamError> {
+        Ok(1 << 20)
+    }
+}
+
+impl tokio::io::AsyncWrite for CallbackOutput {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        (self.0)(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+impl Host {
+    /// Compile a guest module (`.wasm` or `.wat`) from a file.
+    pub fn load_module(&self, path: &Path) -> Result<Module, HostError> {
+        Module::from_file(&self.engine, path).map_err(|e| HostError::Module {
+            path: path.to_owned(),
+            message: format!("{e:?}"),
+        })
+    }
+
+    /// Run `module`'s `_start` in a fresh instance; returns its exit code (0 when `_start`
+    /// returns normally, the `proc_exit` code otherwise).
+    pub fn run(
+        &self,
+        module: &Module,
+        program: &str,
+        options: &RunOptions,
+    ) -> Result<RunOutcome, HostError> {
+        let mut wasi = WasiCtxBuilder::new();
+        let mut argv = vec![program.to_owned()];
+        argv.extend(options.args.iter().cloned());
+        wasi.args(&argv);
+        let pipes = options
+            .capture
+            .map(|cap| (MemoryOutputPipe::new(cap), MemoryOutputPipe::new(cap)));
+        match &pipes {
+            Some((out, err)) => {
+                wasi.stdout(out.clone()).stderr(err.clone());
+            }
+            None => {
+                wasi.inherit_stdout().inherit_stderr();
+            }
+        }
+        if let Some(callback) = &options.on_stdout {
+            wasi.stdout(CallbackOutput(callback.clone()));
+        }
+        for (host_path, guest_path) in &options.dirs {
+            wasi.preopened_dir(host_path, guest_path, FsPerms::ReadOnly)
+                .map_err(|e| HostError::Dir {
+                    path: host_path.clone(),
+                    message: format!("{e}"),
+                })?;
+        }
+        let backends = [Backend::from(self.backend.clone())];
+        let state = GuestState {
+            wasi: wasi.build_p1(),
+            nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
+            limits: store_limits(options),
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        arm_deadline(&mut store, options);
+        let instance = self
+            .linker
+            .instantiate(&mut store, module)
+            .map_err(wasmtime_err)?;
+        let start = instance
+            .get_typed_func::<(), ()>(&mut store, "_start")
+            .map_err(wasmtime_err)?;
+        // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
+        // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
+        // away either way; catching the panic keeps one bad guest from taking down the host.
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
+        let exit_code = match result {
+            Ok(Ok(())) => 0,
+            Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
+                Some(exit) => exit.0,
+                None if options
+                    .cancel
+                    .as_ref()
+                    .is_some_and(|c| c.load(Ordering::Relaxed)) =>
+                {
+                    return Err(HostError::Cancelled)
+                }
+                None if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
+                    return Err(HostError::Timeout(options.timeout.unwrap_or_default()))
+                }
+                None => return Err(HostError::Trap(format!("{e:?}"))),
+            },
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                return Err(HostError::Trap(format!("a host call panicked: {message}")));
+            }
+        };
+        let (stdout, stderr) = match pipes {
+            Some((out, err)) => (out.contents().to_vec(), err.contents().to_vec()),
+            None => Default::default(),
+        };
+        Ok(RunOutcome {
+            exit_code,
+            stdout,
+            stderr,
+        })
+    }
+}
