@@ -6,6 +6,8 @@
 //! - [`backend`]: the wasi-nn backend traits over an [`backend::Executor`] (CPU or CUDA).
 //! - [`runtime`]: the wasmtime host that instantiates guests (WASI preview 1 modules).
 //! - [`component`]: the same for the guest as a component (WASI preview 2, `wasi:nn` WIT).
+//! - `serve` (cargo feature `serve`, on by default): the OpenAI-style HTTP completions service
+//!   over the component, behind `wasi-nn-host serve`.
 //!
 //! ```no_run
 //! use wasi_nn_host::{backend::Device, runtime::{HostBuilder, RunOptions}};
@@ -28,6 +30,8 @@ pub mod cuda;
 pub mod gpu_check;
 pub mod model;
 pub mod runtime;
+#[cfg(feature = "serve")]
+pub mod serve;
 
 pub use backend::{Device, Gpt2Backend, Gpt2Error, GpuDtype};
 pub use runtime::{Host, HostBuilder, HostError, RunOptions, RunOutcome};
