@@ -50,6 +50,8 @@ enum Command {
         #[arg(last = true)]
         guest_args: Vec<String>,
     },
+    /// Serve OpenAI-style completions over HTTP with the guest component (`gpt2:text`).
+    Serve(wasi_nn_host::serve::ServeArgs),
     /// Write deterministic random weights of a GPT-2 size (124M, 355M, 774M, 1558M).
     RandomCheckpoint {
         #[arg(long, default_value = "124M")]
@@ -162,6 +164,24 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|| "guest.wasm".into());
             let outcome = host.run(&wasm, &program, &options)?;
             std::process::exit(outcome.exit_code);
+        }
+        Command::Serve(args) => {
+            let mut builder = HostBuilder::new(args.device).dtype(args.dtype);
+            let graphs = args.graph_specs()?;
+            if graphs.is_empty() {
+                let dir = wasi_nn_host::find_default_model().with_context(|| {
+                    format!(
+                        "the default model ({}) was not found under the current directory or the \
+                         executable's; pass --graph gpt2=PATH",
+                        wasi_nn_host::DEFAULT_MODEL_DIR
+                    )
+                })?;
+                builder = builder.graph("gpt2", &dir)?;
+            }
+            for (name, spec) in graphs {
+                builder = builder.graph_from_weights(name, load_model_spec(spec)?)?;
+            }
+            wasi_nn_host::serve::run(builder.build()?, &args)?;
         }
         Command::RandomCheckpoint {
             size,
