@@ -12,6 +12,9 @@
 //! - [`cuda`]: the CUDA backend (our kernels, NVRTC, cuBLAS/cuBLASLt).
 //! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
 //!
+//! Above them, `serve` (cargo feature `serve`, on by default): the OpenAI-style HTTP
+//! completions service over the component, behind `wasi-nn-host serve`.
+//!
 //! ```no_run
 //! use wasi_nn_host::{Device, HostBuilder, RunOptions};
 //! # fn main() -> Result<(), wasi_nn_host::HostError> {
@@ -30,6 +33,8 @@ pub mod cuda;
 pub mod engine;
 pub mod model;
 pub mod runtime;
+#[cfg(feature = "serve")]
+pub mod serve;
 pub mod wasi_nn;
 
 pub use engine::{Device, EngineError, GpuDtype};

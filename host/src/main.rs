@@ -49,6 +49,8 @@ enum Command {
         #[arg(last = true)]
         guest_args: Vec<String>,
     },
+    /// Serve OpenAI-style completions over HTTP with the guest component (`gpt2:text`).
+    Serve(wasi_nn_host::serve::ServeArgs),
     /// Write deterministic random weights of a GPT-2 size (124M, 355M, 774M, 1558M).
     RandomCheckpoint {
         #[arg(long, default_value = "124M")]
@@ -92,26 +94,18 @@ fn main() -> Result<()> {
             max_load_bytes,
             guest_args,
         } => {
-            let mut builder = HostBuilder::auto()
+            let builder = HostBuilder::auto()
                 .device(device)
                 .dtype(dtype)
                 .max_load_bytes(max_load_bytes);
-            if graphs.is_empty() {
-                let dir = wasi_nn_host::find_default_model().with_context(|| {
-                    format!(
-                        "the default model ({}) was not found under the current directory or the \
-                         executable's; pass --graph gpt2=PATH",
-                        wasi_nn_host::DEFAULT_MODEL_DIR
-                    )
-                })?;
-                builder = builder.graph("gpt2", &dir)?;
-            }
-            for spec in &graphs {
-                let (name, path) = spec
-                    .split_once('=')
-                    .with_context(|| format!("--graph {spec}: expected NAME=PATH"))?;
-                builder = builder.graph_from_weights(name, model::load_spec(path)?)?;
-            }
+            let specs = graphs
+                .iter()
+                .map(|spec| {
+                    spec.split_once('=')
+                        .with_context(|| format!("--graph {spec}: expected NAME=PATH"))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let builder = with_graphs(builder, &specs)?;
             let host = builder.build()?;
             let options = RunOptions {
                 args: guest_args,
@@ -131,6 +125,11 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|| "guest.wasm".into());
             let outcome = host.run(&wasm, &program, &options)?;
             std::process::exit(outcome.exit_code);
+        }
+        Command::Serve(args) => {
+            let builder = HostBuilder::new(args.device).dtype(args.dtype);
+            let builder = with_graphs(builder, &args.graph_specs()?)?;
+            wasi_nn_host::serve::run(builder.build()?, &args)?;
         }
         Command::RandomCheckpoint {
             size,
@@ -172,4 +171,23 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Load each `(name, spec)` graph (a path or `random:SIZE`); without any, `gpt2` is the
+/// embedded default model.
+fn with_graphs(mut builder: HostBuilder, graphs: &[(&str, &str)]) -> Result<HostBuilder> {
+    if graphs.is_empty() {
+        let dir = wasi_nn_host::find_default_model().with_context(|| {
+            format!(
+                "the default model ({}) was not found under the current directory or the \
+                 executable's; pass --graph gpt2=PATH",
+                wasi_nn_host::DEFAULT_MODEL_DIR
+            )
+        })?;
+        builder = builder.graph("gpt2", &dir)?;
+    }
+    for (name, spec) in graphs {
+        builder = builder.graph_from_weights(name, model::load_spec(spec)?)?;
+    }
+    Ok(builder)
 }

@@ -1,57 +1,66 @@
-//! The HTTP service end to end: a real server on a loopback port, a real HTTP client.
+//! The HTTP service (`wasi_nn_host::serve`) end to end: a real server on a loopback port
+//! running the guest component, a real HTTP client, and the CLI (`gpt2.wasm --json`) as the
+//! reference for the text.
 
 use integration_tests::*;
 use std::io::{BufRead, Read, Write};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
-use wasi_nn_examples::{router, Service, ServiceConfig};
+use wasi_nn_host::serve::{Service, ServiceConfig};
 use wasi_nn_host::{Device, HostBuilder, RunOptions};
 
 struct Server {
     url: String,
     service: Arc<Service>,
     host: Arc<wasi_nn_host::Host>,
+    /// The command guest, for the CLI's answers.
     module: wasmtime::Module,
 }
 
 /// One server for the whole test binary.
 fn server() -> &'static Server {
     static SERVER: OnceLock<Server> = OnceLock::new();
-    SERVER.get_or_init(start_server)
+    SERVER.get_or_init(|| start_server(&["gpt2"]))
 }
 
-/// A server on a loopback port, on its own runtime thread.
-fn start_server() -> Server {
-    {
-        let host = Arc::new(
-            HostBuilder::new(Device::Cpu)
-                .graph("gpt2", &shakespeare_dir())
-                .expect("model")
-                .build()
-                .expect("host"),
-        );
-        let module = host.load_module(&gpt2_wasm()).expect("module");
-        let service = Service::new(host.clone(), module.clone(), ServiceConfig::default());
-        let runtime = tokio::runtime::Runtime::new().expect("runtime");
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let app = router(service.clone());
-        std::thread::spawn(move || {
-            runtime.block_on(async move { axum::serve(listener, app).await.expect("serve") });
-        });
-        Server {
-            url,
-            service,
-            host,
-            module,
-        }
+/// A server on a loopback port, on its own runtime thread, serving the default model under
+/// each of `graphs` (the first is the default model).
+fn start_server(graphs: &[&str]) -> Server {
+    let mut builder = HostBuilder::new(Device::Cpu);
+    for name in graphs {
+        builder = builder.graph(name, &shakespeare_dir()).expect("model");
+    }
+    let host = Arc::new(builder.build().expect("host"));
+    let component = host
+        .load_component(&gpt2_component())
+        .expect("compile component");
+    let module = host.load_module(&gpt2_wasm()).expect("compile module");
+    let config = ServiceConfig {
+        default_model: graphs[0].to_owned(),
+        ..Default::default()
+    };
+    let service = Service::new(host.clone(), component, config).expect("service");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let serving = wasi_nn_host::serve::serve(listener, service.clone(), std::future::pending());
+    std::thread::spawn(move || runtime.block_on(serving).expect("serve"));
+    Server {
+        url,
+        service,
+        host,
+        module,
     }
 }
 
 fn post(body: serde_json::Value) -> (u16, serde_json::Value) {
-    let response = ureq::post(&format!("{}/v1/completions", server().url))
+    post_to(server(), body)
+}
+
+fn post_to(s: &Server, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let response = ureq::post(&format!("{}/v1/completions", s.url))
         .config()
         .http_status_as_error(false)
         .build()
@@ -119,6 +128,19 @@ fn completion_equals_the_cli_and_streaming_equals_both() {
     assert_eq!(got["choices"][0]["finish_reason"], "length");
     assert_eq!(got["usage"]["completion_tokens"], 40);
     assert_eq!(got["object"], "text_completion");
+    assert_eq!(got["model"], "gpt2");
+    // timings measured by the service: the first token before the end, 39 more tokens after it
+    let timings = &got["timings"];
+    let (ttft, total) = (
+        timings["ttft_ms"].as_f64().expect("ttft_ms"),
+        timings["total_ms"].as_f64().expect("total_ms"),
+    );
+    assert!(ttft > 0.0 && ttft <= total, "{timings}");
+    let rate = timings["tokens_per_s"].as_f64().expect("tokens_per_s");
+    assert!(
+        (rate - 39.0 / ((total - ttft) / 1e3)).abs() < 1e-6 * rate,
+        "{timings}"
+    );
 
     let mut streamed = request;
     streamed["stream"] = true.into();
@@ -218,7 +240,7 @@ fn bad_requests_get_clear_4xx_errors() {
 #[test]
 fn a_client_that_disconnects_mid_stream_stops_its_instance() {
     // its own server, so other tests' requests do not count as running instances
-    let s = &start_server();
+    let s = &start_server(&["gpt2"]);
     let before = s.service.active();
     let address = s.url.trim_start_matches("http://");
     let mut socket = std::net::TcpStream::connect(address).expect("connect");
@@ -294,4 +316,37 @@ fn concurrent_requests_all_complete_correctly() {
         assert_eq!(status, 200);
         assert_eq!(value["text"], want["text"]);
     }
+}
+
+#[test]
+fn every_graph_is_a_model_and_the_first_is_the_default() {
+    let s = &start_server(&["shakespeare", "again"]);
+    let models: serde_json::Value = ureq::get(&format!("{}/v1/models", s.url))
+        .call()
+        .expect("models")
+        .into_body()
+        .read_json()
+        .expect("json");
+    let mut ids: Vec<&str> = models["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id"))
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["again", "shakespeare"]);
+    let request = serde_json::json!({ "prompt": "JULIET:", "max_tokens": 8, "temperature": 0 });
+    let (status, default) = post_to(s, request.clone());
+    assert_eq!(status, 200, "{default}");
+    assert_eq!(default["model"], "shakespeare");
+    let mut named = request;
+    named["model"] = "again".into();
+    let (status, again) = post_to(s, named);
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["model"], "again");
+    // the same weights under two names
+    assert_eq!(again["choices"][0]["text"], default["choices"][0]["text"]);
+    // `gpt2` is not one of them here
+    let (status, missing) = post_to(s, serde_json::json!({ "prompt": "x", "model": "gpt2" }));
+    assert_eq!(status, 404, "{missing}");
 }

@@ -1,0 +1,94 @@
+//! `wasi-nn-host serve`: its command-line arguments and the blocking entry point that runs
+//! the service until Ctrl-C. Building the [`Host`] from `--graph` (or the default model) is
+//! left to the binary, which loads models for `run` the same way.
+
+use super::{serve, ServeError, Service, ServiceConfig};
+use crate::engine::{Device, GpuDtype};
+use crate::runtime::Host;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Serve OpenAI-style completions over HTTP, one fresh guest-component instance per request.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// The guest component (gpt2_component.wasm, built for wasm32-wasip2).
+    #[arg(long)]
+    pub component: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Where forward passes run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: Device,
+    /// Storage type of the weights on the GPU (converted at load).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: GpuDtype,
+    /// Preload a graph and serve it as a model of the same name: NAME=PATH (HF folder,
+    /// llm.c .bin, or random:SIZE). The first is the model of requests that name none.
+    /// Without any, `gpt2` is the embedded default model (models/gpt2-shakespeare).
+    #[arg(long = "graph", value_name = "NAME=PATH")]
+    pub graphs: Vec<String>,
+    /// Seconds one request may run.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+}
+
+impl ServeArgs {
+    /// The `--graph` flags as `(name, path or random:SIZE)`.
+    pub fn graph_specs(&self) -> Result<Vec<(&str, &str)>, ServeError> {
+        self.graphs
+            .iter()
+            .map(|spec| {
+                spec.split_once('=')
+                    .filter(|(name, path)| !name.is_empty() && !path.is_empty())
+                    .ok_or_else(|| ServeError::GraphSpec(spec.clone()))
+            })
+            .collect()
+    }
+
+    /// The model of requests that name none: the first `--graph`, else `gpt2`.
+    fn default_model(&self) -> Result<String, ServeError> {
+        Ok(self
+            .graph_specs()?
+            .first()
+            .map_or("gpt2", |(name, _)| name)
+            .to_owned())
+    }
+}
+
+/// Serve `host`'s graphs as `args` says until Ctrl-C, on a multi-threaded runtime of its own.
+pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
+    let component = host.load_component(&args.component)?;
+    let config = ServiceConfig {
+        default_model: args.default_model()?,
+        timeout: Duration::from_secs(args.timeout),
+        ..Default::default()
+    };
+    let service = Service::new(Arc::new(host), component, config)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ServeError::Runtime)?;
+    runtime.block_on(async {
+        let address = format!("{}:{}", args.host, args.port);
+        let bind = |source| ServeError::Bind {
+            address: address.clone(),
+            source,
+        };
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .map_err(bind)?;
+        let local = listener.local_addr().map_err(bind)?;
+        eprintln!("listening on http://{local}");
+        serve(listener, service, async {
+            // Without a signal handler the service runs until it is killed.
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+        .await
+    })
+}
