@@ -10,7 +10,7 @@ export PATH=$PATH:/usr/local/cuda/bin
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
 # the session's first launches are the prompt's prefill (86 kernels at 124M: the embedding, 7 a layer, the LM head)
 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum -c 86 --csv \
-  "$dir/wasi-nn-host" bench --device cuda --dtype bf16 --model random:124M --context 1000 --steps 0 \
+  "$dir/wasi-nn-bench" bench --device cuda --dtype bf16 --model random:124M --context 1000 --steps 0 \
   >"$out/prefill-kernels.csv"
 python3 - "$out/prefill-kernels.csv" <<'PY'
 import csv, sys

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark and checks, run on the GPU machine from a folder holding the release
-# host binary and gpt2.wasm (built elsewhere):  bench/run.sh DIR [checks|speed|all]
+# binaries wasi-nn-host and wasi-nn-bench and gpt2.wasm (built elsewhere):
+#   bench/run.sh DIR [checks|speed|all]
 # Prints JSON lines: checks; then, in one call with the PyTorch peer (bench/torch_gpt2.py),
 # our end-to-end and backend rows.
 set -uo pipefail
@@ -8,15 +9,16 @@ dir=${1:-carry}
 part=${2:-all}
 B=$dir/wasi-nn-host
 W=$dir/gpt2.wasm
+C=$dir/wasi-nn-bench
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$part" != speed ]; then
   # correctness first: kernel sweep + whole models vs the CPU reference, and the full context
-  $B check-cuda --model models/gpt2-shakespeare --model random:124M --prompt 16 --steps 64
-  $B check-cuda --model random:124M --prompt 1000 --steps 24
-  $B check-cuda --model random:1558M --prompt 16 --steps 64
+  $C check-cuda --model models/gpt2-shakespeare --model random:124M --prompt 16 --steps 64
+  $C check-cuda --model random:124M --prompt 1000 --steps 24
+  $C check-cuda --model random:1558M --prompt 16 --steps 64
   # 1558M with a long prompt: its prefill products run in several waves of blocks
-  $B check-cuda --model random:1558M --prompt 1000 --steps 2
+  $C check-cuda --model random:1558M --prompt 1000 --steps 2
   # the full path: same greedy text on both devices
   for dev in cpu cuda; do
     $B run $W --device $dev -- --json --max-tokens 64 "ROMEO:" | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); print(json.dumps({'what':'e2e_text','device':'$dev','ids':d['ids'],'text':d['text']}))"
@@ -45,8 +47,8 @@ if [ "$part" != checks ]; then
   # backend-only decode at context 128 and ~1000, 1024-token prefill
   for size in 124M 355M 774M 1558M; do
     for dtype in f32 bf16; do
-      $B bench --device cuda --dtype $dtype --model random:$size --context 128 --steps 30 --prefill 1024
-      $B bench --device cuda --dtype $dtype --model random:$size --context 900 --steps 10
+      $C bench --device cuda --dtype $dtype --model random:$size --context 128 --steps 30 --prefill 1024
+      $C bench --device cuda --dtype $dtype --model random:$size --context 900 --steps 10
     done
   done
   python3 bench/torch_gpt2.py graph prefill

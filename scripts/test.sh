@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --all --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+# the library as embedders without HTTP build it
+cargo clippy --release -p wasi-nn-host --no-default-features --lib --quiet -- -D warnings
 cargo clippy --quiet -p gpt2-guest --target wasm32-wasip1 --profile release-wasm -- -D warnings
 cargo clippy --quiet -p gpt2-component --target wasm32-wasip2 --profile release-wasm -- -D warnings
 cargo test --release --workspace

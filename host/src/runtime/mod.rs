@@ -24,7 +24,7 @@ pub enum HostError {
     Graph {
         name: String,
         #[source]
-        source: Gpt2Error,
+        source: Box<Gpt2Error>,
     },
     #[error("{path}: {message}")]
     Module { path: PathBuf, message: String },
@@ -117,7 +117,7 @@ impl HostBuilder {
             .load_path(path)
             .map_err(|source| HostError::Graph {
                 name: name.to_owned(),
-                source,
+                source: Box::new(source),
             })?;
         self.graphs.insert(name, graph);
         Ok(self)
@@ -134,7 +134,7 @@ impl HostBuilder {
             .graph_from(weights)
             .map_err(|source| HostError::Graph {
                 name: name.to_owned(),
-                source,
+                source: Box::new(source),
             })?;
         self.graphs.insert(name, graph);
         Ok(self)
