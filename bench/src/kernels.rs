@@ -17,7 +17,7 @@ use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
 use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
 use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};
 use wasi_nn_host::cuda::ops::{Epilogue, KvLayer, Launcher};
-use wasi_nn_host::cuda::weights::DevWeights;
+use wasi_nn_host::cuda::weights::{DevLayer, DevWeights};
 use wasi_nn_host::cuda::CudaExecutor;
 use wasi_nn_host::engine::{argmax, EngineError, GpuDtype};
 use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
@@ -261,18 +261,39 @@ impl Bench {
 
     /// The LM head over the row in x (final LayerNorm fused), argmax key into `next`.
     fn lm_head(&self, w: &DevWeights) -> Result<(), CudaError> {
-        let cfg = self.l.config();
-        self.l.matvec(Matvec {
-            out: self.logits.ptr(),
-            x: self.x.ptr(),
-            w: w.wte.ptr(),
-            bias: None,
-            n: cfg.vocab_size,
-            k: cfg.n_embd,
-            norm: Some(w.lnf()),
-            epilogue: Epilogue::Store,
+        let head = w.lm_head(
+            self.l.config(),
+            self.logits.ptr(),
+            self.x.ptr(),
+            self.next.ptr(),
+        );
+        self.l.matvec(head)
+    }
+
+    /// The FC product through cuBLAS (`input` in the weights' type) and the GELU epilogue
+    /// pass into `out`, as the prefill's fallback path does.
+    fn fc_gelu(&self, dl: &DevLayer, input: Act, rows: usize, out: Act) -> Result<(), CudaError> {
+        let c = self.l.config().n_embd;
+        let blas = self.blas()?;
+        let tmp = blas.tmp.ptr();
+        blas.gemm(
+            &self.l,
+            dl.fc_w.ptr(),
+            input,
+            (rows, 4 * c, c),
+            (tmp, 4 * c),
+            false,
+        )?;
+        self.l.gemm_epilogue(GemmEpilogue {
+            out,
+            tmp,
+            bias: dl.fc_b.ptr(),
+            rows,
+            n: 4 * c,
+            epilogue: Epilogue::Gelu,
+            start: 0,
             kv: None,
-            argmax_key: Some(self.next.ptr()),
+            out_stride: 4 * c,
         })
     }
 
@@ -439,27 +460,7 @@ fn check_one(
                     }
                     GpuDtype::F32 => Act::F32(b.ptr(B::H)),
                 };
-                let tmp = blas.tmp.ptr();
-                blas.gemm(
-                    &b.l,
-                    dl.fc_w.ptr(),
-                    input,
-                    (rows, 4 * c, c),
-                    tmp,
-                    4 * c,
-                    false,
-                )?;
-                b.l.gemm_epilogue(GemmEpilogue {
-                    out: Act::F32(b.ptr(B::Fc)),
-                    tmp,
-                    bias: dl.fc_b.ptr(),
-                    rows,
-                    n: 4 * c,
-                    epilogue: Epilogue::Gelu,
-                    start: 0,
-                    kv: None,
-                    out_stride: 4 * c,
-                })?;
+                b.fc_gelu(dl, input, rows, Act::F32(b.ptr(B::Fc)))?;
             }
             None => b.l.matmul(Matmul {
                 out: b.ptr(B::Fc),
@@ -640,20 +641,15 @@ fn check_one(
         };
         let act_r = if bf16 { bf16_round(&act) } else { act };
         let blas = b.blas()?;
-        blas.gemm(&b.l, dl.proj_w.ptr(), a, (rows, c, c), b.ptr(B::X), c, true)?;
-        let tmp = blas.tmp.ptr();
-        blas.gemm(&b.l, dl.fc_w.ptr(), a, (rows, 4 * c, c), tmp, 4 * c, false)?;
-        b.l.gemm_epilogue(GemmEpilogue {
-            out: a_4c,
-            tmp,
-            bias: dl.fc_b.ptr(),
-            rows,
-            n: 4 * c,
-            epilogue: Epilogue::Gelu,
-            start: 0,
-            kv: None,
-            out_stride: 4 * c,
-        })?;
+        blas.gemm(
+            &b.l,
+            dl.proj_w.ptr(),
+            a,
+            (rows, c, c),
+            (b.ptr(B::X), c),
+            true,
+        )?;
+        b.fc_gelu(dl, a, rows, a_4c)?;
         let mut delta = vec![0.0; rows * c];
         cpu::linear(&mut delta, &act_r, &lw.proj_w, None, c, c);
         let want: Vec<f32> = x0.iter().zip(&delta).map(|(a, d)| a + d).collect();

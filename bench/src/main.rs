@@ -55,11 +55,11 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    // RUST_LOG as the host's CLI takes it (warnings by default)
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env();
+    let filter = filter.unwrap_or_else(|_| "warn".into());
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {

@@ -90,15 +90,13 @@ impl Blas {
 
     /// `dst[rows, ldc] (+)= x[rows, k] W[n, k]^T` with f32 results; `x` is in the weights'
     /// type (bf16 tensor cores in bf16 mode). `accumulate` adds to what `dst` holds.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         l: &Launcher,
         w: DevPtr<Stored>,
         x: Act,
         (rows, n, k): (usize, usize, usize),
-        dst: DevPtr<f32>,
-        ldc: usize,
+        (dst, ldc): (DevPtr<f32>, usize),
         accumulate: bool,
     ) -> Result<(), CudaError> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};

@@ -201,18 +201,8 @@ impl CudaSession {
     /// their argmax key into `next` (cleared by the step's embedding kernel).
     fn lm_head(&self, x: DevPtr<f32>) -> Result<(), CudaError> {
         let (cfg, w) = (self.exec.config, &self.exec.weights);
-        self.launcher.matvec(Matvec {
-            out: self.logits.ptr(),
-            x,
-            w: w.wte.ptr(),
-            bias: None,
-            n: cfg.vocab_size,
-            k: cfg.n_embd,
-            norm: Some(w.lnf()),
-            epilogue: Epilogue::Store,
-            kv: None,
-            argmax_key: Some(self.next.ptr()),
-        })
+        let head = w.lm_head(cfg, self.logits.ptr(), x, self.next.ptr());
+        self.launcher.matvec(head)
     }
 
     /// The kernels of one decode step (token in ids[1], position in ids[0]).
@@ -464,7 +454,7 @@ impl CudaSession {
                 // the final LayerNorm writes the head product's input in the weights' type
                 let a = self.product_input(blas);
                 self.layernorm(a, self.x.ptr(), w.lnf(), None, n)?;
-                blas.gemm(l, w.wte.ptr(), a, (n, v, c), all.ptr(), v, false)?;
+                blas.gemm(l, w.wte.ptr(), a, (n, v, c), (all.ptr(), v), false)?;
             } else {
                 self.layernorm(Act::F32(self.h.ptr()), self.x.ptr(), w.lnf(), None, n)?;
                 l.matmul(Matmul {
@@ -562,7 +552,7 @@ impl CudaSession {
                 ));
             }
             if !fresh {
-                blas.gemm(l, qkv_w, a_c, (n, 3 * c, c), tmp, 3 * c, false)?;
+                blas.gemm(l, qkv_w, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
                 self.epilogue(GemmEpilogue {
                     out: Act::F32(self.qkv.ptr()),
                     tmp,
@@ -595,13 +585,13 @@ impl CudaSession {
             if blas.lt_matmul(l, residual(c), lw.proj_w.ptr(), bf16_in(a_c), proj_b32, Act::F32(x))? {
                 pre_bias = None;
             } else {
-                blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), x, c, true)?;
+                blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), (x, c), true)?;
             }
             self.layernorm(a_c, x, lw.ln2(), pre_bias, n)?;
             let gelu = Shape::new((n, 4 * c, c), LtEpilogue::GeluBias);
             let fc_b = LtBias::Stored(lw.fc_b.ptr());
             if !blas.lt_matmul(l, gelu, lw.fc_w.ptr(), bf16_in(a_c), fc_b, a_4c)? {
-                blas.gemm(l, lw.fc_w.ptr(), a_c, (n, 4 * c, c), tmp, 4 * c, false)?;
+                blas.gemm(l, lw.fc_w.ptr(), a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
                 self.epilogue(GemmEpilogue {
                     out: a_4c,
                     tmp,
@@ -619,7 +609,7 @@ impl CudaSession {
             if blas.lt_matmul(l, residual(4 * c), fp_w, bf16_in(a_4c), fc_proj_b32, Act::F32(x))? {
                 pending = None;
             } else {
-                blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), x, c, true)?;
+                blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), (x, c), true)?;
                 pending = Some(lw.fc_proj_b.ptr());
             }
         }

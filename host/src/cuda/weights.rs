@@ -4,9 +4,10 @@
 
 use super::buffer::{Bf16, DevBuf, DevPtr, Stored};
 use super::error::CudaError;
-use super::ops::Norm;
+use super::ops::matvec::Matvec;
+use super::ops::{Epilogue, Norm};
 use crate::engine::GpuDtype;
-use crate::model::Gpt2Weights;
+use crate::model::{Gpt2Config, Gpt2Weights};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
@@ -98,6 +99,29 @@ pub struct DevWeights {
 impl DevWeights {
     pub fn lnf(&self) -> Norm {
         Norm { w: self.lnf_w.ptr(), b: self.lnf_b.ptr() }
+    }
+
+    /// The LM head over the row at `x` (final LayerNorm fused, tied to `wte`): logits into
+    /// `logits`, their argmax key raised into `argmax_key`.
+    pub fn lm_head(
+        &self,
+        config: Gpt2Config,
+        logits: DevPtr<f32>,
+        x: DevPtr<f32>,
+        argmax_key: DevPtr<u64>,
+    ) -> Matvec {
+        Matvec {
+            out: logits,
+            x,
+            w: self.wte.ptr(),
+            bias: None,
+            n: config.vocab_size,
+            k: config.n_embd,
+            norm: Some(self.lnf()),
+            epilogue: Epilogue::Store,
+            kv: None,
+            argmax_key: Some(argmax_key),
+        }
     }
 
     /// Upload `weights` as `dtype` on `stream` (and wait for it).

@@ -111,31 +111,30 @@ impl HostBuilder {
     }
 
     /// Load the model at `path` (HF folder or llm.c file) and register it as `name`.
-    pub fn graph(mut self, name: &str, path: &Path) -> Result<Self, HostError> {
-        let graph = self
-            .backend()
-            .load_path(path)
-            .map_err(|source| HostError::Graph {
-                name: name.to_owned(),
-                source: Box::new(source),
-            })?;
-        self.graphs.insert(name, graph);
-        Ok(self)
+    pub fn graph(self, name: &str, path: &Path) -> Result<Self, HostError> {
+        let graph = self.backend().load_path(path);
+        self.register(name, graph)
     }
 
     /// Register already-loaded weights as `name`.
     pub fn graph_from_weights(
-        mut self,
+        self,
         name: &str,
         weights: crate::model::Gpt2Weights,
     ) -> Result<Self, HostError> {
-        let graph = self
-            .backend()
-            .graph_from(weights)
-            .map_err(|source| HostError::Graph {
-                name: name.to_owned(),
-                source: Box::new(source),
-            })?;
+        let graph = self.backend().graph_from(weights);
+        self.register(name, graph)
+    }
+
+    fn register(
+        mut self,
+        name: &str,
+        graph: Result<wasmtime_wasi_nn::Graph, Gpt2Error>,
+    ) -> Result<Self, HostError> {
+        let graph = graph.map_err(|source| HostError::Graph {
+            name: name.to_owned(),
+            source: Box::new(source),
+        })?;
         self.graphs.insert(name, graph);
         Ok(self)
     }

@@ -41,6 +41,11 @@ pub struct GemmEpilogue {
     pub out_stride: usize,
 }
 
+/// For a QKV epilogue, whether the cache holds rows `start..start + rows` of width `c`.
+fn kv_rows_fit(epilogue: Epilogue, kv: Option<KvLayer>, end: usize, c: usize) -> bool {
+    epilogue != Epilogue::Qkv || kv.is_some_and(|kv| kv.k.len() >= end * c && kv.v.len() >= end * c)
+}
+
 fn kv_addrs(kv: Option<KvLayer>) -> (u64, u64) {
     kv.map_or((0, 0), |kv| (kv.k.addr(), kv.v.addr()))
 }
@@ -57,7 +62,7 @@ impl Launcher {
         ensure(
             a.x.len() >= a.rows * a.k
                 && (qkv || a.out.len() >= a.rows.saturating_sub(1) * a.out_stride + a.n)
-                && (!qkv || a.kv.is_some_and(|kv| kv.k.len() >= (a.start + a.rows) * c)),
+                && kv_rows_fit(a.epilogue, a.kv, a.start + a.rows, c),
             "matmul",
         )?;
         let (rows, n, k, mode) = (a.rows as i32, a.n as i32, a.k as i32, a.epilogue as i32);
@@ -79,10 +84,8 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let c = self.config.n_embd;
-        let qkv = a.epilogue == Epilogue::Qkv;
         ensure(
-            a.tmp.len() >= a.rows * a.n
-                && (!qkv || a.kv.is_some_and(|kv| kv.k.len() >= (a.start + a.rows) * c)),
+            a.tmp.len() >= a.rows * a.n && kv_rows_fit(a.epilogue, a.kv, a.start + a.rows, c),
             "GEMM epilogue",
         )?;
         let (rows, n, mode, c) = (a.rows as i32, a.n as i32, a.epilogue as i32, c as i32);
