@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 use wasi_nn_host::cpu::CpuExecutor;
-use wasi_nn_host::engine::{argmax, Device, EngineError, Executor, GpuDtype};
+use wasi_nn_host::engine::{argmax, Device, EngineError, EngineOptions, Executor, GpuDtype};
 use wasi_nn_host::executor_for;
 use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
 
@@ -79,10 +79,16 @@ pub fn compare(
         GpuDtype::F32 => weights.clone(),
         GpuDtype::Bf16 => weights.bf16_rounded(),
     };
-    let cpu = CpuExecutor::new(Arc::new(reference));
+    let cpu = CpuExecutor::reference(Arc::new(reference));
     // the unrounded model as well, for the f32_model_* figures
-    let f32_model = (dtype == GpuDtype::Bf16).then(|| CpuExecutor::new(Arc::new(weights.clone())));
-    let gpu = executor_for(weights, Device::Cuda, dtype, usize::MAX)?;
+    let f32_model =
+        (dtype == GpuDtype::Bf16).then(|| CpuExecutor::reference(Arc::new(weights.clone())));
+    let options = EngineOptions {
+        dtype,
+        max_kv_bytes: usize::MAX,
+        ..Default::default()
+    };
+    let gpu = executor_for(weights, Device::Cuda, &options)?;
     let mut cpu_s = cpu.new_session()?;
     let mut gpu_s = gpu.new_session()?;
     let mut f32_s = f32_model.map(|e| e.new_session()).transpose()?;

@@ -7,7 +7,7 @@ use std::time::Instant;
 use wasi_nn_host::cuda::CudaExecutor;
 use wasi_nn_host::engine::Session;
 use wasi_nn_host::model;
-use wasi_nn_host::{executor_for, Device, GpuDtype};
+use wasi_nn_host::{executor_for, Device, EngineOptions, GpuDtype};
 
 #[derive(Parser)]
 #[command(
@@ -113,7 +113,7 @@ fn bench(spec: &str, context: usize, steps: usize) -> Result<()> {
     let weights = model::load_spec(spec)?;
     let config = weights.config;
     let weight_bytes = weights.nbytes(4);
-    let executor = executor_for(weights, device, GpuDtype::F32, usize::MAX)?;
+    let executor = executor_for(weights, device, &EngineOptions::default())?;
     let mut session = executor.new_session()?;
     if context + 3 + steps > config.n_ctx {
         bail!(

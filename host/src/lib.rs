@@ -37,7 +37,7 @@ pub mod runtime;
 pub mod serve;
 pub mod wasi_nn;
 
-pub use engine::{Device, EngineError, GpuDtype};
+pub use engine::{Device, EngineError, EngineOptions, GpuDtype};
 pub use runtime::{Host, HostBuilder, HostError, RunOptions, RunOutcome};
 pub use wasi_nn::{Gpt2Backend, Gpt2Error};
 
@@ -63,20 +63,21 @@ pub fn find_default_model() -> Option<std::path::PathBuf> {
         .find(|dir| dir.join("config.json").is_file())
 }
 
-/// Load `weights` onto `device` as an executor (GPU weights stored as `dtype`; each GPU
-/// session's KV cache capped at `max_kv_bytes`).
+/// Load `weights` onto `device` as an executor set up as `options` say.
 pub fn executor_for(
     weights: model::Gpt2Weights,
     device: Device,
-    dtype: GpuDtype,
-    max_kv_bytes: usize,
+    options: &EngineOptions,
 ) -> Result<Arc<dyn engine::Executor>, EngineError> {
     match device {
-        Device::Cpu => Ok(Arc::new(cpu::CpuExecutor::new(Arc::new(weights)))),
+        Device::Cpu => Ok(Arc::new(cpu::CpuExecutor::new(
+            Arc::new(weights),
+            options.kv_pool_bytes,
+        ))),
         Device::Cuda => Ok(Arc::new(cuda::CudaExecutor::new(
             &weights,
-            dtype,
-            max_kv_bytes,
+            options.dtype,
+            options.max_kv_bytes,
         )?)),
     }
 }

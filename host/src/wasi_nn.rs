@@ -17,7 +17,7 @@
 //! the longest common prefix of the cached sequence and the new one, rewinds the cache to it
 //! and runs only the rest as one batch.
 
-use crate::engine::{Device, EngineError, Executor, GpuDtype, Session};
+use crate::engine::{Device, EngineError, EngineOptions, Executor, GpuDtype, Session};
 use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
@@ -102,17 +102,13 @@ impl From<Gpt2Error> for BackendError {
 pub struct Gpt2Backend {
     /// `Some`: every graph runs there, whatever the guest's execution target says.
     device: Option<Device>,
-    dtype: GpuDtype,
     max_load_bytes: usize,
-    max_kv_bytes: usize,
+    options: EngineOptions,
 }
 
 impl Gpt2Backend {
     /// Guests may `load` models of at most this many bytes by default.
     pub const DEFAULT_MAX_LOAD_BYTES: usize = 1 << 30;
-
-    /// Each execution context's KV cache may hold at most this many bytes by default.
-    pub const DEFAULT_MAX_KV_BYTES: usize = 2 << 30;
 
     /// A backend whose graphs all run on `device`, whatever the guest's execution target
     /// (the host's `--device`).
@@ -130,21 +126,26 @@ impl Gpt2Backend {
     pub fn with_device_override(device: Option<Device>, max_load_bytes: usize) -> Self {
         Self {
             device,
-            dtype: GpuDtype::F32,
             max_load_bytes,
-            max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
+            options: EngineOptions::default(),
         }
     }
 
     /// Store weights on the GPU as `dtype` (the CPU backend always computes in f32).
     pub fn with_dtype(mut self, dtype: GpuDtype) -> Self {
-        self.dtype = dtype;
+        self.options.dtype = dtype;
         self
     }
 
     /// Cap each execution context's KV cache (GPU).
     pub fn with_max_kv_bytes(mut self, bytes: usize) -> Self {
-        self.max_kv_bytes = bytes;
+        self.options.max_kv_bytes = bytes;
+        self
+    }
+
+    /// Cap the KV caches of all contexts of one graph together (CPU).
+    pub fn with_kv_pool_bytes(mut self, bytes: usize) -> Self {
+        self.options.kv_pool_bytes = bytes;
         self
     }
 
@@ -211,7 +212,7 @@ impl Gpt2Backend {
     }
 
     fn graph_on(&self, weights: model::Gpt2Weights, device: Device) -> Result<Graph, Gpt2Error> {
-        let executor = crate::executor_for(weights, device, self.dtype, self.max_kv_bytes)?;
+        let executor = crate::executor_for(weights, device, &self.options)?;
         let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
         Ok(graph.into())
     }

@@ -14,7 +14,7 @@ use wasmtime_wasi_nn::Tensor;
 
 fn tiny_context() -> Gpt2Context {
     let weights = model::load_path(&fixture("tiny")).expect("tiny");
-    Gpt2Context::new(Arc::new(CpuExecutor::new(Arc::new(weights)))).expect("context")
+    Gpt2Context::new(Arc::new(CpuExecutor::new(Arc::new(weights), 1 << 30))).expect("context")
 }
 
 fn tokens_tensor(ids: &[i32]) -> Tensor {

@@ -72,9 +72,12 @@ fn no_gpu_is_a_clear_error_not_a_crash() {
         return;
     }
     let weights = model::load_path(&fixture("tiny")).expect("tiny");
-    let err =
-        wasi_nn_host::executor_for(weights, wasi_nn_host::Device::Cuda, GpuDtype::F32, 1 << 30)
-            .err()
-            .expect("no executor without a GPU");
+    let err = wasi_nn_host::executor_for(
+        weights,
+        wasi_nn_host::Device::Cuda,
+        &wasi_nn_host::EngineOptions::default(),
+    )
+    .err()
+    .expect("no executor without a GPU");
     assert!(err.to_string().contains("device"), "{err}");
 }

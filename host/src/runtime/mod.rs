@@ -9,7 +9,7 @@ mod module;
 pub use component::{Completion, ComponentState, Sampling, Score};
 pub use module::GuestState;
 
-use crate::engine::{Device, GpuDtype};
+use crate::engine::{Device, EngineOptions, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +58,7 @@ pub struct HostBuilder {
     dtype: GpuDtype,
     max_load_bytes: usize,
     max_kv_bytes: usize,
+    kv_pool_bytes: usize,
     graphs: GraphSet,
 }
 
@@ -80,7 +81,8 @@ impl HostBuilder {
             device: None,
             dtype: GpuDtype::F32,
             max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
-            max_kv_bytes: Gpt2Backend::DEFAULT_MAX_KV_BYTES,
+            max_kv_bytes: EngineOptions::DEFAULT_MAX_KV_BYTES,
+            kv_pool_bytes: EngineOptions::DEFAULT_KV_POOL_BYTES,
             graphs: GraphSet::default(),
         }
     }
@@ -107,6 +109,13 @@ impl HostBuilder {
     /// Cap on each execution context's KV cache (GPU).
     pub fn max_kv_bytes(mut self, bytes: usize) -> Self {
         self.max_kv_bytes = bytes;
+        self
+    }
+
+    /// Cap on the KV caches of all contexts of one graph together (CPU, where contexts
+    /// share batched steps); a context that would pass it gets an error, the others go on.
+    pub fn kv_pool_bytes(mut self, bytes: usize) -> Self {
+        self.kv_pool_bytes = bytes;
         self
     }
 
@@ -143,6 +152,7 @@ impl HostBuilder {
         Gpt2Backend::with_device_override(self.device, self.max_load_bytes)
             .with_dtype(self.dtype)
             .with_max_kv_bytes(self.max_kv_bytes)
+            .with_kv_pool_bytes(self.kv_pool_bytes)
     }
 
     pub fn build(self) -> Result<Host, HostError> {

@@ -7,8 +7,12 @@
 //! Matrix products are parallel over output features with rayon; a prompt goes through as one
 //! matrix-matrix pass rather than token by token.
 //!
-//! [`CpuExecutor`] puts it behind the engine's [`Executor`] / [`Session`] traits.
+//! [`CpuExecutor`] puts it behind the engine's [`Executor`] / [`Session`] traits, and
+//! [`batched`] runs many contexts' tokens as one step with matrix-matrix products.
 
+pub mod batched;
+
+use crate::engine::batch::{Batcher, KvPool};
 use crate::engine::{argmax, EngineError, Executor, Session};
 use crate::model::{Gpt2Config, Gpt2Weights};
 use rayon::prelude::*;
@@ -244,41 +248,98 @@ pub fn attention(
     n_head: usize,
     c: usize,
 ) {
-    let hd = c / n_head;
-    let scale = 1.0 / (hd as f32).sqrt();
     out.par_chunks_mut(c).enumerate().for_each(|(t, out_row)| {
-        let visible = start + t + 1;
-        let mut scores = vec![0.0f32; visible];
-        for h in 0..n_head {
-            let q = &qkv[t * 3 * c + h * hd..][..hd];
-            let mut max = f32::NEG_INFINITY;
-            for (j, s) in scores.iter_mut().enumerate() {
-                *s = dot(q, &k_cache[j * c + h * hd..][..hd]) * scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0.0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let o = &mut out_row[h * hd..(h + 1) * hd];
-            o.fill(0.0);
-            for (j, s) in scores.iter().enumerate() {
-                let weight = s / sum;
-                for (oi, vi) in o.iter_mut().zip(&v_cache[j * c + h * hd..][..hd]) {
-                    *oi += weight * vi;
-                }
-            }
-        }
+        let q = &qkv[t * 3 * c..][..c];
+        attention_row(out_row, q, (k_cache, v_cache), start + t + 1, n_head);
     });
 }
 
-/// The CPU reference as an [`Executor`].
-pub struct CpuExecutor(CpuModel);
+/// Attention of one query row `q` (`[C]`) over the first `visible` cached positions, into
+/// `out_row` (`[C]`), head by head.
+pub fn attention_row(
+    out_row: &mut [f32],
+    q: &[f32],
+    (k_cache, v_cache): (&[f32], &[f32]),
+    visible: usize,
+    n_head: usize,
+) {
+    let c = out_row.len();
+    let hd = c / n_head;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut scores = vec![0.0f32; visible];
+    for h in 0..n_head {
+        let q = &q[h * hd..][..hd];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = dot(q, &k_cache[j * c + h * hd..][..hd]) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out_row[h * hd..(h + 1) * hd];
+        o.fill(0.0);
+        for (j, s) in scores.iter().enumerate() {
+            let weight = s / sum;
+            for (oi, vi) in o.iter_mut().zip(&v_cache[j * c + h * hd..][..hd]) {
+                *oi += weight * vi;
+            }
+        }
+    }
+}
+
+/// The CPU backend as an [`Executor`]: by default the contexts of one model share batched
+/// steps ([`batched::CpuBatch`] behind a [`Batcher`]); [`CpuExecutor::reference`] runs the
+/// specification, one context at a time.
+pub struct CpuExecutor {
+    config: Gpt2Config,
+    engine: CpuEngine,
+}
+
+enum CpuEngine {
+    Batched(Arc<Batcher<batched::CpuBatch>>),
+    Reference(CpuModel),
+}
 
 impl CpuExecutor {
-    pub fn new(weights: Arc<Gpt2Weights>) -> Self {
-        Self(CpuModel::new(weights))
+    /// Most tokens one batched step runs: a long prompt goes through in chunks of this many,
+    /// so the streams decoding beside it wait at most one chunk.
+    pub const MAX_STEP_TOKENS: usize = 128;
+
+    /// Batched steps, the KV caches of all contexts together capped at `kv_pool_bytes`.
+    pub fn new(weights: Arc<Gpt2Weights>, kv_pool_bytes: usize) -> Self {
+        let config = weights.config;
+        let model = batched::CpuBatch::new(weights, KvPool::new(kv_pool_bytes));
+        Self {
+            config,
+            engine: CpuEngine::Batched(Batcher::new(model, Self::MAX_STEP_TOKENS)),
+        }
+    }
+
+    /// The specification's forward pass, one context at a time, no pool.
+    pub fn reference(weights: Arc<Gpt2Weights>) -> Self {
+        Self {
+            config: weights.config,
+            engine: CpuEngine::Reference(CpuModel::new(weights)),
+        }
+    }
+
+    /// The batcher's counts (steps, items over all steps, the largest step), when batched.
+    pub fn batch_stats(&self) -> Option<(usize, usize, usize)> {
+        match &self.engine {
+            CpuEngine::Batched(b) => Some(b.stats().get()),
+            CpuEngine::Reference(_) => None,
+        }
+    }
+
+    /// Bytes of the KV pool in use and its cap, when batched.
+    pub fn kv_pool(&self) -> Option<(usize, usize)> {
+        match &self.engine {
+            CpuEngine::Batched(b) => Some((b.model().pool().used(), b.model().pool().cap())),
+            CpuEngine::Reference(_) => None,
+        }
     }
 }
 
@@ -291,14 +352,17 @@ struct CpuSession {
 
 impl Executor for CpuExecutor {
     fn config(&self) -> Gpt2Config {
-        self.0.weights().config
+        self.config
     }
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
-        Ok(Box::new(CpuSession {
-            model: self.0.clone(),
-            cache: Default::default(),
-            logits: Vec::new(),
-        }))
+        Ok(match &self.engine {
+            CpuEngine::Batched(batcher) => batcher.session(),
+            CpuEngine::Reference(model) => Box::new(CpuSession {
+                model: model.clone(),
+                cache: Default::default(),
+                logits: Vec::new(),
+            }),
+        })
     }
 }
 

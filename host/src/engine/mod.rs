@@ -1,10 +1,13 @@
 //! What every device backend shares, and nothing device-specific: where a forward pass runs
 //! ([`Device`], [`GpuDtype`]), the engine's error ([`EngineError`]), the two traits a backend
 //! implements ([`Executor`]: a model loaded on a device; [`Session`]: one sequence's KV cache
-//! on it), the greedy [`argmax`], and a pool of idle sessions ([`SessionPool`]).
+//! on it), the greedy [`argmax`], a pool of idle sessions ([`SessionPool`]), and continuous
+//! batching across contexts ([`batch`]).
 //!
 //! The CPU reference ([`crate::cpu`]) and the CUDA backend ([`crate::cuda`]) depend on this
 //! module; it depends on neither. The wasi-nn contract ([`crate::wasi_nn`]) sits on top.
+
+pub mod batch;
 
 use crate::model::{Gpt2Config, LoadError};
 use std::sync::{Arc, Mutex};
@@ -34,6 +37,34 @@ impl GpuDtype {
     }
 }
 
+/// How an executor is set up on its device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Storage type of the weights on the GPU (the CPU computes in f32).
+    pub dtype: GpuDtype,
+    /// Cap on one context's KV cache (GPU).
+    pub max_kv_bytes: usize,
+    /// Cap on the KV caches of all contexts of one model together (CPU, batched).
+    pub kv_pool_bytes: usize,
+}
+
+impl EngineOptions {
+    /// Each GPU context's KV cache may hold at most this many bytes by default.
+    pub const DEFAULT_MAX_KV_BYTES: usize = 2 << 30;
+    /// The KV caches of one model's CPU contexts may hold this many bytes together by default.
+    pub const DEFAULT_KV_POOL_BYTES: usize = 4 << 30;
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            dtype: GpuDtype::F32,
+            max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
+            kv_pool_bytes: Self::DEFAULT_KV_POOL_BYTES,
+        }
+    }
+}
+
 /// Errors of a forward pass or of setting one up, on any device.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -45,6 +76,15 @@ pub enum EngineError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error(transparent)]
     Load(#[from] LoadError),
+    /// The KV caches of this model's contexts together would pass the pool's cap.
+    #[error(
+        "the KV cache pool is full: this context needs {needed} more bytes, {used} of {cap} are in use"
+    )]
+    KvPoolFull {
+        needed: usize,
+        used: usize,
+        cap: usize,
+    },
     /// The device ran out of memory for `what` (a KV cache, activations, weights).
     #[error("device: {what}: out of GPU memory")]
     OutOfMemory { what: String },

@@ -1,0 +1,376 @@
+//! Continuous batching across execution contexts: forward passes that contexts of one graph
+//! ask for at about the same time run as one batched step ([`Batcher`]).
+//!
+//! Iteration-level scheduling by flat combining, with no scheduler thread: a context that
+//! asks for a step queues its request; if no step is running, its own thread becomes the
+//! leader, takes every queued request (up to a token budget), runs them as one step of the
+//! [`BatchModel`], hands each result back and wakes the others; if a step is running, it waits
+//! and joins the next one. A step never waits for a batch to fill: a lone stream runs at once,
+//! on its own thread, as before. A long prompt is cut into chunks of at most
+//! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
+//!
+//! Each context's state (its KV cache and last logits, a [`BatchModel::Seq`]) moves into the
+//! step and back, so no context can see another's; an error in one item (its cache pool is
+//! full, say) fails that context alone, and a panic in a step fails that step's contexts with
+//! an error while the batcher keeps serving.
+
+use super::{EngineError, Session};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// One context's state on a device: what a step reads and extends.
+pub trait SeqState: Send + Sync + 'static {
+    /// Positions cached.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forget every position from `len` on.
+    fn truncate(&mut self, len: usize);
+    /// Logits of the last position of the last extend, `[V]`.
+    fn last_logits(&self) -> Vec<f32>;
+    /// Logits of every position of the last extend with all positions, `[n, V]`.
+    fn all_logits(&self) -> Vec<f32>;
+    /// Index of the largest last-position logit.
+    fn argmax(&self) -> u32;
+}
+
+/// A model that runs several contexts' tokens as one step.
+pub trait BatchModel: Send + Sync + 'static {
+    type Seq: SeqState;
+
+    /// A new, empty context.
+    fn new_seq(&self) -> Self::Seq;
+
+    /// Run one step: each item's `tokens` at its next positions (a chunk of its request:
+    /// `first_chunk` / `last_chunk` say which). Keep the last position's logits of a last
+    /// chunk, and every position's when `all_positions`. An item that cannot run sets its
+    /// `error` and leaves its state as it was; the others are unaffected.
+    fn step(&self, items: &mut [StepItem<'_, Self::Seq>]);
+}
+
+/// One context's share of a step.
+pub struct StepItem<'a, S> {
+    pub seq: &'a mut S,
+    pub tokens: &'a [u32],
+    pub all_positions: bool,
+    pub first_chunk: bool,
+    pub last_chunk: bool,
+    pub error: Option<EngineError>,
+}
+
+/// A queued request: a context's state and the tokens still to run.
+struct Request<S> {
+    ticket: u64,
+    seq: S,
+    tokens: Vec<u32>,
+    done: usize,
+    all_positions: bool,
+}
+
+/// A request in a step: the tokens it runs this step and, afterwards, its error if any.
+struct Scheduled<S> {
+    request: Request<S>,
+    take: usize,
+    error: Option<EngineError>,
+}
+
+struct State<S> {
+    running: bool,
+    queue: VecDeque<Request<S>>,
+    finished: HashMap<u64, (S, Result<(), EngineError>)>,
+    next_ticket: u64,
+}
+
+/// Steps shared by the contexts of one model (see the module docs).
+pub struct Batcher<M: BatchModel> {
+    model: M,
+    /// Most tokens one step runs (every queued decode gets its token; prompts share the rest).
+    max_step_tokens: usize,
+    state: Mutex<State<M::Seq>>,
+    wake: Condvar,
+    stats: BatchStats,
+}
+
+/// What the batcher has done, for benchmarks and tests.
+#[derive(Default)]
+pub struct BatchStats {
+    steps: AtomicUsize,
+    items: AtomicUsize,
+    largest: AtomicUsize,
+}
+
+impl BatchStats {
+    /// (steps run, items over all steps, the largest step in items).
+    pub fn get(&self) -> (usize, usize, usize) {
+        (
+            self.steps.load(Ordering::Relaxed),
+            self.items.load(Ordering::Relaxed),
+            self.largest.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl<M: BatchModel> Batcher<M> {
+    pub fn new(model: M, max_step_tokens: usize) -> Arc<Self> {
+        Arc::new(Self {
+            model,
+            max_step_tokens: max_step_tokens.max(1),
+            state: Mutex::new(State {
+                running: false,
+                queue: VecDeque::new(),
+                finished: HashMap::new(),
+                next_ticket: 0,
+            }),
+            wake: Condvar::new(),
+            stats: BatchStats::default(),
+        })
+    }
+
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    pub fn stats(&self) -> &BatchStats {
+        &self.stats
+    }
+
+    /// A new context as a [`Session`] whose extends go through this batcher.
+    pub fn session(self: &Arc<Self>) -> Box<dyn Session> {
+        Box::new(BatchedSession {
+            batcher: self.clone(),
+            seq: Some(self.model.new_seq()),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<M::Seq>> {
+        // The lock only guards queue bookkeeping (no step runs under it), which stays
+        // consistent even if a holder panicked.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `tokens` on `seq` in the next step(s); returns the state and the outcome.
+    pub fn run(
+        &self,
+        seq: M::Seq,
+        tokens: Vec<u32>,
+        all_positions: bool,
+    ) -> (M::Seq, Result<(), EngineError>) {
+        let mut state = self.lock();
+        let ticket = state.next_ticket;
+        state.next_ticket += 1;
+        state.queue.push_back(Request {
+            ticket,
+            seq,
+            tokens,
+            done: 0,
+            all_positions,
+        });
+        loop {
+            if let Some(outcome) = state.finished.remove(&ticket) {
+                return outcome;
+            }
+            if !state.running && !state.queue.is_empty() {
+                state.running = true;
+                let mut batch = self.take_batch(&mut state);
+                drop(state);
+                self.run_step(&mut batch);
+                state = self.lock();
+                // unfinished prompts go back to the front, in their order
+                for Scheduled {
+                    request,
+                    take,
+                    error,
+                } in batch.into_iter().rev()
+                {
+                    let request = match (request, error) {
+                        (r, Some(e)) => {
+                            state.finished.insert(r.ticket, (r.seq, Err(e)));
+                            continue;
+                        }
+                        (mut r, None) => {
+                            r.done += take;
+                            r
+                        }
+                    };
+                    if request.done >= request.tokens.len() {
+                        state.finished.insert(request.ticket, (request.seq, Ok(())));
+                    } else {
+                        state.queue.push_front(request);
+                    }
+                }
+                state.running = false;
+                self.wake.notify_all();
+                continue;
+            }
+            state = self.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// The requests of the next step with the tokens each runs: every queued decode, and
+    /// prompts in arrival order while the budget lasts (the first request always runs).
+    fn take_batch(&self, state: &mut State<M::Seq>) -> Vec<Scheduled<M::Seq>> {
+        let mut budget = self.max_step_tokens;
+        let mut batch = Vec::new();
+        let mut kept = VecDeque::new();
+        while let Some(request) = state.queue.pop_front() {
+            let remaining = request.tokens.len() - request.done;
+            let take = if batch.is_empty() {
+                remaining.min(budget.max(1))
+            } else if remaining == 1 {
+                1
+            } else {
+                remaining.min(budget)
+            };
+            if take == 0 {
+                kept.push_back(request);
+                continue;
+            }
+            budget = budget.saturating_sub(take);
+            batch.push(Scheduled {
+                request,
+                take,
+                error: None,
+            });
+        }
+        state.queue = kept;
+        batch
+    }
+
+    fn run_step(&self, batch: &mut [Scheduled<M::Seq>]) {
+        let mut items: Vec<StepItem<'_, M::Seq>> = batch
+            .iter_mut()
+            .map(|s| {
+                let (r, take) = (&mut s.request, s.take);
+                StepItem {
+                    first_chunk: r.done == 0,
+                    last_chunk: r.done + take == r.tokens.len(),
+                    tokens: &r.tokens[r.done..r.done + take],
+                    all_positions: r.all_positions,
+                    seq: &mut r.seq,
+                    error: None,
+                }
+            })
+            .collect();
+        let ran =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.step(&mut items)));
+        let errors: Vec<Option<EngineError>> = match ran {
+            Ok(()) => items.into_iter().map(|item| item.error).collect(),
+            Err(_) => {
+                drop(items);
+                tracing::error!("a batched step panicked; its contexts get an error");
+                batch
+                    .iter()
+                    .map(|_| Some(EngineError::device("the batched step failed")))
+                    .collect()
+            }
+        };
+        let n = batch.len();
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.items.fetch_add(n, Ordering::Relaxed);
+        self.stats.largest.fetch_max(n, Ordering::Relaxed);
+        for (scheduled, error) in batch.iter_mut().zip(errors) {
+            scheduled.error = error;
+        }
+    }
+}
+
+/// One execution context's view of a [`Batcher`]: its state lives here between steps.
+struct BatchedSession<M: BatchModel> {
+    batcher: Arc<Batcher<M>>,
+    /// `None` only if a step lost it (it never returns without it).
+    seq: Option<M::Seq>,
+}
+
+impl<M: BatchModel> BatchedSession<M> {
+    fn seq(&self) -> Result<&M::Seq, EngineError> {
+        self.seq
+            .as_ref()
+            .ok_or_else(|| EngineError::device("context state lost"))
+    }
+}
+
+impl<M: BatchModel> Session for BatchedSession<M> {
+    fn len(&self) -> usize {
+        self.seq.as_ref().map_or(0, SeqState::len)
+    }
+    fn truncate(&mut self, len: usize) {
+        if let Some(seq) = self.seq.as_mut() {
+            seq.truncate(len);
+        }
+    }
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptySequence);
+        }
+        let seq = self
+            .seq
+            .take()
+            .ok_or_else(|| EngineError::device("context state lost"))?;
+        let (seq, result) = self.batcher.run(seq, tokens.to_vec(), all_positions);
+        self.seq = Some(seq);
+        result
+    }
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.seq()?.last_logits())
+    }
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.seq()?.all_logits())
+    }
+    fn argmax(&mut self) -> Result<u32, EngineError> {
+        Ok(self.seq()?.argmax())
+    }
+}
+
+/// A cap on the KV-cache bytes of every context of one model together. A context reserves
+/// what its cache grows by before a step and gives it back when it shrinks or is dropped;
+/// a reservation past the cap fails that context alone.
+pub struct KvPool {
+    cap: usize,
+    used: AtomicUsize,
+}
+
+impl KvPool {
+    pub fn new(cap: usize) -> Arc<Self> {
+        Arc::new(Self {
+            cap,
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Reserve `bytes`, or say how far over the cap that would go.
+    pub fn reserve(&self, bytes: usize) -> Result<(), EngineError> {
+        let mut used = self.used.load(Ordering::Relaxed);
+        loop {
+            let wanted = used.saturating_add(bytes);
+            if wanted > self.cap {
+                return Err(EngineError::KvPoolFull {
+                    needed: bytes,
+                    used,
+                    cap: self.cap,
+                });
+            }
+            match self
+                .used
+                .compare_exchange_weak(used, wanted, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(()),
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    pub fn release(&self, bytes: usize) {
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,296 @@
+//! Continuous batching across execution contexts on the CPU: contexts that step at the same
+//! time share batched steps, and each gets what it would get alone.
+
+use integration_tests::*;
+use std::sync::{Arc, Barrier};
+use wasi_nn_host::cpu::batched::CpuBatch;
+use wasi_nn_host::cpu::{CpuExecutor, CpuKvCache, CpuModel};
+use wasi_nn_host::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
+use wasi_nn_host::engine::{EngineError, Executor};
+use wasi_nn_host::model::{self, Gpt2Weights};
+use wasi_nn_host::runtime::{HostBuilder, RunOptions};
+use wasi_nn_host::Device;
+
+fn shakespeare() -> Arc<Gpt2Weights> {
+    Arc::new(model::load_path(&shakespeare_dir()).expect("load"))
+}
+
+/// Distinct prompts of different lengths, spread over the vocabulary.
+fn prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|t| (t * 7919 + i as u32 * 104_729 + 11) % 50257)
+        .collect()
+}
+
+#[test]
+fn a_batched_step_equals_each_context_alone() {
+    let weights = shakespeare();
+    let batch = CpuBatch::new(weights.clone(), KvPool::new(usize::MAX));
+    let spec = CpuModel::new(weights.clone());
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(i, 3 + 7 * i)).collect();
+    let mut seqs: Vec<_> = prompts.iter().map(|_| batch.new_seq()).collect();
+    let mut caches: Vec<CpuKvCache> = prompts.iter().map(|_| CpuKvCache::default()).collect();
+    // step 1: every prompt at once, the third asking for every position's logits
+    let mut items: Vec<StepItem<'_, _>> = seqs
+        .iter_mut()
+        .zip(&prompts)
+        .enumerate()
+        .map(|(i, (seq, p))| StepItem {
+            seq,
+            tokens: p,
+            all_positions: i == 2,
+            first_chunk: true,
+            last_chunk: true,
+            error: None,
+        })
+        .collect();
+    batch.step(&mut items);
+    assert!(items.iter().all(|i| i.error.is_none()));
+    drop(items);
+    let mut worst = 0.0f32;
+    for (i, (seq, p)) in seqs.iter().zip(&prompts).enumerate() {
+        let want = spec.forward(&mut caches[i], p, i == 2);
+        let got = if i == 2 {
+            seq.all_logits()
+        } else {
+            seq.last_logits()
+        };
+        worst = worst.max(assert_close(&got, &want, 1e-4, &format!("prompt {i}")));
+        assert_eq!(seq.len(), p.len());
+    }
+    // steps 2..9: one decode token each, plus a new prompt joining mid-way
+    for step in 0..8 {
+        let next: Vec<u32> = seqs.iter().map(|s| s.argmax()).collect();
+        let mut items: Vec<StepItem<'_, _>> = seqs
+            .iter_mut()
+            .zip(&next)
+            .map(|(seq, t)| StepItem {
+                seq,
+                tokens: std::slice::from_ref(t),
+                all_positions: false,
+                first_chunk: true,
+                last_chunk: true,
+                error: None,
+            })
+            .collect();
+        batch.step(&mut items);
+        drop(items);
+        for (i, (seq, &t)) in seqs.iter().zip(&next).enumerate() {
+            let want = spec.forward(&mut caches[i], &[t], false);
+            let what = format!("decode step {step} of context {i}");
+            worst = worst.max(assert_close(&seq.last_logits(), &want, 1e-4, &what));
+        }
+    }
+    eprintln!("worst scaled error batched vs the specification: {worst:e}");
+}
+
+#[test]
+fn concurrent_streams_share_steps_and_equal_their_single_stream_ids() {
+    let weights = shakespeare();
+    let executor = Arc::new(CpuExecutor::new(weights.clone(), 1 << 30));
+    let streams = 6;
+    let steps = 24;
+    let prompts: Vec<Vec<u32>> = (0..streams).map(|i| prompt(i, 5 + 3 * i)).collect();
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| cpu_greedy(&weights, p, steps))
+        .collect();
+    let barrier = Arc::new(Barrier::new(streams));
+    let handles: Vec<_> = prompts
+        .iter()
+        .cloned()
+        .map(|p| {
+            let (executor, barrier) = (executor.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let mut session = executor.new_session().expect("session");
+                barrier.wait();
+                let mut ids = Vec::new();
+                session.extend(&p, false).expect("prompt");
+                for _ in 0..steps {
+                    let next = session.argmax().expect("argmax");
+                    ids.push(next);
+                    session.extend(&[next], false).expect("step");
+                }
+                ids
+            })
+        })
+        .collect();
+    for (i, handle) in handles.into_iter().enumerate() {
+        assert_eq!(handle.join().expect("stream"), alone[i], "stream {i}");
+    }
+    let (steps_run, items, largest) = executor.batch_stats().expect("batched");
+    eprintln!("{steps_run} steps, {items} items, largest step {largest}");
+    assert!(largest > 1, "no step held two contexts");
+    assert!(steps_run < items, "contexts shared steps");
+}
+
+#[test]
+fn a_long_prompt_is_chunked_and_equals_one_prefill() {
+    let weights = shakespeare();
+    let executor = CpuExecutor::new(weights.clone(), 1 << 30);
+    let long = prompt(9, 2 * CpuExecutor::MAX_STEP_TOKENS + 37);
+    let mut session = executor.new_session().expect("session");
+    session.extend(&long, true).expect("long prompt");
+    let all = session.all_logits().expect("all");
+    let mut cache = CpuKvCache::default();
+    let want = CpuModel::new(weights).forward(&mut cache, &long, true);
+    assert_close(&all, &want, 1e-4, "chunked all-position logits");
+    let (steps, _, _) = executor.batch_stats().expect("batched");
+    assert_eq!(steps, 3, "three chunks");
+}
+
+#[test]
+fn a_failing_or_vanishing_context_leaves_the_others_unchanged() {
+    let weights = shakespeare();
+    let executor = Arc::new(CpuExecutor::new(weights.clone(), 1 << 30));
+    let p = prompt(3, 9);
+    let want = cpu_greedy(&weights, &p, 16);
+    let barrier = Arc::new(Barrier::new(3));
+    let good = {
+        let (executor, barrier, p) = (executor.clone(), barrier.clone(), p.clone());
+        std::thread::spawn(move || {
+            let mut session = executor.new_session().expect("session");
+            barrier.wait();
+            session.extend(&p, false).expect("prompt");
+            let mut ids = Vec::new();
+            for _ in 0..16 {
+                let next = session.argmax().expect("argmax");
+                ids.push(next);
+                session.extend(&[next], false).expect("step");
+            }
+            ids
+        })
+    };
+    // one context sends ids outside the vocabulary and past the context, in turn
+    let bad = {
+        let (executor, barrier) = (executor.clone(), barrier.clone());
+        std::thread::spawn(move || {
+            let mut session = executor.new_session().expect("session");
+            barrier.wait();
+            let mut errors = 0;
+            for _ in 0..8 {
+                errors += usize::from(session.extend(&[50_000, 70_000], false).is_err());
+                errors += usize::from(session.extend(&vec![1; 600], false).is_err());
+            }
+            errors
+        })
+    };
+    // another prefills and is dropped between steps, several times
+    let dropped = {
+        let (executor, barrier) = (executor.clone(), barrier.clone());
+        std::thread::spawn(move || {
+            barrier.wait();
+            for i in 0..6 {
+                let mut session = executor.new_session().expect("session");
+                session.extend(&prompt(20 + i, 40), false).expect("prefill");
+                drop(session);
+            }
+        })
+    };
+    assert_eq!(bad.join().expect("bad"), 16, "every bad request failed");
+    dropped.join().expect("dropped");
+    assert_eq!(good.join().expect("good"), want);
+    let (used, _) = executor.kv_pool().expect("pool");
+    assert_eq!(used, 0, "every dropped context gave its KV bytes back");
+}
+
+#[test]
+fn a_full_kv_pool_refuses_that_context_alone() {
+    let weights = shakespeare();
+    let cfg = weights.config;
+    let position = 2 * cfg.n_layer * cfg.n_embd * 4;
+    // room for 100 positions in all
+    let executor = CpuExecutor::new(weights.clone(), 100 * position);
+    let mut small = executor.new_session().expect("session");
+    small
+        .extend(&prompt(1, 30), false)
+        .expect("30 positions fit");
+    let mut big = executor.new_session().expect("session");
+    let err = big
+        .extend(&prompt(2, 80), false)
+        .expect_err("80 more do not");
+    assert!(matches!(err, EngineError::KvPoolFull { .. }), "{err}");
+    assert!(err.to_string().contains("KV cache pool is full"), "{err}");
+    // the first context goes on; the refused one can still take what fits
+    let next = small.argmax().expect("argmax");
+    small.extend(&[next], false).expect("a step still fits");
+    big.extend(&prompt(2, 60), false).expect("60 fit");
+    drop(small);
+    big.truncate(0);
+    big.extend(&prompt(2, 90), false)
+        .expect("after the other context is gone, 90 fit");
+}
+
+#[test]
+fn concurrent_guests_get_their_single_stream_texts() {
+    let host = Arc::new(
+        HostBuilder::new(Device::Cpu)
+            .graph("gpt2", &shakespeare_dir())
+            .expect("model")
+            .build()
+            .expect("host"),
+    );
+    let module = host.load_module(&gpt2_wasm()).expect("module");
+    let run = |host: &wasi_nn_host::Host, prompt: &str| {
+        let options = RunOptions {
+            args: ["--json", "--max-tokens", "24", prompt]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            capture: Some(1 << 20),
+            ..Default::default()
+        };
+        let out = host.run(&module, "gpt2.wasm", &options).expect("run");
+        assert_eq!(out.exit_code, 0, "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = stdout.lines().last().unwrap_or_default().to_owned();
+        let value: serde_json::Value = serde_json::from_str(&line).expect("json");
+        value["text"].as_str().expect("text").to_owned()
+    };
+    let prompts = [
+        "ROMEO:",
+        "JULIET:\nO",
+        "First Citizen:",
+        "KING",
+        "To be",
+        "MENENIUS:\nWhy",
+    ];
+    let alone: Vec<String> = prompts.iter().map(|p| run(&host, p)).collect();
+    let together: Vec<String> = std::thread::scope(|scope| {
+        // a guest cancelled mid-generation, beside the others
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cancelled = {
+            let (host, cancel, module) = (host.clone(), cancel.clone(), &module);
+            scope.spawn(move || {
+                let options = RunOptions {
+                    args: vec!["--max-tokens".into(), "400".into(), "HAMLET:".into()],
+                    capture: Some(1 << 20),
+                    cancel: Some(cancel),
+                    ..Default::default()
+                };
+                host.run(module, "gpt2.wasm", &options)
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let host = host.clone();
+                let run = &run;
+                scope.spawn(move || run(&host, p))
+            })
+            .collect();
+        let texts = handles
+            .into_iter()
+            .map(|h| h.join().expect("guest"))
+            .collect();
+        let outcome = cancelled.join().expect("cancelled guest");
+        assert!(
+            matches!(outcome, Err(wasi_nn_host::HostError::Cancelled)),
+            "{outcome:?}"
+        );
+        texts
+    });
+    assert_eq!(together, alone);
+}
