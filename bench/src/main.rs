@@ -22,6 +22,25 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Concurrent greedy streams on one executor (no guest): aggregate tokens/s at each
+    /// stream count, and how the contexts shared batched steps.
+    Streams {
+        #[arg(long, default_value = "random:124M")]
+        model: String,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: Device,
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: GpuDtype,
+        /// Stream counts, comma-separated.
+        #[arg(long, default_value = "1,4,16", value_delimiter = ',')]
+        streams: Vec<usize>,
+        /// Prompt tokens per stream (distinct prompts).
+        #[arg(long, default_value_t = 16)]
+        prompt: usize,
+        /// Greedy steps per stream.
+        #[arg(long, default_value_t = 64)]
+        steps: usize,
+    },
     /// Measure backend-only decode time per token (no guest), and the memory-bandwidth floor.
     Bench {
         /// A model path, or `random:SIZE` (e.g. random:124M) for deterministic random weights.
@@ -63,6 +82,35 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Streams {
+            model,
+            device,
+            dtype,
+            streams,
+            prompt,
+            steps,
+        } => {
+            let weights = model::load_spec(&model)?;
+            let options = EngineOptions {
+                dtype,
+                ..Default::default()
+            };
+            // the CPU executor's own type, to report how the streams shared steps
+            let (executor, cpu) = match device {
+                Device::Cpu => {
+                    let cpu = std::sync::Arc::new(wasi_nn_host::cpu::CpuExecutor::new(
+                        weights.into(),
+                        options.kv_pool_bytes,
+                    ));
+                    let executor: std::sync::Arc<dyn wasi_nn_host::engine::Executor> = cpu.clone();
+                    (executor, Some(cpu))
+                }
+                Device::Cuda => (executor_for(weights, device, &options)?, None),
+            };
+            for n in streams {
+                concurrent_streams(&model, executor.as_ref(), cpu.as_deref(), n, prompt, steps)?;
+            }
+        }
         Command::Bench {
             model,
             device,
@@ -321,5 +369,56 @@ fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> 
         bail!("{failed} of {} GPU checks failed", reports.len());
     }
     println!("all {} GPU checks passed", reports.len());
+    Ok(())
+}
+
+/// `n` threads, each a context with its own prompt, all stepping greedily at once.
+fn concurrent_streams(
+    spec: &str,
+    executor: &dyn wasi_nn_host::engine::Executor,
+    cpu: Option<&wasi_nn_host::cpu::CpuExecutor>,
+    n: usize,
+    prompt_len: usize,
+    steps: usize,
+) -> Result<()> {
+    let vocab = executor.config().vocab_size as u32;
+    let barrier = std::sync::Barrier::new(n);
+    let started = Instant::now();
+    let per_stream: Vec<Result<f64>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let barrier = &barrier;
+                scope.spawn(move || -> Result<f64> {
+                    let prompt: Vec<u32> = (0..prompt_len as u32)
+                        .map(|t| (t * 7919 + i as u32 * 104_729 + 1) % vocab)
+                        .collect();
+                    let mut session = executor.new_session()?;
+                    barrier.wait();
+                    session.extend(&prompt, false)?;
+                    let decode = Instant::now();
+                    for _ in 0..steps {
+                        let next = session.argmax()?;
+                        session.extend(&[next], false)?;
+                    }
+                    Ok(decode.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("stream panicked")))
+            .collect()
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let mut ms_per_token = per_stream.into_iter().collect::<Result<Vec<f64>>>()?;
+    ms_per_token.sort_by(f64::total_cmp);
+    let (steps_run, items, largest) = cpu.and_then(|c| c.batch_stats()).unwrap_or_default();
+    let line = serde_json::json!({
+        "batched_steps_so_far": steps_run, "mean_step_items": items as f64 / steps_run.max(1) as f64, "largest_step": largest,
+        "what": "streams", "model": spec, "streams": n, "prompt_tokens": prompt_len, "steps": steps,
+        "seconds": seconds, "tokens_per_s": (n * steps) as f64 / seconds,
+        "stream_ms_per_token_median": median(ms_per_token),
+    });
+    println!("{line}");
     Ok(())
 }

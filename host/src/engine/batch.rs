@@ -6,7 +6,10 @@
 //! leader, takes every queued request (up to a token budget), runs them as one step of the
 //! [`BatchModel`], hands each result back and wakes the others; if a step is running, it waits
 //! and joins the next one. A step never waits for a batch to fill: a lone stream runs at once,
-//! on its own thread, as before. A long prompt is cut into chunks of at most
+//! on its own thread, as before. It only gives the contexts of the previous step, whose
+//! guests are choosing their next token, a moment (at most half that step's time, 2 ms at
+//! most) to come back, so the streams stay in one step instead of splitting into two that
+//! alternate. A long prompt is cut into chunks of at most
 //! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
 //!
 //! Each context's state (its KV cache and last logits, a [`BatchModel::Seq`]) moves into the
@@ -15,9 +18,10 @@
 //! an error while the batcher keeps serving.
 
 use super::{EngineError, Session};
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// One context's state on a device: what a step reads and extends.
 pub trait SeqState: Send + Sync + 'static {
@@ -62,6 +66,7 @@ pub struct StepItem<'a, S> {
 
 /// A queued request: a context's state and the tokens still to run.
 struct Request<S> {
+    /// The context's id (a context has at most one request at a time).
     ticket: u64,
     seq: S,
     tokens: Vec<u32>,
@@ -80,7 +85,11 @@ struct State<S> {
     running: bool,
     queue: VecDeque<Request<S>>,
     finished: HashMap<u64, (S, Result<(), EngineError>)>,
-    next_ticket: u64,
+    /// Contexts whose request the last step completed: they are expected back for their next
+    /// token (their guests are choosing it), so the next step gives them until
+    /// `gather_until` to join rather than running without them.
+    returning: HashSet<u64>,
+    gather_until: Option<Instant>,
 }
 
 /// Steps shared by the contexts of one model (see the module docs).
@@ -91,7 +100,12 @@ pub struct Batcher<M: BatchModel> {
     state: Mutex<State<M::Seq>>,
     wake: Condvar,
     stats: BatchStats,
+    next_id: AtomicU64,
 }
+
+/// The longest a step waits for the contexts of the previous one to come back (it waits at
+/// most half the previous step's time, and never for a lone context).
+const MAX_GATHER: Duration = Duration::from_millis(2);
 
 /// What the batcher has done, for benchmarks and tests.
 #[derive(Default)]
@@ -121,10 +135,12 @@ impl<M: BatchModel> Batcher<M> {
                 running: false,
                 queue: VecDeque::new(),
                 finished: HashMap::new(),
-                next_ticket: 0,
+                returning: HashSet::new(),
+                gather_until: None,
             }),
             wake: Condvar::new(),
             stats: BatchStats::default(),
+            next_id: AtomicU64::new(0),
         })
     }
 
@@ -139,6 +155,7 @@ impl<M: BatchModel> Batcher<M> {
     /// A new context as a [`Session`] whose extends go through this batcher.
     pub fn session(self: &Arc<Self>) -> Box<dyn Session> {
         Box::new(BatchedSession {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
             batcher: self.clone(),
             seq: Some(self.model.new_seq()),
         })
@@ -150,16 +167,25 @@ impl<M: BatchModel> Batcher<M> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Run `tokens` on `seq` in the next step(s); returns the state and the outcome.
-    pub fn run(
+    /// A context is gone: no step waits for it any more.
+    fn forget(&self, id: u64) {
+        let mut state = self.lock();
+        if state.returning.remove(&id) {
+            self.wake.notify_all();
+        }
+    }
+
+    /// Run `tokens` on context `ticket`'s `seq` in the next step(s); returns the state and
+    /// the outcome.
+    fn run(
         &self,
+        ticket: u64,
         seq: M::Seq,
         tokens: Vec<u32>,
         all_positions: bool,
     ) -> (M::Seq, Result<(), EngineError>) {
         let mut state = self.lock();
-        let ticket = state.next_ticket;
-        state.next_ticket += 1;
+        state.returning.remove(&ticket);
         state.queue.push_back(Request {
             ticket,
             seq,
@@ -172,11 +198,28 @@ impl<M: BatchModel> Batcher<M> {
                 return outcome;
             }
             if !state.running && !state.queue.is_empty() {
+                let now = Instant::now();
+                match state.gather_until {
+                    Some(until) if now < until && !state.returning.is_empty() => {
+                        // the previous step's other contexts are on their way back
+                        state = self
+                            .wake
+                            .wait_timeout(state, until - now)
+                            .map(|(guard, _)| guard)
+                            .unwrap_or_else(|p| p.into_inner().0);
+                        continue;
+                    }
+                    _ => {}
+                }
                 state.running = true;
+                state.returning.clear();
                 let mut batch = self.take_batch(&mut state);
                 drop(state);
+                let started = Instant::now();
                 self.run_step(&mut batch);
+                let took = started.elapsed();
                 state = self.lock();
+                state.gather_until = Some(Instant::now() + (took / 2).min(MAX_GATHER));
                 // unfinished prompts go back to the front, in their order
                 for Scheduled {
                     request,
@@ -195,6 +238,7 @@ impl<M: BatchModel> Batcher<M> {
                         }
                     };
                     if request.done >= request.tokens.len() {
+                        state.returning.insert(request.ticket);
                         state.finished.insert(request.ticket, (request.seq, Ok(())));
                     } else {
                         state.queue.push_front(request);
@@ -278,6 +322,7 @@ impl<M: BatchModel> Batcher<M> {
 
 /// One execution context's view of a [`Batcher`]: its state lives here between steps.
 struct BatchedSession<M: BatchModel> {
+    id: u64,
     batcher: Arc<Batcher<M>>,
     /// `None` only if a step lost it (it never returns without it).
     seq: Option<M::Seq>,
@@ -288,6 +333,12 @@ impl<M: BatchModel> BatchedSession<M> {
         self.seq
             .as_ref()
             .ok_or_else(|| EngineError::device("context state lost"))
+    }
+}
+
+impl<M: BatchModel> Drop for BatchedSession<M> {
+    fn drop(&mut self) {
+        self.batcher.forget(self.id);
     }
 }
 
@@ -308,7 +359,9 @@ impl<M: BatchModel> Session for BatchedSession<M> {
             .seq
             .take()
             .ok_or_else(|| EngineError::device("context state lost"))?;
-        let (seq, result) = self.batcher.run(seq, tokens.to_vec(), all_positions);
+        let (seq, result) = self
+            .batcher
+            .run(self.id, seq, tokens.to_vec(), all_positions);
         self.seq = Some(seq);
         result
     }
