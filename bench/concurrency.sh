@@ -1,17 +1,92 @@
 #!/usr/bin/env bash
-# Concurrency benchmark of the HTTP service (`wasi-nn-host serve`): streams at 1, 8, 32 and 64
-# clients.
-# Usage: bench/concurrency.sh DIR DEVICE DTYPE GRAPH
-#   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; GRAPH is a path or random:SIZE,
-#   served as `gpt2`.
+# Concurrency benchmark of the HTTP service (`wasi-nn-host serve`) as its users see it: loadgen
+# at 1, 4, 16 and 64 concurrent streams (and 256 with --256), each level first running its
+# prompts alone for the reference texts; the JSON lines go to PREFIX.jsonl, the chart
+# (bench/chart.py) to PREFIX.svg.
+# Usage: bench/concurrency.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options]
+#   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
+#   checkout's release builds (target/). GRAPH is a path or random:SIZE, served as `gpt2`;
+#   `embedded` serves the built-in shakespeare model. Defaults: carry cuda bf16 random:124M.
+# Options:
+#   --256              also run 256 streams
+#   --levels "1 4 16"  the concurrencies instead (overrides --256)
+#   --max-tokens N     tokens per request (default 128)
+#   --requests N       requests per client (default: 4 up to 16 streams, 2 up to 64, then 1)
+#   --out PREFIX       output files PREFIX.jsonl and PREFIX.svg (default
+#                      concurrency-DEVICE-DTYPE); PREFIX.jsonl is emptied first unless --append
+#   --append           add to PREFIX.jsonl (e.g. a second dtype on the same chart)
+#   --peer FILE        PyTorch's JSON lines (python3 bench/torch_gpt2.py graph > FILE), drawn
+#                      beside ours
+#   --port N           the service's port (default 18123)
+# Exits non-zero if any level failed or its texts differed from the single-stream texts.
 set -uo pipefail
-dir=${1:-carry}; device=${2:-cuda}; dtype=${3:-bf16}; graph=${4:-random:124M}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-$dir/wasi-nn-host serve --component $dir/gpt2_component.wasm --port 18123 --device $device --dtype $dtype --graph gpt2=$graph 2>/tmp/server.log &
-server=$!
-for _ in $(seq 100); do curl -sf http://127.0.0.1:18123/health >/dev/null && break; sleep 0.2; done
-for c in 1 8 32 64; do
-  requests=$(( c >= 32 ? 2 : 4 ))
-  $dir/loadgen --url http://127.0.0.1:18123 --concurrency $c --requests $requests --max-tokens 128
+positional=() levels="1 4 16 64" extra="" max_tokens=128 requests="" out="" append=0 peer=""
+port=18123
+while [ $# -gt 0 ]; do
+  case $1 in
+    --256) extra=256 ;;
+    --levels) levels=$2; extra=""; shift ;;
+    --max-tokens) max_tokens=$2; shift ;;
+    --requests) requests=$2; shift ;;
+    --out) out=$2; shift ;;
+    --append) append=1 ;;
+    --peer) peer=$2; shift ;;
+    --port) port=$2; shift ;;
+    --*) echo "unknown option $1 (see the usage at the top of $0)" >&2; exit 2 ;;
+    *) positional+=("$1") ;;
+  esac
+  shift
 done
-kill $server
+dir=${positional[0]:-carry}; device=${positional[1]:-cuda}; dtype=${positional[2]:-bf16}
+graph=${positional[3]:-random:124M}
+here=$(dirname "$0")
+if [ "$dir" = local ]; then
+  root=$here/..
+  host=$root/target/release/wasi-nn-host
+  component=$root/target/wasm32-wasip2/release-wasm/gpt2_component.wasm
+  loadgen=$root/target/release/loadgen
+else
+  host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
+fi
+out=${out:-concurrency-$device-$dtype}
+jsonl=$out.jsonl svg=$out.svg
+[ $append = 1 ] || : > "$jsonl"
+graph_args=() label="$device $dtype $graph"
+if [ "$graph" = embedded ]; then
+  label="$device $dtype shakespeare (embedded)"
+else
+  graph_args=(--graph "gpt2=$graph")
+fi
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" \
+  "${graph_args[@]}" 2>/tmp/server-$port.log &
+server=$!
+trap 'kill $server 2>/dev/null' EXIT
+url=http://127.0.0.1:$port
+for _ in $(seq 300); do
+  curl -sf "$url/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || break
+  sleep 0.2
+done
+if ! curl -sf "$url/health" >/dev/null; then
+  echo "the service did not come up; its log:" >&2
+  tail -20 /tmp/server-$port.log >&2
+  exit 1
+fi
+
+failed=0
+for c in $levels $extra; do
+  r=${requests:-$(( c <= 16 ? 4 : c <= 64 ? 2 : 1 ))}
+  if ! "$loadgen" --url "$url" --concurrency "$c" --requests "$r" --max-tokens "$max_tokens" \
+      --label "$label" --json-out "$jsonl"; then
+    echo "loadgen at $c streams failed" >&2
+    failed=1
+  fi
+done
+kill $server 2>/dev/null
+wait $server 2>/dev/null
+
+python3 "$here/chart.py" "$jsonl" "$svg" ${peer:+--peer "$peer"} || failed=1
+echo "JSON lines: $jsonl; chart: $svg"
+exit $failed

@@ -1,82 +1,250 @@
-//! Load generator for the completions service: N concurrent streaming clients, each sending
-//! requests back to back; reports requests/s, aggregate tokens/s and the latency between
-//! streamed pieces (percentiles). Usage: loadgen --url URL --concurrency N --requests M.
+//! Load generator for the completions service, measured as its users see it.
+//!
+//! N concurrent clients each stream `--requests` greedy completions back to back. Every
+//! stream of a round gets its own prompt (client `c` in round `r` takes prompt
+//! `(r * N + c) % P` of `--prompts P`), so a server that mixed streams up would show it.
+//! Before the concurrent phase each prompt used runs once alone, one stream at a time, and
+//! its text is the reference: every concurrent text must equal its prompt's single-stream
+//! text (the run exits with status 1 otherwise; `--no-check` skips both).
+//!
+//! Prints one JSON line: aggregate tokens/s (`usage.completion_tokens` of every request over
+//! the concurrent phase's wall time) and requests/s; time to first token (from sending the
+//! request to the first streamed piece with text) and the gap between successive streamed
+//! pieces of one stream, as percentiles over all requests; `texts_equal_single_stream`.
+//!
+//! Usage: loadgen --url URL --concurrency N --requests M --max-tokens T [--prompts P]
+//!        [--json-out FILE] [--label TEXT] [--no-check]
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
-use std::io::BufRead;
-use std::time::Instant;
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
 
 #[derive(Parser)]
 struct Args {
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     url: String,
+    /// Concurrent streams (clients).
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
-    /// Requests per client.
+    /// Requests per client, sent back to back.
     #[arg(long, default_value_t = 4)]
     requests: usize,
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
+    /// Distinct prompts (default: one per client). The first ones come from a built-in list,
+    /// the rest are "Prompt K:".
+    #[arg(long)]
+    prompts: Option<usize>,
+    /// The model to ask for (default: the service's default model).
+    #[arg(long)]
+    model: Option<String>,
+    /// Skip the single-stream reference phase and the text check.
+    #[arg(long)]
+    no_check: bool,
+    /// Also append the JSON line to this file.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<std::path::PathBuf>,
+    /// Copied into the JSON line as `label` (the chart draws one series per label).
+    #[arg(long)]
+    label: Option<String>,
 }
 
-/// Stream one completion; return the gaps between pieces in ms, the generated tokens
-/// (from the final chunk's `usage`) and the text.
-fn one(url: &str, max_tokens: u32, seed: u64) -> Result<(Vec<f64>, usize, String)> {
-    let body = serde_json::json!({ "prompt": "The", "max_tokens": max_tokens, "temperature": 0.0,
-                                   "seed": seed, "stream": true });
-    let response = ureq::post(&format!("{url}/v1/completions")).send_json(&body)?;
+/// Openings of the built-in prompts: short, Shakespeare-like, of different lengths (so the
+/// streams' contexts differ in length as well as in content).
+const PROMPTS: &[&str] = &[
+    "ROMEO:\n",
+    "JULIET:\nWhy dost thou",
+    "First Citizen:\n",
+    "KING HENRY:\nNow, lords, to horse; the",
+    "LADY MACBETH:\n",
+    "HAMLET:\nWhat say you to",
+    "GLOUCESTER:\nThe day is spent, and",
+    "Second Servant:\n",
+    "OTHELLO:\nSpeak, my good lord,",
+    "PORTIA:\n",
+    "BRUTUS:\nCome hither, Lucius; I",
+    "CORIOLANUS:\nWhat news from",
+    "Nurse:\n",
+    "PROSPERO:\nThe isle is full of",
+    "MERCUTIO:\nA plague upon",
+    "QUEEN MARGARET:\n",
+];
+
+/// Prompt `k`: from the built-in list, then "Prompt K:".
+fn prompt(k: usize) -> String {
+    PROMPTS
+        .get(k)
+        .map_or_else(|| format!("Prompt {k}:"), |p| (*p).to_owned())
+}
+
+/// What one streamed completion looked like from the client.
+struct Stream {
+    /// From sending the request to the first piece with text (or, with none, to the final
+    /// chunk of a completion that has tokens).
+    ttft_ms: Option<f64>,
+    /// Between successive pieces, in ms.
+    gaps_ms: Vec<f64>,
+    /// `usage.completion_tokens` of the final chunk.
+    tokens: usize,
+    text: String,
+}
+
+/// An HTTP client whose error answers reach [`stream_one`] (which shows their bodies).
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into()
+}
+
+/// Stream one greedy completion of `prompt`.
+fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &str) -> Result<Stream> {
+    let mut body = serde_json::json!({ "prompt": prompt, "max_tokens": args.max_tokens,
+                                       "temperature": 0.0, "stream": true });
+    if let Some(model) = &args.model {
+        body["model"] = model.as_str().into();
+    }
+    let sent = Instant::now();
+    let response = agent
+        .post(format!("{}/v1/completions", args.url))
+        .send_json(&body)?;
+    let status = response.status();
+    if !status.is_success() {
+        let text = response.into_body().read_to_string().unwrap_or_default();
+        bail!("HTTP {status}: {text}");
+    }
     let reader = std::io::BufReader::new(response.into_body().into_reader());
-    let (mut gaps, mut pieces, mut tokens, mut last) = (Vec::new(), 0, 0, Instant::now());
+    let (mut ttft, mut last, mut gaps_ms) = (None, None::<Instant>, Vec::new());
     let mut text = String::new();
+    let mut tokens = None;
     for line in reader.lines() {
         let line = line?;
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
         };
+        let now = Instant::now();
         if data == "[DONE]" {
-            return Ok((gaps, tokens, text));
+            let tokens = tokens.context("stream ended without usage")?;
+            return Ok(Stream {
+                ttft_ms: ttft.map(|t: Duration| t.as_secs_f64() * 1e3),
+                gaps_ms,
+                tokens,
+                text,
+            });
         }
         let chunk: serde_json::Value = serde_json::from_str(data)?;
-        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
-            tokens = n as usize;
-            continue;
-        }
-        if let Some(piece) = chunk["choices"][0]["text"].as_str() {
-            text.push_str(piece);
-        }
         if chunk["error"].is_object() || chunk["choices"].is_null() {
             bail!("server error: {data}");
         }
-        let now = Instant::now();
-        if pieces > 0 {
-            gaps.push((now - last).as_secs_f64() * 1e3);
+        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
+            // The final chunk: no text, only the finish reason and the counts.
+            tokens = Some(n as usize);
+            if ttft.is_none() && n > 0 {
+                ttft = Some(now - sent);
+            }
+            continue;
         }
-        last = now;
-        pieces += 1;
+        let piece = chunk["choices"][0]["text"].as_str().unwrap_or_default();
+        if piece.is_empty() {
+            continue;
+        }
+        text.push_str(piece);
+        if let Some(last) = last {
+            gaps_ms.push((now - last).as_secs_f64() * 1e3);
+        } else {
+            ttft = Some(now - sent);
+        }
+        last = Some(now);
     }
     bail!("stream ended without [DONE]")
 }
 
-/// One client's piece gaps (ms), generated tokens and texts.
-type ClientResult = (Vec<f64>, usize, Vec<String>);
+/// Nearest-rank percentile `q` of sorted `v` (NaN, written as null, when empty).
+fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (q * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// One request of the concurrent phase: which client, which round, which prompt.
+struct Done {
+    client: usize,
+    round: usize,
+    prompt: usize,
+    stream: Stream,
+}
+
+/// Where two texts first differ, with a little of each from there.
+fn first_difference(a: &str, b: &str) -> String {
+    let at = a
+        .char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((i, _), _)| i);
+    let snippet = |s: &str| {
+        s.get(at..)
+            .unwrap_or("")
+            .chars()
+            .take(40)
+            .collect::<String>()
+    };
+    format!(
+        "byte {at}: single stream {:?}, concurrent {:?}",
+        snippet(a),
+        snippet(b)
+    )
+}
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.concurrency == 0 || args.requests == 0 {
+        bail!("--concurrency and --requests must be at least 1");
+    }
+    let total = args.concurrency * args.requests;
+    let prompts = args.prompts.unwrap_or(args.concurrency).max(1);
+    let prompt_of = |client: usize, round: usize| (round * args.concurrency + client) % prompts;
+    let used = prompts.min(total);
+
+    // The reference texts: each prompt alone, one stream at a time (also the warm-up).
+    let mut reference = Vec::new();
+    let mut single_tokens = 0;
+    let single_start = Instant::now();
+    if !args.no_check {
+        let agent = agent();
+        for k in 0..used {
+            let s = stream_one(&agent, &args, &prompt(k))
+                .with_context(|| format!("single stream of prompt {k}"))?;
+            single_tokens += s.tokens;
+            reference.push(s.text);
+        }
+    }
+    let single_seconds = single_start.elapsed().as_secs_f64();
+
     let start = Instant::now();
-    let results: Vec<Result<ClientResult>> = std::thread::scope(|scope| {
+    let results: Vec<Result<Vec<Done>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.concurrency)
-            .map(|c| {
+            .map(|client| {
                 let args = &args;
-                scope.spawn(move || -> Result<ClientResult> {
-                    let (mut gaps, mut pieces, mut texts) = (Vec::new(), 0, Vec::new());
-                    for r in 0..args.requests {
-                        let (g, p, t) = one(&args.url, args.max_tokens, (c * 1000 + r) as u64)?;
-                        gaps.extend(g);
-                        pieces += p;
-                        texts.push(t);
-                    }
-                    Ok((gaps, pieces, texts))
+                scope.spawn(move || -> Result<Vec<Done>> {
+                    let agent = agent();
+                    (0..args.requests)
+                        .map(|round| {
+                            let k = prompt_of(client, round);
+                            let stream =
+                                stream_one(&agent, args, &prompt(k)).with_context(|| {
+                                    format!("client {client}, request {round}, prompt {k}")
+                                })?;
+                            Ok(Done {
+                                client,
+                                round,
+                                prompt: k,
+                                stream,
+                            })
+                        })
+                        .collect()
                 })
             })
             .collect();
@@ -86,30 +254,61 @@ fn main() -> Result<()> {
             .collect()
     });
     let seconds = start.elapsed().as_secs_f64();
-    let (mut gaps, mut pieces, mut texts) = (Vec::new(), 0, std::collections::BTreeSet::new());
+    let mut done = Vec::with_capacity(total);
     for r in results {
-        let (g, p, t) = r?;
-        gaps.extend(g);
-        pieces += p;
-        texts.extend(t);
+        done.extend(r?);
+    }
+
+    let (mut gaps, mut ttfts, mut tokens, mut equal) = (Vec::new(), Vec::new(), 0, 0);
+    for d in &done {
+        gaps.extend(&d.stream.gaps_ms);
+        ttfts.extend(d.stream.ttft_ms);
+        tokens += d.stream.tokens;
+        if let Some(want) = reference.get(d.prompt) {
+            if *want == d.stream.text {
+                equal += 1;
+            } else {
+                eprintln!(
+                    "text differs from the single stream: client {}, request {}, prompt {} ({:?}), {}",
+                    d.client,
+                    d.round,
+                    d.prompt,
+                    prompt(d.prompt),
+                    first_difference(want, &d.stream.text)
+                );
+            }
+        }
     }
     gaps.sort_by(f64::total_cmp);
-    let pct = |q: f64| {
-        gaps.get(((gaps.len() as f64 - 1.0) * q) as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
-    let requests = args.concurrency * args.requests;
-    println!(
-        "{}",
-        serde_json::json!({
-            "concurrency": args.concurrency, "requests": requests, "seconds": seconds,
-            "requests_per_s": requests as f64 / seconds, "tokens": pieces,
-            "tokens_per_s": pieces as f64 / seconds,
-            "gap_ms_p50": pct(0.5), "gap_ms_p90": pct(0.9), "gap_ms_p99": pct(0.99),
-            // greedy on one prompt: every request must produce the same text
-            "distinct_texts": texts.len(),
-        })
-    );
+    ttfts.sort_by(f64::total_cmp);
+    let checked = !args.no_check;
+    let mut report = serde_json::json!({
+        "concurrency": args.concurrency, "requests": total, "prompts": used,
+        "max_tokens": args.max_tokens, "seconds": seconds,
+        "requests_per_s": total as f64 / seconds, "tokens": tokens,
+        "tokens_per_s": tokens as f64 / seconds,
+        "ttft_ms_p50": percentile(&ttfts, 0.5), "ttft_ms_p99": percentile(&ttfts, 0.99),
+        "gap_ms_p50": percentile(&gaps, 0.5), "gap_ms_p90": percentile(&gaps, 0.9),
+        "gap_ms_p99": percentile(&gaps, 0.99),
+        "single_stream_tokens_per_s": checked.then(|| single_tokens as f64 / single_seconds),
+        "texts_equal_single_stream": checked.then(|| format!("{equal} of {total}")),
+    });
+    if let Some(label) = &args.label {
+        report["label"] = label.as_str().into();
+    }
+    let line = report.to_string();
+    println!("{line}");
+    if let Some(path) = &args.json_out {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        writeln!(file, "{line}").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if checked && equal != total {
+        eprintln!("texts_equal_single_stream: {equal} of {total}");
+        std::process::exit(1);
+    }
     Ok(())
 }
