@@ -20,17 +20,25 @@ struct Cli {
     command: Command,
 }
 
+/// The model and where it runs.
+#[derive(clap::Args)]
+struct Target {
+    /// A model path, or `random:SIZE` (e.g. random:124M) for deterministic random weights.
+    #[arg(long, default_value = "random:124M")]
+    model: String,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: GpuDtype,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Concurrent greedy streams on one executor (no guest): aggregate tokens/s at each
     /// stream count, and how the contexts shared batched steps.
     Streams {
-        #[arg(long, default_value = "random:124M")]
-        model: String,
-        #[arg(long, value_enum, default_value = "cpu")]
-        device: Device,
-        #[arg(long, value_enum, default_value = "f32")]
-        dtype: GpuDtype,
+        #[command(flatten)]
+        target: Target,
         /// Stream counts, comma-separated.
         #[arg(long, default_value = "1,4,16", value_delimiter = ',')]
         streams: Vec<usize>,
@@ -43,13 +51,8 @@ enum Command {
     },
     /// Measure backend-only decode time per token (no guest), and the memory-bandwidth floor.
     Bench {
-        /// A model path, or `random:SIZE` (e.g. random:124M) for deterministic random weights.
-        #[arg(long, default_value = "random:124M")]
-        model: String,
-        #[arg(long, value_enum, default_value = "cpu")]
-        device: Device,
-        #[arg(long, value_enum, default_value = "f32")]
-        dtype: GpuDtype,
+        #[command(flatten)]
+        target: Target,
         /// Context length before the timed decode steps.
         #[arg(long, default_value_t = 128)]
         context: usize,
@@ -83,9 +86,12 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Streams {
-            model,
-            device,
-            dtype,
+            target:
+                Target {
+                    model,
+                    device,
+                    dtype,
+                },
             streams,
             prompt,
             steps,
@@ -112,9 +118,12 @@ fn main() -> Result<()> {
             }
         }
         Command::Bench {
-            model,
-            device,
-            dtype,
+            target:
+                Target {
+                    model,
+                    device,
+                    dtype,
+                },
             context,
             steps,
             prefill,
