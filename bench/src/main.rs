@@ -1,8 +1,9 @@
 //! `wasi-nn-bench`: the GPU checks against the CPU reference (`check-cuda`) and backend-only
 //! timings (`bench`), for the GPU machine (a binary built elsewhere runs there) and this one.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use std::path::PathBuf;
 use std::time::Instant;
 use wasi_nn_host::cuda::CudaExecutor;
 use wasi_nn_host::engine::Session;
@@ -40,6 +41,17 @@ enum Command {
         /// Also time a prefill of this many tokens (GPU).
         #[arg(long)]
         prefill: Option<usize>,
+    },
+    /// Measure guest start-up: `Host::run` to `_start`, a 1-token request, a decode step
+    /// (greedy on the embedded default model, on the CPU).
+    Startup {
+        /// Guest modules to compare (default: gpt2.wasm and gpt2.preinit.wasm from
+        /// target/wasm32-wasip1/release-wasm).
+        #[arg(long = "module")]
+        modules: Vec<PathBuf>,
+        /// Requests of each kind per module (after 3 warm-up requests).
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
@@ -79,6 +91,7 @@ fn main() -> Result<()> {
             prompt,
             steps,
         } => check_cuda(&models, prompt, steps)?,
+        Command::Startup { modules, runs } => startup(modules, runs)?,
     }
     Ok(())
 }
@@ -271,6 +284,29 @@ fn bench_cuda(
         "prefill_tokens": prefill, "prefill_ms": prefill_ms, "prefill_repeat_ms": prefill_graph_ms, "prefill_enqueue_ms": prefill_enqueue_ms, "prefill_gpu_ms": prefill_gpu_ms,
     });
     println!("{line}");
+    Ok(())
+}
+
+fn startup(mut modules: Vec<PathBuf>, runs: usize) -> Result<()> {
+    if modules.is_empty() {
+        let dir = PathBuf::from("target/wasm32-wasip1/release-wasm");
+        modules = ["gpt2.wasm", "gpt2.preinit.wasm"]
+            .iter()
+            .map(|name| dir.join(name))
+            .filter(|path| path.is_file())
+            .collect();
+        if modules.is_empty() {
+            bail!("no module under {}; pass --module PATH", dir.display());
+        }
+    }
+    let model = wasi_nn_host::find_default_model()
+        .with_context(|| format!("{} not found", wasi_nn_host::DEFAULT_MODEL_DIR))?;
+    let host = wasi_nn_host::HostBuilder::new(Device::Cpu)
+        .graph("gpt2", &model)?
+        .build()?;
+    for report in wasi_nn_bench::startup::run(&host, &modules, runs)? {
+        println!("{}", serde_json::to_string(&report)?);
+    }
     Ok(())
 }
 

@@ -254,6 +254,9 @@ pub struct RunOutcome {
     /// Captured output (empty unless [`RunOptions::capture`] was set).
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// Time from the [`Host::run`] call to the guest's `_start` entry: its WASI context, its
+    /// store and its instantiation (what the guest then does to get ready is its own time).
+    pub start_latency: Duration,
 }
 
 impl Host {

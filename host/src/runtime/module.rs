@@ -9,6 +9,7 @@ use super::{
 };
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 use wasmtime::{Linker, Module, Store, StoreLimits};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
@@ -108,6 +109,7 @@ impl Host {
         program: &str,
         options: &RunOptions,
     ) -> Result<RunOutcome, HostError> {
+        let called = Instant::now();
         let mut wasi = WasiCtxBuilder::new();
         let mut argv = vec![program.to_owned()];
         argv.extend(options.args.iter().cloned());
@@ -152,6 +154,7 @@ impl Host {
         // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
         // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
         // away either way; catching the panic keeps one bad guest from taking down the host.
+        let start_latency = called.elapsed();
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
         let exit_code = match result {
@@ -187,6 +190,7 @@ impl Host {
             exit_code,
             stdout,
             stderr,
+            start_latency,
         })
     }
 }
