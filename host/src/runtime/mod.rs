@@ -5,9 +5,11 @@
 
 mod component;
 mod module;
+mod preinit;
 
 pub use component::{Completion, ComponentState, Sampling, Score};
 pub use module::GuestState;
+pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
 
 use crate::engine::{Device, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
