@@ -151,7 +151,9 @@ fn main() -> Result<()> {
             );
         }
         Command::Serve(args) => {
-            let builder = HostBuilder::new(args.device).dtype(args.dtype);
+            let builder = HostBuilder::new(args.device)
+                .dtype(args.dtype)
+                .instance_pool(Some(args.instance_pool()));
             let builder = with_graphs(builder, &args.graph_specs()?)?;
             wasi_nn_host::serve::run(builder.build()?, &args)?;
         }
