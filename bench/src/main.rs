@@ -52,6 +52,10 @@ enum Command {
         /// Requests of each kind per module (after 3 warm-up requests).
         #[arg(long, default_value_t = 50)]
         runs: usize,
+        /// wasmtime's on-demand instance allocator (fresh mappings per instance) instead of
+        /// the host's instance pool.
+        #[arg(long)]
+        on_demand: bool,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
@@ -91,7 +95,11 @@ fn main() -> Result<()> {
             prompt,
             steps,
         } => check_cuda(&models, prompt, steps)?,
-        Command::Startup { modules, runs } => startup(modules, runs)?,
+        Command::Startup {
+            modules,
+            runs,
+            on_demand,
+        } => startup(modules, runs, on_demand)?,
     }
     Ok(())
 }
@@ -287,7 +295,7 @@ fn bench_cuda(
     Ok(())
 }
 
-fn startup(mut modules: Vec<PathBuf>, runs: usize) -> Result<()> {
+fn startup(mut modules: Vec<PathBuf>, runs: usize, on_demand: bool) -> Result<()> {
     if modules.is_empty() {
         let dir = PathBuf::from("target/wasm32-wasip1/release-wasm");
         modules = ["gpt2.wasm", "gpt2.preinit.wasm"]
@@ -301,11 +309,16 @@ fn startup(mut modules: Vec<PathBuf>, runs: usize) -> Result<()> {
     }
     let model = wasi_nn_host::find_default_model()
         .with_context(|| format!("{} not found", wasi_nn_host::DEFAULT_MODEL_DIR))?;
+    let pool = (!on_demand).then(wasi_nn_host::InstancePool::default);
     let host = wasi_nn_host::HostBuilder::new(Device::Cpu)
+        .instance_pool(pool)
         .graph("gpt2", &model)?
         .build()?;
     for report in wasi_nn_bench::startup::run(&host, &modules, runs)? {
-        println!("{}", serde_json::to_string(&report)?);
+        let allocator = if on_demand { "on-demand" } else { "pooling" };
+        let mut line = serde_json::to_value(&report)?;
+        line["allocator"] = allocator.into();
+        println!("{line}");
     }
     Ok(())
 }
