@@ -56,6 +56,9 @@ enum Command {
         /// the host's instance pool.
         #[arg(long)]
         on_demand: bool,
+        /// The pool's InstancePool::keep_resident_bytes.
+        #[arg(long, default_value_t = 0)]
+        keep_resident: usize,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
@@ -99,7 +102,14 @@ fn main() -> Result<()> {
             modules,
             runs,
             on_demand,
-        } => startup(modules, runs, on_demand)?,
+            keep_resident,
+        } => {
+            let pool = (!on_demand).then_some(wasi_nn_host::InstancePool {
+                keep_resident_bytes: keep_resident,
+                ..Default::default()
+            });
+            startup(modules, runs, pool)?
+        }
     }
     Ok(())
 }
@@ -295,7 +305,11 @@ fn bench_cuda(
     Ok(())
 }
 
-fn startup(mut modules: Vec<PathBuf>, runs: usize, on_demand: bool) -> Result<()> {
+fn startup(
+    mut modules: Vec<PathBuf>,
+    runs: usize,
+    pool: Option<wasi_nn_host::InstancePool>,
+) -> Result<()> {
     if modules.is_empty() {
         let dir = PathBuf::from("target/wasm32-wasip1/release-wasm");
         modules = ["gpt2.wasm", "gpt2.preinit.wasm"]
@@ -309,15 +323,17 @@ fn startup(mut modules: Vec<PathBuf>, runs: usize, on_demand: bool) -> Result<()
     }
     let model = wasi_nn_host::find_default_model()
         .with_context(|| format!("{} not found", wasi_nn_host::DEFAULT_MODEL_DIR))?;
-    let pool = (!on_demand).then(wasi_nn_host::InstancePool::default);
     let host = wasi_nn_host::HostBuilder::new(Device::Cpu)
         .instance_pool(pool)
         .graph("gpt2", &model)?
         .build()?;
     for report in wasi_nn_bench::startup::run(&host, &modules, runs)? {
-        let allocator = if on_demand { "on-demand" } else { "pooling" };
         let mut line = serde_json::to_value(&report)?;
-        line["allocator"] = allocator.into();
+        line["allocator"] = match pool {
+            Some(pool) => format!("pooling, keep_resident {}", pool.keep_resident_bytes),
+            None => "on-demand".into(),
+        }
+        .into();
         println!("{line}");
     }
     Ok(())
