@@ -96,11 +96,13 @@ impl Default for InstancePool {
 }
 
 /// What one guest instance may hold in the pool: a module is one core instance with one
-/// memory and one table; a component (ours: the Rust program and wit-component's shims) up to
-/// these. A guest with more cannot be instantiated (a clear wasmtime error).
-const CORE_INSTANCES_PER_GUEST: u32 = 16;
+/// memory and one table; a component up to these (ours: 3 core instances, the Rust program and
+/// wit-component's shims, 1 memory, 2 tables; a component built with the preview 1 adapter has
+/// a second memory). A component with more is refused when it is loaded (a clear wasmtime
+/// error naming the limit).
+const CORE_INSTANCES_PER_GUEST: u32 = 8;
 const MEMORIES_PER_GUEST: u32 = 2;
-const TABLES_PER_GUEST: u32 = 8;
+const TABLES_PER_GUEST: u32 = 4;
 
 impl InstancePool {
     /// wasmtime's pooling configuration: enough of everything for `max_instances` guests.
