@@ -5,6 +5,8 @@
 //! - [`kernels`]: the kernel workbench: each kernel alone against the CPU reference.
 //! - [`checks`]: whole models on the GPU against the CPU reference (prefill, decode graph,
 //!   repeated prefills, scoring), and the sweep over awkward sizes.
+//! - [`startup`]: guest start-up and short requests through the whole host path.
 
 pub mod checks;
 pub mod kernels;
+pub mod startup;

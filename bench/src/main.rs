@@ -1,8 +1,9 @@
 //! `wasi-nn-bench`: the GPU checks against the CPU reference (`check-cuda`) and backend-only
 //! timings (`bench`), for the GPU machine (a binary built elsewhere runs there) and this one.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use std::path::PathBuf;
 use std::time::Instant;
 use wasi_nn_host::cuda::CudaExecutor;
 use wasi_nn_host::engine::Session;
@@ -62,6 +63,24 @@ enum Command {
         /// Also time a prefill of this many tokens (GPU).
         #[arg(long)]
         prefill: Option<usize>,
+    },
+    /// Measure guest start-up: `Host::run` to `_start`, a 1-token request, a decode step
+    /// (greedy on the embedded default model, on the CPU).
+    Startup {
+        /// Guest modules to compare (default: gpt2.wasm and gpt2.preinit.wasm from
+        /// target/wasm32-wasip1/release-wasm).
+        #[arg(long = "module")]
+        modules: Vec<PathBuf>,
+        /// Requests of each kind per module (after 3 warm-up requests).
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+        /// wasmtime's on-demand instance allocator (fresh mappings per instance) instead of
+        /// the host's instance pool.
+        #[arg(long)]
+        on_demand: bool,
+        /// The pool's InstancePool::keep_resident_bytes.
+        #[arg(long, default_value_t = 0)]
+        keep_resident: usize,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
@@ -136,6 +155,18 @@ fn main() -> Result<()> {
             prompt,
             steps,
         } => check_cuda(&models, prompt, steps)?,
+        Command::Startup {
+            modules,
+            runs,
+            on_demand,
+            keep_resident,
+        } => {
+            let pool = (!on_demand).then_some(wasi_nn_host::InstancePool {
+                keep_resident_bytes: keep_resident,
+                ..Default::default()
+            });
+            startup(modules, runs, pool)?
+        }
     }
     Ok(())
 }
@@ -328,6 +359,40 @@ fn bench_cuda(
         "prefill_tokens": prefill, "prefill_ms": prefill_ms, "prefill_repeat_ms": prefill_graph_ms, "prefill_enqueue_ms": prefill_enqueue_ms, "prefill_gpu_ms": prefill_gpu_ms,
     });
     println!("{line}");
+    Ok(())
+}
+
+fn startup(
+    mut modules: Vec<PathBuf>,
+    runs: usize,
+    pool: Option<wasi_nn_host::InstancePool>,
+) -> Result<()> {
+    if modules.is_empty() {
+        let dir = PathBuf::from("target/wasm32-wasip1/release-wasm");
+        modules = ["gpt2.wasm", "gpt2.preinit.wasm"]
+            .iter()
+            .map(|name| dir.join(name))
+            .filter(|path| path.is_file())
+            .collect();
+        if modules.is_empty() {
+            bail!("no module under {}; pass --module PATH", dir.display());
+        }
+    }
+    let model = wasi_nn_host::find_default_model()
+        .with_context(|| format!("{} not found", wasi_nn_host::DEFAULT_MODEL_DIR))?;
+    let host = wasi_nn_host::HostBuilder::new(Device::Cpu)
+        .instance_pool(pool)
+        .graph("gpt2", &model)?
+        .build()?;
+    for report in wasi_nn_bench::startup::run(&host, &modules, runs)? {
+        let mut line = serde_json::to_value(&report)?;
+        line["allocator"] = match pool {
+            Some(pool) => format!("pooling, keep_resident {}", pool.keep_resident_bytes),
+            None => "on-demand".into(),
+        }
+        .into();
+        println!("{line}");
+    }
     Ok(())
 }
 

@@ -9,6 +9,7 @@ use gpt2_guest::generate::{Forward, Generation, GenerationParams};
 use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
 use std::io::Write;
+use std::sync::OnceLock;
 use std::time::Instant;
 use wasi_nn::{ExecutionTarget, GraphBuilder, GraphEncoding, GraphExecutionContext, TensorType};
 
@@ -131,18 +132,49 @@ fn parse_args() -> Result<Options, Error> {
     Ok(o)
 }
 
+/// The embedded tokenizer, once built: by [`preinitialize`] in a pre-initialised module (the
+/// snapshot starts with it), else by the first [`embedded_tokenizer`] call of the run.
+static EMBEDDED: OnceLock<Gpt2Tokenizer> = OnceLock::new();
+
+/// The pre-initialisation entry point (`wizer-initialize`, the name wasmtime-wizer calls by
+/// default; `wasi-nn-host preinit` runs it and snapshots the module): builds everything that
+/// does not depend on the run (the embedded tokenizer and the lazily built tables its first
+/// encode needs), so that a run of the snapshot starts with it. It reads no arguments,
+/// environment, clock or files: those are read when the snapshot runs, as in the plain module.
+/// A failure here leaves [`EMBEDDED`] empty; the run then builds it and reports the error.
+#[unsafe(export_name = "wizer-initialize")]
+pub extern "C" fn preinitialize() {
+    if let Ok(tokenizer) = Gpt2Tokenizer::embedded() {
+        // The pre-tokenizer's regex and byte tables are built on first use; an encode (whose
+        // result, and the BPE cache entry it leaves, change no output) builds them now.
+        let _ = tokenizer.encode("Hello world");
+        let _ = EMBEDDED.set(tokenizer);
+    }
+}
+
+/// The embedded tokenizer: the pre-initialised one, or built now.
+fn embedded_tokenizer() -> Result<&'static Gpt2Tokenizer, Error> {
+    if let Some(tokenizer) = EMBEDDED.get() {
+        return Ok(tokenizer);
+    }
+    let tokenizer = Gpt2Tokenizer::embedded()?;
+    Ok(EMBEDDED.get_or_init(|| tokenizer))
+}
+
 fn main() {
     let result = parse_args().and_then(|options| {
+        let from_file;
         let tokenizer = match &options.tokenizer {
             Some(path) => {
                 let bytes = std::fs::read(path).map_err(|e| format!("--tokenizer {path}: {e}"))?;
-                Gpt2Tokenizer::from_json(&bytes)?
+                from_file = Gpt2Tokenizer::from_json(&bytes)?;
+                &from_file
             }
-            None => Gpt2Tokenizer::embedded()?,
+            None => embedded_tokenizer()?,
         };
         match &options.perplexity {
-            Some(path) => perplexity(&options, &tokenizer, path),
-            None => generate(&options, &tokenizer),
+            Some(path) => perplexity(&options, tokenizer, path),
+            None => generate(&options, tokenizer),
         }
     });
     if let Err(e) = result {

@@ -18,6 +18,9 @@ pub struct Gpt2Tokenizer {
     tokenizer: Tokenizer,
     bytes: TokenBytes,
     end_of_text: Option<u32>,
+    /// `tokenizer.get_vocab_size(true)`, counted once: HF computes it by building the whole
+    /// vocabulary map (about 10 ms in the guest each time).
+    vocab_size: usize,
 }
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -55,6 +58,10 @@ impl Gpt2Tokenizer {
         let special: Vec<u32> = end_of_text.into_iter().collect();
         Self {
             bytes: TokenBytes::new(&vocab, &special),
+            // the same count as `tokenizer.get_vocab_size(true)`: `vocab` is the vocabulary
+            // with the added tokens (`get_vocab(true)`, or the BPE vocabulary alone when
+            // nothing was added)
+            vocab_size: vocab.len(),
             tokenizer,
             end_of_text,
         }
@@ -70,7 +77,7 @@ impl Gpt2Tokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn end_of_text(&self) -> Option<u32> {
@@ -91,6 +98,7 @@ mod tests {
     fn embedded_tokenizer_round_trips_and_knows_gpt2_ids() {
         let tok = Gpt2Tokenizer::embedded().expect("embedded tokenizer");
         assert_eq!(tok.vocab_size(), 50257);
+        assert_eq!(tok.vocab_size(), tok.tokenizer.get_vocab_size(true));
         assert_eq!(tok.end_of_text(), Some(END_OF_TEXT));
         // Well-known GPT-2 ids: "Hello" = 15496, " world" = 995.
         assert_eq!(tok.encode("Hello world").expect("encode"), vec![15496, 995]);

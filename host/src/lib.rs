@@ -38,7 +38,9 @@ pub mod serve;
 pub mod wasi_nn;
 
 pub use engine::{Device, EngineError, EngineOptions, GpuDtype};
-pub use runtime::{Host, HostBuilder, HostError, RunOptions, RunOutcome};
+pub use runtime::{
+    GuestModule, Host, HostBuilder, HostError, InstancePool, RunOptions, RunOutcome,
+};
 pub use wasi_nn::{Gpt2Backend, Gpt2Error};
 
 use std::sync::Arc;

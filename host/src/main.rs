@@ -49,6 +49,14 @@ enum Command {
         #[arg(last = true)]
         guest_args: Vec<String>,
     },
+    /// Pre-initialise a guest module: run its `wizer-initialize` export once and write the
+    /// snapshot (e.g. gpt2.wasm with its tokenizer built), which starts without that work.
+    Preinit {
+        /// The module to pre-initialise (it must export `wizer-initialize`).
+        input: PathBuf,
+        /// Where to write the pre-initialised module.
+        output: PathBuf,
+    },
     /// Serve OpenAI-style completions over HTTP with the guest component (`gpt2:text`).
     Serve(wasi_nn_host::serve::ServeArgs),
     /// Write deterministic random weights of a GPT-2 size (124M, 355M, 774M, 1558M).
@@ -126,8 +134,26 @@ fn main() -> Result<()> {
             let outcome = host.run(&wasm, &program, &options)?;
             std::process::exit(outcome.exit_code);
         }
+        Command::Preinit { input, output } => {
+            let wasm =
+                std::fs::read(&input).with_context(|| format!("reading {}", input.display()))?;
+            let started = std::time::Instant::now();
+            let snapshot = wasi_nn_host::runtime::preinitialize(&wasm)
+                .with_context(|| format!("pre-initialising {}", input.display()))?;
+            std::fs::write(&output, &snapshot)
+                .with_context(|| format!("writing {}", output.display()))?;
+            eprintln!(
+                "pre-initialised {} -> {} ({} bytes, {:.1} s)",
+                input.display(),
+                output.display(),
+                snapshot.len(),
+                started.elapsed().as_secs_f64()
+            );
+        }
         Command::Serve(args) => {
-            let builder = HostBuilder::new(args.device).dtype(args.dtype);
+            let builder = HostBuilder::new(args.device)
+                .dtype(args.dtype)
+                .instance_pool(Some(args.instance_pool()));
             let builder = with_graphs(builder, &args.graph_specs()?)?;
             wasi_nn_host::serve::run(builder.build()?, &args)?;
         }

@@ -24,6 +24,34 @@ pub fn gpt2_wasm() -> PathBuf {
     PathBuf::from(env!("GPT2_WASM"))
 }
 
+/// `gpt2.wasm` pre-initialised (its tokenizer built into the snapshot) with the library's
+/// [`wasi_nn_host::runtime::preinitialize`], as `wasi-nn-host preinit` and the scripts do.
+/// Written once beside [`gpt2_wasm`] (`gpt2.preinit.wasm`) and reused while it is newer than
+/// the module it came from. (Not in the build script: that would need wasmtime as a
+/// build-dependency, compiled a second time.)
+pub fn gpt2_preinit_wasm() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let plain = gpt2_wasm();
+        let out = plain.with_file_name("gpt2.preinit.wasm");
+        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        if let (Some(made), Some(source)) = (modified(&out), modified(&plain)) {
+            if made > source {
+                return out;
+            }
+        }
+        let wasm = std::fs::read(&plain).unwrap_or_else(|e| panic!("{}: {e}", plain.display()));
+        let snapshot = wasi_nn_host::runtime::preinitialize(&wasm)
+            .unwrap_or_else(|e| panic!("pre-initialising {}: {e}", plain.display()));
+        // written under a name of its own, then renamed: another test binary may read it
+        let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
+        std::fs::write(&tmp, snapshot).unwrap_or_else(|e| panic!("{}: {e}", tmp.display()));
+        std::fs::rename(&tmp, &out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+        out
+    })
+    .clone()
+}
+
 /// The guest component (wasm32-wasip2) built by this crate's build script.
 pub fn gpt2_component() -> PathBuf {
     PathBuf::from(env!("GPT2_COMPONENT"))

@@ -7,13 +7,13 @@ use integration_tests::*;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
-use wasi_nn_host::runtime::{Host, HostBuilder, RunOptions, RunOutcome};
+use wasi_nn_host::runtime::{GuestModule, Host, HostBuilder, RunOptions, RunOutcome};
 use wasi_nn_host::wasi_nn::{Gpt2Backend, Gpt2Error};
 use wasi_nn_host::Device;
 use wasmtime_wasi_nn::wit::ExecutionTarget;
 
 /// A host with the shakespeare model preloaded as `gpt2`, and `gpt2.wasm` compiled for it.
-fn make_host(builder: HostBuilder) -> (Host, wasmtime::Module) {
+fn make_host(builder: HostBuilder) -> (Host, GuestModule) {
     let host = builder
         .graph("gpt2", &shakespeare_dir())
         .expect("load the default model")
@@ -24,20 +24,20 @@ fn make_host(builder: HostBuilder) -> (Host, wasmtime::Module) {
 }
 
 /// No device override: the CLI without `--device`.
-fn auto_host() -> &'static (Host, wasmtime::Module) {
-    static HOST: OnceLock<(Host, wasmtime::Module)> = OnceLock::new();
+fn auto_host() -> &'static (Host, GuestModule) {
+    static HOST: OnceLock<(Host, GuestModule)> = OnceLock::new();
     HOST.get_or_init(|| make_host(HostBuilder::auto()))
 }
 
 /// `--device cpu`.
-fn cpu_host() -> &'static (Host, wasmtime::Module) {
-    static HOST: OnceLock<(Host, wasmtime::Module)> = OnceLock::new();
+fn cpu_host() -> &'static (Host, GuestModule) {
+    static HOST: OnceLock<(Host, GuestModule)> = OnceLock::new();
     HOST.get_or_init(|| make_host(HostBuilder::new(Device::Cpu)))
 }
 
 /// Run `gpt2.wasm` with the host directory `model_dir` granted at `model` (as `--dir
 /// HOST::model`); the run itself must not trap, time out or crash.
-fn run((host, module): &(Host, wasmtime::Module), model_dir: PathBuf, args: &[&str]) -> RunOutcome {
+fn run((host, module): &(Host, GuestModule), model_dir: PathBuf, args: &[&str]) -> RunOutcome {
     let options = RunOptions {
         args: args.iter().map(|s| s.to_string()).collect(),
         dirs: vec![(model_dir, "model".into())],
@@ -50,7 +50,7 @@ fn run((host, module): &(Host, wasmtime::Module), model_dir: PathBuf, args: &[&s
 }
 
 /// The greedy ids of a `--json` run, which must succeed.
-fn greedy_ids(host: &(Host, wasmtime::Module), args: &[&str]) -> Vec<u32> {
+fn greedy_ids(host: &(Host, GuestModule), args: &[&str]) -> Vec<u32> {
     let out = run(host, shakespeare_dir(), args);
     assert_eq!(
         out.exit_code,

@@ -3,11 +3,11 @@
 
 use integration_tests::*;
 use std::sync::OnceLock;
-use wasi_nn_host::runtime::{Host, HostBuilder, RunOptions, RunOutcome};
+use wasi_nn_host::runtime::{GuestModule, Host, HostBuilder, RunOptions, RunOutcome};
 use wasi_nn_host::Device;
 
-fn host() -> &'static (Host, wasmtime::Module) {
-    static HOST: OnceLock<(Host, wasmtime::Module)> = OnceLock::new();
+fn host() -> &'static (Host, GuestModule) {
+    static HOST: OnceLock<(Host, GuestModule)> = OnceLock::new();
     HOST.get_or_init(|| {
         let host = HostBuilder::new(Device::Cpu)
             .graph("gpt2", &shakespeare_dir())

@@ -7,14 +7,14 @@ use std::io::{BufRead, Read, Write};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use wasi_nn_host::serve::{Service, ServiceConfig};
-use wasi_nn_host::{Device, HostBuilder, RunOptions};
+use wasi_nn_host::{Device, GuestModule, HostBuilder, RunOptions};
 
 struct Server {
     url: String,
     service: Arc<Service>,
     host: Arc<wasi_nn_host::Host>,
     /// The command guest, for the CLI's answers.
-    module: wasmtime::Module,
+    module: GuestModule,
 }
 
 /// One server for the whole test binary.

@@ -1,21 +1,34 @@
-//! The wasmtime side: one [`Host`] holds the engine, the linker (WASI preview 1 + wasi-nn's
-//! witx ABI) and the preloaded graphs; [`Host::run`] starts a fresh, sandboxed instance of a
-//! guest module with its own WASI context and its own wasi-nn state (its own execution
-//! contexts and KV caches) over the shared weights.
+//! The wasmtime side: one [`Host`] holds the engine, the linkers (WASI preview 1 + wasi-nn's
+//! witx ABI; WASI preview 2 + `wasi:nn` WIT for components) and the preloaded graphs;
+//! [`Host::run`] starts a fresh, sandboxed instance of a guest module with its own WASI
+//! context and its own wasi-nn state (its own execution contexts and KV caches) over the
+//! shared weights.
+//!
+//! Starting an instance is made cheap three ways: guests are linked once when loaded
+//! ([`GuestModule`], [`GuestComponent`]: wasmtime's `InstancePre`); their memories come from
+//! wasmtime's pooling allocator ([`InstancePool`]: slots reserved once, reused) as
+//! copy-on-write mappings of the module's initial memory image; and a module may be
+//! pre-initialised at build time ([`preinitialize`]) so its own set-up (for `gpt2.wasm`, the
+//! tokenizer) is already in that image.
 
 mod component;
 mod module;
+mod preinit;
 
-pub use component::{Completion, ComponentState, Sampling, Score};
-pub use module::GuestState;
+pub use component::{Completion, ComponentState, GuestComponent, Sampling, Score};
+pub use module::{GuestModule, GuestState};
+pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
 
 use crate::engine::{Device, EngineOptions, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use wasmtime::{Config, Engine, Linker, Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, Linker, PoolingAllocationConfig, Store,
+    StoreLimits, StoreLimitsBuilder, UpdateDeadline,
+};
 
 /// Errors of the host library.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +51,11 @@ pub enum HostError {
     Timeout(Duration),
     #[error("the run was cancelled")]
     Cancelled,
+    #[error(
+        "all {max_instances} instance slots are in use (InstancePool::max_instances); try \
+         again when a run has finished"
+    )]
+    Busy { max_instances: u32 },
 }
 
 /// How often the engine's epoch advances: the granularity of time limits and cancellation.
@@ -45,6 +63,96 @@ const EPOCH_TICK: Duration = Duration::from_millis(5);
 
 pub(crate) fn wasmtime_err(e: wasmtime::Error) -> HostError {
     HostError::Wasmtime(format!("{e:?}"))
+}
+
+/// The pooling instance allocator's size: how many guest instances may be alive at once and
+/// how large each may grow. The pool reserves its address space once, when the host is
+/// built (about 4 GiB of virtual memory, not resident, per memory slot), and every instance
+/// takes a slot and gives it back; a guest's memory starts as a copy-on-write mapping of its
+/// module's initial image, so an instance costs neither a copy of its data nor fresh mappings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstancePool {
+    /// Guest instances (modules and components together) that may be alive at once; one more
+    /// is refused with [`HostError::Busy`] until a run ends.
+    pub max_instances: u32,
+    /// The most linear memory one instance may have: the size of a pool slot. A guest whose
+    /// initial memory is larger cannot be instantiated, and growth past it fails in the guest
+    /// (as an allocation failure). [`RunOptions::max_memory_bytes`] caps each run below it.
+    pub max_memory_bytes: usize,
+    /// Bytes at the start of each memory slot that are reset with `memset` and stay resident
+    /// when an instance ends, instead of being handed back to the kernel (`madvise`): fewer
+    /// page faults for the next instance in the slot, more resident memory while idle.
+    pub keep_resident_bytes: usize,
+}
+
+impl Default for InstancePool {
+    fn default() -> Self {
+        Self {
+            max_instances: 128,
+            max_memory_bytes: 4 << 30,
+            keep_resident_bytes: 0,
+        }
+    }
+}
+
+/// What one guest instance may hold in the pool: a module is one core instance with one
+/// memory and one table; a component up to these (ours: 3 core instances, the Rust program and
+/// wit-component's shims, 1 memory, 2 tables; a component built with the preview 1 adapter has
+/// a second memory). A component with more is refused when it is loaded (a clear wasmtime
+/// error naming the limit).
+const CORE_INSTANCES_PER_GUEST: u32 = 8;
+const MEMORIES_PER_GUEST: u32 = 2;
+const TABLES_PER_GUEST: u32 = 4;
+
+impl InstancePool {
+    /// wasmtime's pooling configuration: enough of everything for `max_instances` guests.
+    fn wasmtime_config(&self) -> PoolingAllocationConfig {
+        let n = self.max_instances;
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(n)
+            .total_core_instances(n.saturating_mul(CORE_INSTANCES_PER_GUEST))
+            .total_memories(n.saturating_mul(MEMORIES_PER_GUEST))
+            .total_tables(n.saturating_mul(TABLES_PER_GUEST))
+            .total_stacks(n)
+            .total_gc_heaps(n)
+            .max_core_instances_per_component(CORE_INSTANCES_PER_GUEST)
+            .max_memories_per_component(MEMORIES_PER_GUEST)
+            .max_tables_per_component(TABLES_PER_GUEST)
+            .max_memory_size(self.max_memory_bytes)
+            .linear_memory_keep_resident(self.keep_resident_bytes);
+        pool
+    }
+}
+
+/// Counts the guest instances alive, up to the pool's `max_instances`.
+struct InstanceSlots {
+    live: AtomicUsize,
+    max: Option<u32>,
+}
+
+/// One guest instance's place in [`InstanceSlots`], given back when dropped (after the
+/// instance's store: declare it first).
+pub(crate) struct InstanceSlot<'a>(&'a InstanceSlots);
+
+impl InstanceSlots {
+    fn acquire(&self) -> Result<InstanceSlot<'_>, HostError> {
+        let Some(max) = self.max else {
+            self.live.fetch_add(1, Ordering::Relaxed);
+            return Ok(InstanceSlot(self));
+        };
+        self.live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                (live < max as usize).then_some(live + 1)
+            })
+            .map_err(|_| HostError::Busy { max_instances: max })?;
+        Ok(InstanceSlot(self))
+    }
+}
+
+impl Drop for InstanceSlot<'_> {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Builds a [`Host`]: graphs by name, the device override, limits.
@@ -60,6 +168,7 @@ pub struct HostBuilder {
     max_kv_bytes: usize,
     kv_pool_bytes: usize,
     graphs: GraphSet,
+    pool: Option<InstancePool>,
 }
 
 impl Default for HostBuilder {
@@ -84,6 +193,7 @@ impl HostBuilder {
             max_kv_bytes: EngineOptions::DEFAULT_MAX_KV_BYTES,
             kv_pool_bytes: EngineOptions::DEFAULT_KV_POOL_BYTES,
             graphs: GraphSet::default(),
+            pool: Some(InstancePool::default()),
         }
     }
 
@@ -116,6 +226,15 @@ impl HostBuilder {
     /// share batched steps); a context that would pass it gets an error, the others go on.
     pub fn kv_pool_bytes(mut self, bytes: usize) -> Self {
         self.kv_pool_bytes = bytes;
+        self
+    }
+
+    /// How guest instances are allocated: from a pool of reserved slots (`Some`, the default:
+    /// [`InstancePool::default`], 128 instances alive at once, up to 4 GiB of memory each), or
+    /// with fresh mappings per instance and no limit on their number (`None`: wasmtime's
+    /// on-demand allocator, which reserves nothing up front).
+    pub fn instance_pool(mut self, pool: Option<InstancePool>) -> Self {
+        self.pool = pool;
         self
     }
 
@@ -158,7 +277,22 @@ impl HostBuilder {
     pub fn build(self) -> Result<Host, HostError> {
         let mut config = Config::new();
         config.epoch_interruption(true);
-        let engine = Engine::new(&config).map_err(wasmtime_err)?;
+        // a guest's memory starts as a copy-on-write mapping of its module's initial image
+        config.memory_init_cow(true);
+        if let Some(pool) = &self.pool {
+            config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool.wasmtime_config()));
+        }
+        let engine = Engine::new(&config).map_err(|e| {
+            HostError::Wasmtime(format!(
+                "cannot create the engine{}: {e:?}",
+                if self.pool.is_some() {
+                    " (its instance pool reserves about 4 GiB of address space per memory \
+                     slot: lower InstancePool::max_instances, or use no pool)"
+                } else {
+                    ""
+                }
+            ))
+        })?;
         // A ticker advances the epoch so instances can be timed out or cancelled; it stops
         // once the engine is gone.
         let weak = engine.weak();
@@ -180,6 +314,11 @@ impl HostBuilder {
             linker,
             component_linker,
             graphs: self.graphs,
+            pool: self.pool,
+            slots: InstanceSlots {
+                live: AtomicUsize::new(0),
+                max: self.pool.map(|p| p.max_instances),
+            },
         })
     }
 }
@@ -206,6 +345,20 @@ pub(crate) fn arm_deadline<T>(store: &mut Store<T>, options: &RunOptions) {
         }
         Ok(UpdateDeadline::Continue(1))
     });
+}
+
+/// Why an instance could not be created: the pool is full (a guard against any count this
+/// host's own slots missed), or anything else wasmtime says.
+pub(crate) fn instantiate_error(host: &Host, e: wasmtime::Error) -> HostError {
+    match (
+        e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>(),
+        host.pool,
+    ) {
+        (Some(_), Some(pool)) => HostError::Busy {
+            max_instances: pool.max_instances,
+        },
+        _ => wasmtime_err(e),
+    }
 }
 
 /// Why a run stopped with an error: cancelled, out of time, or a trap.
@@ -236,6 +389,8 @@ pub struct Host {
     linker: Linker<GuestState>,
     component_linker: wasmtime::component::Linker<ComponentState>,
     graphs: GraphSet,
+    pool: Option<InstancePool>,
+    slots: InstanceSlots,
 }
 
 /// How to run one guest instance.
@@ -264,6 +419,9 @@ pub struct RunOutcome {
     /// Captured output (empty unless [`RunOptions::capture`] was set).
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// Time from the [`Host::run`] call to the guest's `_start` entry: its WASI context, its
+    /// store and its instantiation (what the guest then does to get ready is its own time).
+    pub start_latency: Duration,
 }
 
 impl Host {
@@ -283,6 +441,21 @@ impl Host {
     /// picks the device of the graphs it loads from bytes.
     pub fn device_override(&self) -> Option<Device> {
         self.backend.device_override()
+    }
+
+    /// The instance pool, if instances come from one ([`HostBuilder::instance_pool`]).
+    pub fn instance_pool(&self) -> Option<InstancePool> {
+        self.pool
+    }
+
+    /// Guest instances alive now.
+    pub fn live_instances(&self) -> usize {
+        self.slots.live.load(Ordering::Relaxed)
+    }
+
+    /// A place for one more instance, or [`HostError::Busy`] when the pool is full.
+    pub(crate) fn instance_slot(&self) -> Result<InstanceSlot<'_>, HostError> {
+        self.slots.acquire()
     }
 
     pub(crate) fn engine(&self) -> &Engine {

@@ -1,15 +1,17 @@
 //! The preview 1 path: a guest module (`_start`) linked with WASI preview 1 and wasi-nn's
-//! witx ABI (`wasi_ephemeral_nn`). [`Host::run`] starts a fresh, sandboxed instance with its
-//! own WASI context and its own wasi-nn state (its own execution contexts and KV caches) over
-//! the host's shared graphs.
+//! witx ABI (`wasi_ephemeral_nn`). [`Host::load_module`] compiles and links it once
+//! ([`GuestModule`]); [`Host::run`] starts a fresh, sandboxed instance of it with its own WASI
+//! context and its own wasi-nn state (its own execution contexts and KV caches) over the
+//! host's shared graphs.
 
 use super::{
-    arm_deadline, store_limits, wasmtime_err, Host, HostError, OutputCallback, RunOptions,
+    arm_deadline, instantiate_error, store_limits, Host, HostError, OutputCallback, RunOptions,
     RunOutcome,
 };
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use wasmtime::{Linker, Module, Store, StoreLimits};
+use std::time::Instant;
+use wasmtime::{ExternType, InstancePre, Linker, Module, ModuleExport, Store, StoreLimits};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
@@ -21,6 +23,21 @@ pub struct GuestState {
     wasi: WasiP1Ctx,
     nn: WasiNnCtx,
     limits: StoreLimits,
+}
+
+/// A guest module compiled and linked once ([`Host::load_module`]): every [`Host::run`] only
+/// instantiates it. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct GuestModule {
+    pre: InstancePre<GuestState>,
+    start: ModuleExport,
+}
+
+impl GuestModule {
+    /// The compiled module.
+    pub fn module(&self) -> &Module {
+        self.pre.module()
+    }
 }
 
 /// The preview 1 linker: WASI preview 1 and wasi-nn's witx ABI.
@@ -92,22 +109,43 @@ impl tokio::io::AsyncWrite for CallbackOutput {
 }
 
 impl Host {
-    /// Compile a guest module (`.wasm` or `.wat`) from a file.
-    pub fn load_module(&self, path: &Path) -> Result<Module, HostError> {
-        Module::from_file(&self.engine, path).map_err(|e| HostError::Module {
+    /// Compile a guest module (`.wasm` or `.wat`) from a file and link it with WASI preview 1
+    /// and wasi-nn (imports it asks for that the host lacks are an error here, not at run
+    /// time). A pre-initialised module ([`super::preinitialize`]) loads the same way.
+    pub fn load_module(&self, path: &Path) -> Result<GuestModule, HostError> {
+        let error = |message: String| HostError::Module {
             path: path.to_owned(),
-            message: format!("{e:?}"),
-        })
+            message,
+        };
+        let module = Module::from_file(&self.engine, path).map_err(|e| error(format!("{e:?}")))?;
+        let is_command = matches!(
+            module.get_export("_start"),
+            Some(ExternType::Func(f)) if f.params().len() == 0 && f.results().len() == 0
+        );
+        let start = module
+            .get_export_index("_start")
+            .filter(|_| is_command)
+            .ok_or_else(|| {
+                error("the module exports no `_start: [] -> []` (not a WASI command)".into())
+            })?;
+        let pre = self
+            .linker
+            .instantiate_pre(&module)
+            .map_err(|e| error(format!("{e:?}")))?;
+        Ok(GuestModule { pre, start })
     }
 
     /// Run `module`'s `_start` in a fresh instance; returns its exit code (0 when `_start`
     /// returns normally, the `proc_exit` code otherwise).
     pub fn run(
         &self,
-        module: &Module,
+        module: &GuestModule,
         program: &str,
         options: &RunOptions,
     ) -> Result<RunOutcome, HostError> {
+        let called = Instant::now();
+        // given back after the store (declared later, dropped first) has freed the instance
+        let _slot = self.instance_slot()?;
         let mut wasi = WasiCtxBuilder::new();
         let mut argv = vec![program.to_owned()];
         argv.extend(options.args.iter().cloned());
@@ -142,16 +180,20 @@ impl Host {
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
         arm_deadline(&mut store, options);
-        let instance = self
-            .linker
-            .instantiate(&mut store, module)
-            .map_err(wasmtime_err)?;
+        let instance = module
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| instantiate_error(self, e))?;
         let start = instance
-            .get_typed_func::<(), ()>(&mut store, "_start")
-            .map_err(wasmtime_err)?;
+            .get_module_export(&mut store, &module.start)
+            .and_then(|export| export.into_func())
+            .ok_or_else(|| HostError::Trap("`_start` is not a function".into()))?
+            .typed::<(), ()>(&store)
+            .map_err(|e| HostError::Trap(format!("`_start`: {e:?}")))?;
         // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
         // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
         // away either way; catching the panic keeps one bad guest from taking down the host.
+        let start_latency = called.elapsed();
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
         let exit_code = match result {
@@ -187,6 +229,7 @@ impl Host {
             exit_code,
             stdout,
             stderr,
+            start_latency,
         })
     }
 }

@@ -34,9 +34,21 @@ pub struct ServeArgs {
     /// Seconds one request may run.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
+    /// Requests that may run at once: the size of the host's instance pool (each reserves
+    /// about 4 GiB of address space, not memory); more get 503 until one finishes.
+    #[arg(long, default_value_t = crate::runtime::InstancePool::default().max_instances)]
+    pub max_instances: u32,
 }
 
 impl ServeArgs {
+    /// The instance pool `--max-instances` asks for.
+    pub fn instance_pool(&self) -> crate::runtime::InstancePool {
+        crate::runtime::InstancePool {
+            max_instances: self.max_instances,
+            ..Default::default()
+        }
+    }
+
     /// The `--graph` flags as `(name, path or random:SIZE)`.
     pub fn graph_specs(&self) -> Result<Vec<(&str, &str)>, ServeError> {
         self.graphs
@@ -60,6 +72,7 @@ impl ServeArgs {
 }
 
 /// Serve `host`'s graphs as `args` says until Ctrl-C, on a multi-threaded runtime of its own.
+/// Build `host` with [`ServeArgs::instance_pool`].
 pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
     let component = host.load_component(&args.component)?;
     let config = ServiceConfig {

@@ -23,7 +23,7 @@ pub use cli::{run, ServeArgs};
 pub use openai::Timings;
 
 use crate::runtime::{Completion, Sampling};
-use crate::runtime::{Host, HostError, RunOptions};
+use crate::runtime::{GuestComponent, Host, HostError, RunOptions};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -37,7 +37,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
-use wasmtime::component::Component;
 
 /// Errors of setting up or running the service.
 #[derive(Debug, thiserror::Error)]
@@ -87,7 +86,7 @@ impl Default for ServiceConfig {
 /// Shared state of the service: the host, the compiled component, the limits, counters.
 pub struct Service {
     host: Arc<Host>,
-    component: Component,
+    component: GuestComponent,
     config: ServiceConfig,
     /// The host's graph names: the models served.
     models: Vec<String>,
@@ -100,7 +99,7 @@ impl Service {
     /// for each request. The default model must be one of the host's graphs.
     pub fn new(
         host: Arc<Host>,
-        component: Component,
+        component: GuestComponent,
         config: ServiceConfig,
     ) -> Result<Arc<Self>, ServeError> {
         let models = host.graph_names();
@@ -161,6 +160,8 @@ enum Message {
     Done(Completion, openai::Timings),
     /// The guest's error value, or why the instance stopped.
     Failed(String),
+    /// No instance could be started: the host's instance pool is full.
+    Busy(String),
 }
 
 /// Counts an instance as active while it lives, and as served once it is gone (even if the
@@ -236,6 +237,7 @@ fn spawn_instance(
             }
             Ok(Err(message)) => Message::Failed(message),
             Err(HostError::Cancelled) => return,
+            Err(e @ HostError::Busy { .. }) => Message::Busy(e.to_string()),
             Err(e) => Message::Failed(e.to_string()),
         };
         // Counted as finished before the client can see the answer.
@@ -326,6 +328,16 @@ async fn completions(
         created: unix_seconds(),
         model: job.model.clone(),
     };
+    // A full pool is answered before a stream starts (a race with another request can still
+    // fill it; the stream then carries the error).
+    if let Some(pool) = service.host.instance_pool() {
+        if service.host.live_instances() >= pool.max_instances as usize {
+            let busy = HostError::Busy {
+                max_instances: pool.max_instances,
+            };
+            return ApiError::busy(busy.to_string()).into_response();
+        }
+    }
     let mut rx = spawn_instance(service, job.model, job.prompt, job.sampling, accepted);
     if job.stream {
         let events = futures_util::stream::unfold((rx, reply), |(mut rx, reply)| async move {
@@ -336,7 +348,7 @@ async fn completions(
                     last.usage = Some(usage(&completion));
                     json_event(&last)
                 }
-                Message::Failed(message) => error_event(&message),
+                Message::Failed(message) | Message::Busy(message) => error_event(&message),
             };
             Some((Ok::<_, std::convert::Infallible>(event), (rx, reply)))
         });
@@ -356,6 +368,7 @@ async fn completions(
                 return Json(object).into_response();
             }
             Message::Failed(message) => return ApiError::server_error(message).into_response(),
+            Message::Busy(message) => return ApiError::busy(message).into_response(),
         }
     }
     ApiError::server_error("the guest ended without a result").into_response()

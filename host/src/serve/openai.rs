@@ -249,6 +249,11 @@ impl ApiError {
     pub(crate) fn server_error(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
+
+    /// 503: every instance slot is taken; the client may retry.
+    pub(crate) fn busy(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message)
+    }
 }
 
 impl IntoResponse for ApiError {
