@@ -5,7 +5,9 @@
 # (bench/chart.py) to PREFIX.svg.
 # Usage: bench/concurrency.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options]
 #   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
-#   checkout's release builds (target/). GRAPH is a path or random:SIZE, served as `gpt2`;
+#   checkout's release builds (target/) and serves the pre-initialised component
+#   (gpt2_component.preinit.wasm beside it, made with `wasi-nn-host preinit` when missing or
+#   older than the component). GRAPH is a path or random:SIZE, served as `gpt2`;
 #   `embedded` serves the built-in shakespeare model. Defaults: carry cuda bf16 random:124M.
 # Options:
 #   --256              also run 256 streams
@@ -43,8 +45,12 @@ here=$(dirname "$0")
 if [ "$dir" = local ]; then
   root=$here/..
   host=$root/target/release/wasi-nn-host
-  component=$root/target/wasm32-wasip2/release-wasm/gpt2_component.wasm
+  plain=$root/target/wasm32-wasip2/release-wasm/gpt2_component.wasm
+  component=$root/target/wasm32-wasip2/release-wasm/gpt2_component.preinit.wasm
   loadgen=$root/target/release/loadgen
+  if [ ! -f "$component" ] || [ "$plain" -nt "$component" ]; then
+    "$host" preinit "$plain" "$component" || exit 1
+  fi
 else
   host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
 fi

@@ -67,8 +67,9 @@ enum Command {
     /// Measure guest start-up: `Host::run` to `_start`, a 1-token request, a decode step
     /// (greedy on the embedded default model, on the CPU).
     Startup {
-        /// Guest modules to compare (default: gpt2.wasm and gpt2.preinit.wasm from
-        /// target/wasm32-wasip1/release-wasm).
+        /// Guest modules or components to compare (default: gpt2.wasm and gpt2.preinit.wasm
+        /// from target/wasm32-wasip1/release-wasm). Components run through
+        /// `generate_with_component` (no start-up or in-guest times).
         #[arg(long = "module")]
         modules: Vec<PathBuf>,
         /// Requests of each kind per module (after 3 warm-up requests).

@@ -31,25 +31,35 @@ pub fn gpt2_wasm() -> PathBuf {
 /// build-dependency, compiled a second time.)
 pub fn gpt2_preinit_wasm() -> PathBuf {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PATH.get_or_init(|| {
-        let plain = gpt2_wasm();
-        let out = plain.with_file_name("gpt2.preinit.wasm");
-        let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-        if let (Some(made), Some(source)) = (modified(&out), modified(&plain)) {
-            if made > source {
-                return out;
-            }
+    PATH.get_or_init(|| preinitialised(&gpt2_wasm(), "gpt2.preinit.wasm"))
+        .clone()
+}
+
+/// [`gpt2_component`] pre-initialised (its `wizer-initialize` export has built the
+/// tokenizer), cached like [`gpt2_preinit_wasm`] (`gpt2_component.preinit.wasm`).
+pub fn gpt2_component_preinit() -> PathBuf {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| preinitialised(&gpt2_component(), "gpt2_component.preinit.wasm"))
+        .clone()
+}
+
+/// `plain` pre-initialised into `name` beside it, reused while newer than `plain`.
+fn preinitialised(plain: &Path, name: &str) -> PathBuf {
+    let out = plain.with_file_name(name);
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if let (Some(made), Some(source)) = (modified(&out), modified(plain)) {
+        if made > source {
+            return out;
         }
-        let wasm = std::fs::read(&plain).unwrap_or_else(|e| panic!("{}: {e}", plain.display()));
-        let snapshot = wasi_nn_host::runtime::preinitialize(&wasm)
-            .unwrap_or_else(|e| panic!("pre-initialising {}: {e}", plain.display()));
-        // written under a name of its own, then renamed: another test binary may read it
-        let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
-        std::fs::write(&tmp, snapshot).unwrap_or_else(|e| panic!("{}: {e}", tmp.display()));
-        std::fs::rename(&tmp, &out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
-        out
-    })
-    .clone()
+    }
+    let wasm = std::fs::read(plain).unwrap_or_else(|e| panic!("{}: {e}", plain.display()));
+    let snapshot = wasi_nn_host::runtime::preinitialize(&wasm)
+        .unwrap_or_else(|e| panic!("pre-initialising {}: {e}", plain.display()));
+    // written under a name of its own, then renamed: another test binary may read it
+    let tmp = out.with_extension(format!("{}.tmp", std::process::id()));
+    std::fs::write(&tmp, snapshot).unwrap_or_else(|e| panic!("{}: {e}", tmp.display()));
+    std::fs::rename(&tmp, &out).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
+    out
 }
 
 /// The guest component (wasm32-wasip2) built by this crate's build script.

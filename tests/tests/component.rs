@@ -138,3 +138,63 @@ fn the_component_generates_what_the_command_generates() {
         .expect("run");
     assert!(err.expect_err("unknown graph").contains("nope"));
 }
+
+/// The component pre-initialised by `wasi-nn-host preinit` (its tokenizer built into the
+/// snapshot) completes exactly like the plain one,
+/// greedy and sampled with a seed, and still reports errors as values.
+#[test]
+fn the_preinitialised_component_gives_the_plain_components_completions() {
+    let host = HostBuilder::new(Device::Cpu)
+        .graph("gpt2", &shakespeare_dir())
+        .expect("model")
+        .build()
+        .expect("host");
+    let plain = host
+        .load_component(&gpt2_component())
+        .expect("compile component");
+    let preinit_path = gpt2_component_preinit();
+    let snapshot = std::fs::read(&preinit_path).expect("read the snapshot");
+    assert!(wasi_nn_host::runtime::is_component(&snapshot));
+    let preinit = host
+        .load_component(&preinit_path)
+        .expect("compile the pre-initialised component");
+    let limits = RunOptions {
+        timeout: Some(std::time::Duration::from_secs(60)),
+        max_memory_bytes: Some(1 << 30),
+        ..Default::default()
+    };
+    for (prompt, params) in [
+        ("ROMEO:", sampling(32, 0.0, vec![])),
+        ("JULIET:", sampling(32, 0.9, vec!["\n\n".into()])),
+        ("First Citizen:", sampling(24, 1.2, vec![])),
+    ] {
+        let run = |component| {
+            let mut pieces = Vec::new();
+            let completion = host
+                .generate_with_component(component, "gpt2", prompt, &params, &limits, |p| {
+                    pieces.push(p.to_owned())
+                })
+                .expect("run")
+                .expect("generate");
+            (completion, pieces)
+        };
+        let (want, want_pieces) = run(&plain);
+        let (got, got_pieces) = run(&preinit);
+        assert_eq!(got.prompt_ids, want.prompt_ids, "{prompt}");
+        assert_eq!(got.ids, want.ids, "{prompt}");
+        assert_eq!(got.text, want.text, "{prompt}");
+        assert_eq!(got.finish_reason, want.finish_reason, "{prompt}");
+        assert_eq!(got_pieces, want_pieces, "{prompt}");
+    }
+    let err = host
+        .generate_with_component(
+            &preinit,
+            "nope",
+            "x",
+            &sampling(3, 0.0, vec![]),
+            &limits,
+            |_| {},
+        )
+        .expect("run");
+    assert!(err.expect_err("unknown graph").contains("nope"));
+}

@@ -14,18 +14,40 @@ wit_bindgen::generate!({
     generate_all,
 });
 
-use exports::gpt2::text::generate::{Completion, Guest, GuestGeneration, Sampling, Score};
+use exports::gpt2::text::generate::{
+    Completion, Guest as GenerateGuest, GuestGeneration, Sampling, Score,
+};
 use wasi::nn::{graph, inference, tensor};
 
 struct Component;
 export!(Component);
 
+/// The embedded tokenizer, once built: by `wizer-initialize` in a pre-initialised component
+/// (the snapshot starts with it), else by the first [`tokenizer`] call of the instance.
+static TOKENIZER: OnceLock<Result<Gpt2Tokenizer, String>> = OnceLock::new();
+
 fn tokenizer() -> Result<&'static Gpt2Tokenizer, String> {
-    static TOKENIZER: OnceLock<Result<Gpt2Tokenizer, String>> = OnceLock::new();
     TOKENIZER
         .get_or_init(|| Gpt2Tokenizer::embedded().map_err(|e| e.to_string()))
         .as_ref()
         .map_err(Clone::clone)
+}
+
+/// The pre-initialisation entry point (the world's `wizer-initialize`, called once by
+/// `wasi-nn-host preinit`): builds the embedded tokenizer and the tables its first encode
+/// builds lazily. A failure is not kept, so a run builds the tokenizer again and reports it.
+/// The snapshot still exports it (see the host's `preinitialize_component`); there, or after
+/// a first request, it does nothing.
+impl Guest for Component {
+    fn wizer_initialize() {
+        if TOKENIZER.get().is_some() {
+            return;
+        }
+        if let Ok(tokenizer) = Gpt2Tokenizer::embedded() {
+            let _ = tokenizer.encode("Hello world");
+            let _ = TOKENIZER.set(Ok(tokenizer));
+        }
+    }
 }
 
 /// A graph's execution context through the `wasi:nn` WIT interface.
@@ -164,7 +186,7 @@ impl GuestGeneration for Generation {
     }
 }
 
-impl Guest for Component {
+impl GenerateGuest for Component {
     type Generation = Generation;
 
     fn perplexity(

@@ -14,10 +14,12 @@
 mod component;
 mod module;
 mod preinit;
+mod preinit_component;
 
 pub use component::{Completion, ComponentState, GuestComponent, Sampling, Score};
 pub use module::{GuestModule, GuestState};
 pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
+pub use preinit_component::{is_component, preinitialize_component};
 
 use crate::engine::{Device, EngineOptions, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};

@@ -32,7 +32,7 @@ pub const INIT_EXPORT: &str = "wizer-initialize";
 const ALLOWED_WASI: &[&str] = &["random_get", "fd_write", "proc_exit"];
 
 /// How much of the init function's stdout and stderr is kept for error messages.
-const CAPTURE_BYTES: usize = 64 << 10;
+pub(super) const CAPTURE_BYTES: usize = 64 << 10;
 
 /// Why a module could not be pre-initialised.
 #[derive(Debug, thiserror::Error)]
@@ -40,13 +40,14 @@ pub enum PreinitError {
     #[error("wasmtime-wizer cannot pre-initialise this module: {0}")]
     Unsupported(String),
     #[error(
-        "the module exports no `{INIT_EXPORT}` function of type [] -> [] (is it already \
+        "the guest exports no `{INIT_EXPORT}` function of type [] -> [] (is it already \
          pre-initialised?)"
     )]
     NoInitFunction,
     #[error(
         "the init function called `{0}`: what it returns must be read when the guest runs, \
-         not snapshotted (only {ALLOWED_WASI:?} of WASI may be called there)"
+         not snapshotted (only {ALLOWED_WASI:?} of WASI preview 1, or WASI preview 2's \
+         random numbers, standard streams and exit, may be called there)"
     )]
     ForbiddenImport(String),
     #[error("the init function failed: {message}{}", stderr_suffix(.stderr))]
@@ -84,8 +85,12 @@ struct InitState {
 
 /// Run `wasm`'s [`INIT_EXPORT`] and return the pre-initialised module: its memories and
 /// mutable globals as the init function left them, the init export removed, everything
-/// else (`_start`, imports) unchanged.
+/// else (`_start`, imports) unchanged. A component goes to
+/// [`super::preinitialize_component`].
 pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
+    if super::is_component(wasm) {
+        return super::preinitialize_component(wasm);
+    }
     let mut wizer = Wizer::new();
     wizer.init_func(INIT_EXPORT);
     let (cx, instrumented) = wizer
@@ -228,7 +233,7 @@ impl InstanceState for SnapshotState<'_> {
 
 /// Drive a future that never waits on anything outside itself (wasmtime-wizer's snapshot
 /// over [`SnapshotState`], whose reads are immediate) to completion on this thread.
-fn block_on<F: Future>(future: F) -> F::Output {
+pub(super) fn block_on<F: Future>(future: F) -> F::Output {
     let mut future = pin!(future);
     let mut cx = Context::from_waker(Waker::noop());
     loop {
