@@ -75,9 +75,6 @@ pub struct Sampler {
 struct Work {
     /// Largest logit of each block of `lanes::BLOCK`.
     block_max: Vec<f32>,
-    /// The candidates are every token: their ids are their positions and their logits are
-    /// the caller's (`ids` and `ls` are not used).
-    dense: bool,
     /// Sum of the weight bounds of each block.
     block_bound: Vec<f64>,
     /// Candidates: token ids and logits (in id order), and their weights; the first `n` of
@@ -221,7 +218,7 @@ impl Sampler {
         let t = self.rng.random::<f64>() * n.cut.mass;
         let w = &mut self.work;
         let sure_below = n.bounded.map_or(f64::INFINITY, |b| b.sure_below);
-        let (i, before) = w.pick_nucleus(w.candidate_logits(logits), &n.cut, t, sure_below);
+        let (i, before) = w.pick_nucleus(&w.ls[..w.n], &n.cut, t, sure_below);
         let Some(b) = n.bounded else {
             return w.id(i) as usize;
         };
@@ -294,19 +291,12 @@ impl Sampler {
         }
         let w = &mut self.work;
         let top_k = p.top_k > 0 && p.top_k < logits.len();
-        let extremes = if top_k {
-            lanes::extremes::<false>(logits, Some(&mut w.block_max))
-        } else if p.top_p < 1.0 {
-            lanes::extremes::<true>(logits, None)
-        } else {
-            lanes::extremes::<false>(logits, None)
-        };
-        if !extremes.max.is_finite() {
+        let max = lanes::max(logits, top_k.then_some(&mut w.block_max));
+        if !max.is_finite() {
             // No numbers (all NaN or -inf), or +inf: the first of the largest.
             return Pool::One(argmax(logits));
         }
-        let scale = Scale::new(extremes.max, a);
-        w.dense = false;
+        let scale = Scale::new(max, a);
         if top_k {
             let n = w.top_k(logits, p.top_k);
             let ls = std::mem::take(&mut w.ls);
@@ -323,7 +313,7 @@ impl Sampler {
             w.ls = ls;
             pool
         } else if p.top_p < 1.0 {
-            Pool::Nucleus(w.top_p(logits, &scale, &extremes, f64::from(p.top_p)))
+            Pool::Nucleus(w.top_p(logits, &scale, f64::from(p.top_p)))
         } else {
             let bound_total = lanes::bound_blocks(logits, &scale, &mut w.block_bound);
             Pool::All { scale, bound_total }
@@ -355,20 +345,7 @@ impl Sampler {
 impl Work {
     /// The token id of candidate `i`.
     fn id(&self, i: usize) -> u32 {
-        if self.dense {
-            i as u32
-        } else {
-            self.ids[i]
-        }
-    }
-
-    /// The candidates' logits.
-    fn candidate_logits<'a>(&'a self, logits: &'a [f32]) -> &'a [f32] {
-        if self.dense {
-            logits
-        } else {
-            &self.ls[..self.n]
-        }
+        self.ids[i]
     }
 
     /// The token at `t` in `[0, bound_total)` of the cumulative weight bounds.
@@ -424,18 +401,8 @@ impl Work {
 
     /// Top-p over every token: gather the likely ones and bound the weight of the rest, so
     /// as to find the nucleus without the exact weights of most tokens.
-    fn top_p(
-        &mut self,
-        logits: &[f32],
-        scale: &Scale,
-        ext: &lanes::Extremes,
-        top_p: f64,
-    ) -> Nucleus {
-        let y_min = lanes::scaled_one(scale, ext.min);
+    fn top_p(&mut self, logits: &[f32], scale: &Scale, top_p: f64) -> Nucleus {
         for tau in TOP_P_GATHER {
-            if ext.nan_free && y_min >= tau {
-                break; // every token would be gathered
-            }
             let (n, rest_bound) =
                 lanes::gather_scaled(logits, scale, tau, &mut self.ids, &mut self.ls);
             let buffer = std::mem::take(&mut self.ls);
@@ -464,12 +431,6 @@ impl Work {
                 return nucleus;
             }
             // The nucleus may reach below the gathered tokens: gather more.
-        }
-        if ext.nan_free {
-            // Every token: take the logits as they are.
-            self.dense = true;
-            let total = self.weigh(logits, scale, Some(y_min.max(lanes::FLOOR)));
-            return Nucleus::exact(self.nucleus(logits, top_p * total));
         }
         let n = lanes::gather_at_least(logits, f32::NEG_INFINITY, &mut self.ids, &mut self.ls);
         let buffer = std::mem::take(&mut self.ls);
@@ -545,11 +506,10 @@ impl Work {
     }
 
     fn sort_order(&mut self, ls: &[f32]) {
-        let (dense, ids) = (self.dense, &self.ids);
-        let id = |i: usize| if dense { i as u32 } else { ids[i] };
+        let ids = &self.ids;
         self.order.sort_unstable_by(|&a, &b| {
             let (a, b) = (a as usize, b as usize);
-            by_likelihood((ls[a], id(a)), (ls[b], id(b)))
+            by_likelihood((ls[a], ids[a]), (ls[b], ids[b]))
         });
     }
 

@@ -38,10 +38,14 @@ const C2: f32 = 0.240_222_81;
 const C3: f32 = 0.055_505_585;
 const C4: f32 = 0.009_669_697;
 const C5: f32 = 0.001_330_062_7;
-/// `BOUND_A + BOUND_B * f >= 2^f` on [-0.5, 0.5]: the chord of the convex `2^f` (through
-/// `2^-0.5` and `2^0.5`), raised by about 1e-4 so that it also clears the polynomial.
-const BOUND_A: f32 = 1.0608;
-const BOUND_B: f32 = 0.7072;
+/// `2^23`: `y * 2^23` in f32 is exact, and as integer bits of an f32 its integer part is the
+/// exponent field and its fraction the mantissa.
+const TWO_23: f32 = 8_388_608.0;
+/// The bits of 1.0 (`127 << 23`) and 128 units more: `y * 2^23 + BOUND_BIAS`, truncated to an
+/// integer and read as the bits of an f32, is `2^n * (1 + f + 2^-16)` for `y = n + f`,
+/// `0 <= f < 1`: the chord of the convex `2^y` between integers (at most 6.15% above it),
+/// plus room for the rounding of the sum (at most 32 units) and for the polynomial's error.
+const BOUND_BIAS: f32 = 1_065_353_344.0;
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod imp {
@@ -110,6 +114,11 @@ mod imp {
         #[inline(always)]
         pub fn pow2_of_magic(self) -> Self {
             Self(i32x4_shl(i32x4_sub(self.0, u32x4_splat(POW2_BIAS)), 23))
+        }
+        /// The lanes (positive, below 2^31) truncated to integers, read as the bits of f32s.
+        #[inline(always)]
+        pub fn trunc_bits(self) -> Self {
+            Self(i32x4_trunc_sat_f32x4(self.0))
         }
         /// The integers `n` of lanes holding `n + MAGIC`.
         #[inline(always)]
@@ -235,6 +244,11 @@ mod imp {
                 f32::from_bits(self.0[i].to_bits().wrapping_sub(POW2_BIAS) << 23)
             }))
         }
+        /// The lanes (positive, below 2^31) truncated to integers, read as the bits of f32s.
+        #[inline(always)]
+        pub fn trunc_bits(self) -> Self {
+            Self(from_fn(|i| f32::from_bits(self.0[i] as i32 as u32)))
+        }
         /// The integers `n` of lanes holding `n + MAGIC`.
         #[inline(always)]
         pub fn store_index(self, out: &mut [u32; 4]) {
@@ -300,6 +314,8 @@ impl F4 {
 pub struct Scale {
     m: F4,
     a: F4,
+    /// `a * 2^23`.
+    a23: F4,
 }
 
 impl Scale {
@@ -307,7 +323,13 @@ impl Scale {
         Self {
             m: F4::splat(max),
             a: F4::splat(a),
+            a23: F4::splat(a * TWO_23),
         }
+    }
+    /// `y * 2^23` (exactly: scaling by a power of two commutes with rounding).
+    #[inline(always)]
+    pub fn y23(&self, l: F4) -> F4 {
+        l.sub(self.m).mul(self.a23)
     }
     /// `y = (l - max) * a`: the log2 of the weight relative to the largest logit.
     #[inline(always)]
@@ -337,12 +359,15 @@ pub fn exp2(y: F4) -> F4 {
     p.mul(scale).and(y.ge(F4::splat(FLOOR)))
 }
 
-/// An upper bound of [`exp2`] (at most 6.2% above it), cheaper: a chord instead of the
-/// polynomial. Below FLOOR and for NaN it is the bound at FLOOR.
+/// An upper bound of [`exp2`] from `y * 2^23` (at most 6.2% above it), much cheaper: the bits
+/// of a float built from the integer part of a sum (see BOUND_BIAS). Below FLOOR and for NaN
+/// it is the bound at FLOOR (`2^-126`).
 #[inline(always)]
-pub fn exp2_bound(y: F4) -> F4 {
-    let (f, scale) = split(y);
-    F4::splat(BOUND_B).mul(f).add(F4::splat(BOUND_A)).mul(scale)
+pub fn exp2_bound(y23: F4) -> F4 {
+    F4::splat(FLOOR * TWO_23)
+        .max_keep(y23)
+        .add(F4::splat(BOUND_BIAS))
+        .trunc_bits()
 }
 
 /// [`Scale::y`] of one logit (the same lane arithmetic).
@@ -357,10 +382,10 @@ pub fn exp2_one(y: f32) -> f32 {
     exp2(F4::splat(y)).lanes()[0]
 }
 
-/// [`exp2_bound`] of one value (the same lane arithmetic).
+/// [`exp2_bound`] of one value `y` (the same lane arithmetic).
 #[inline]
 pub fn bound_one(y: f32) -> f32 {
-    exp2_bound(F4::splat(y)).lanes()[0]
+    exp2_bound(F4::splat(y * TWO_23)).lanes()[0]
 }
 
 /// The four lane groups of 16 logits.
@@ -491,36 +516,14 @@ fn bits16(m: (M4, M4, M4, M4)) -> u32 {
     m.0.bits() | m.1.bits() << 4 | m.2.bits() << 8 | m.3.bits() << 12
 }
 
-/// What one pass learns of the logits.
-#[derive(Debug, Clone, Copy)]
-pub struct Extremes {
-    /// The largest logit (NaN ignored; -inf if there is no number).
-    pub max: f32,
-    /// The smallest logit (NaN ignored; +inf if there is no number).
-    pub min: f32,
-    /// No NaN among them (a sum of every logit is not NaN; +inf with -inf counts as NaN).
-    pub nan_free: bool,
-}
-
-/// Lane-wise minimum of 16 logits (NaN ignored, +inf if none).
-#[inline(always)]
-fn min16(c: &[f32; 16]) -> F4 {
-    let (a, b, c, d) = quads(c);
-    let pos = F4::splat(f32::INFINITY);
-    pos.min_keep(a)
-        .min_keep(b)
-        .min_keep(pos.min_keep(c).min_keep(d))
-}
-
-/// The extremes of the logits; with `block_max`, the largest logit of each [`BLOCK`] into it
-/// (NaN ignored, -inf where a block has no number). Without `ALL`, only `max` is found (`min`
-/// is -inf and `nan_free` false).
-pub fn extremes<const ALL: bool>(logits: &[f32], mut block_max: Option<&mut Vec<f32>>) -> Extremes {
+/// The largest logit (NaN ignored; -inf if there is no number); with `block_max`, the largest
+/// of each [`BLOCK`] into it.
+pub fn max(logits: &[f32], mut block_max: Option<&mut Vec<f32>>) -> f32 {
     let (blocks, tail) = logits.as_chunks::<BLOCK>();
     if let Some(out) = block_max.as_deref_mut() {
         out.resize(logits.len().div_ceil(BLOCK), f32::NEG_INFINITY);
     }
-    let (mut max, mut min, mut sum) = (f32::NEG_INFINITY, f32::INFINITY, 0.0f32);
+    let mut max = f32::NEG_INFINITY;
     for (k, b) in blocks.iter().enumerate() {
         let (c0, c1, c2, c3) = sixteens(b);
         let hi = max16(c0)
@@ -533,16 +536,6 @@ pub fn extremes<const ALL: bool>(logits: &[f32], mut block_max: Option<&mut Vec<
         if max < hi {
             max = hi;
         }
-        if ALL {
-            let lo = min16(c0)
-                .min_keep(min16(c1))
-                .min_keep(min16(c2).min_keep(min16(c3)))
-                .min();
-            if lo < min {
-                min = lo;
-            }
-            sum += sum64(b, |l| l).sum();
-        }
     }
     if !tail.is_empty() {
         let hi = tail
@@ -554,26 +547,8 @@ pub fn extremes<const ALL: bool>(logits: &[f32], mut block_max: Option<&mut Vec<
         if max < hi {
             max = hi;
         }
-        for &l in tail {
-            if l < min {
-                min = l;
-            }
-            sum += l;
-        }
     }
-    if ALL {
-        Extremes {
-            max,
-            min,
-            nan_free: !sum.is_nan(),
-        }
-    } else {
-        Extremes {
-            max,
-            min: f32::NEG_INFINITY,
-            nan_free: false,
-        }
-    }
+    max
 }
 
 /// For each [`BLOCK`], the sum of [`exp2_bound`] over its logits into `out`; returns their
@@ -584,7 +559,7 @@ pub fn bound_blocks(logits: &[f32], s: &Scale, out: &mut Vec<f64>) -> f64 {
     let mut total = 0.0f64;
     let s = *s;
     for (b, o) in blocks.iter().zip(out.iter_mut()) {
-        let sum = f64::from(sum64(b, |l| exp2_bound(s.y(l))).sum());
+        let sum = f64::from(sum64(b, |l| exp2_bound(s.y23(l))).sum());
         *o = sum;
         total += sum;
     }
@@ -623,12 +598,12 @@ pub fn gather_at_least(
     g.len
 }
 
-/// The bound of the tokens below `t` among 16 from `base` (with `y` from `s`); gathers the
+/// The bound of the tokens with `y * 2^23` below `t` among 16 from `base`; gathers the
 /// others.
 #[inline(always)]
 fn gather16(g: &mut Gather, c: &[f32; 16], base: usize, s: &Scale, t: F4) -> F4 {
     let (a, b, cc, d) = quads(c);
-    let y = (s.y(a), s.y(b), s.y(cc), s.y(d));
+    let y = (s.y23(a), s.y23(b), s.y23(cc), s.y23(d));
     let m = (y.0.ge(t), y.1.ge(t), y.2.ge(t), y.3.ge(t));
     let bits = bits16(m);
     if bits != 0 {
@@ -655,7 +630,7 @@ pub fn gather_scaled(
     ls: &mut Vec<f32>,
 ) -> (usize, f64) {
     let mut g = Gather::new(logits.len(), ids, ls);
-    let t = F4::splat(tau);
+    let t = F4::splat(tau * TWO_23);
     let (blocks, tail) = logits.as_chunks::<BLOCK>();
     let mut rest = 0.0f64;
     for (k, b) in blocks.iter().enumerate() {
@@ -666,17 +641,10 @@ pub fn gather_scaled(
             .add(gather16(&mut g, c2, base + 32, s, t).add(gather16(&mut g, c3, base + 48, s, t)));
         rest += f64::from(below.sum());
     }
-    let rest = rest + gather_tail(&mut g, tail, blocks.len() * BLOCK, s, tau);
-    (g.len, rest)
-}
-
-/// [`gather_scaled`] of the logits after the last whole block.
-fn gather_tail(g: &mut Gather, tail: &[f32], base: usize, s: &Scale, tau: f32) -> f64 {
+    let base = blocks.len() * BLOCK;
     let (chunks, tail) = tail.as_chunks::<16>();
-    let t = F4::splat(tau);
-    let mut rest = 0.0f64;
     for (k, c) in chunks.iter().enumerate() {
-        rest += f64::from(gather16(g, c, base + k * 16, s, t).sum());
+        rest += f64::from(gather16(&mut g, c, base + k * 16, s, t).sum());
     }
     let base = base + chunks.len() * 16;
     let mut tail_rest = 0.0f32;
@@ -688,7 +656,7 @@ fn gather_tail(g: &mut Gather, tail: &[f32], base: usize, s: &Scale, tau: f32) -
             tail_rest += bound_one(y);
         }
     }
-    rest + f64::from(tail_rest)
+    (g.len, rest + f64::from(tail_rest))
 }
 
 /// Histogram buckets of the weights: `round(min(-y * per_unit, last))`, bucket 0 holding the
@@ -916,9 +884,8 @@ mod tests {
                 logits[n - 2] = f32::NEG_INFINITY;
             }
             let mut maxima = Vec::new();
-            let ext = extremes::<true>(&logits, Some(&mut maxima));
-            let m = ext.max;
-            assert_eq!(extremes::<false>(&logits, None).max, m);
+            let m = max(&logits, Some(&mut maxima));
+            assert_eq!(max(&logits, None), m);
             let want = logits
                 .iter()
                 .fold(f32::NEG_INFINITY, |a, &b| if a < b { b } else { a });
@@ -927,8 +894,6 @@ mod tests {
                 .iter()
                 .fold(f32::INFINITY, |a, &b| if b < a { b } else { a });
             assert_eq!(min(&logits), want);
-            assert_eq!(ext.min, want);
-            assert_eq!(ext.nan_free, n <= 10);
             assert_eq!(maxima.len(), n.div_ceil(BLOCK));
             for (b, &bm) in maxima.iter().enumerate() {
                 let end = (b * BLOCK + BLOCK).min(n);
