@@ -138,12 +138,50 @@ mod imp {
         }
     }
 
-    /// `base, base + 1, base + 2, base + 3`.
+    /// For each 4-bit mask, the byte shuffle that moves the selected lanes to the front.
+    static COMPACT: [[u8; 16]; 16] = {
+        let mut table = [[0u8; 16]; 16];
+        let mut mask = 0;
+        while mask < 16 {
+            let (mut to, mut lane) = (0, 0);
+            while lane < 4 {
+                if mask & (1 << lane) != 0 {
+                    let mut byte = 0;
+                    while byte < 4 {
+                        table[mask][4 * to + byte] = (4 * lane + byte) as u8;
+                        byte += 1;
+                    }
+                    to += 1;
+                }
+                lane += 1;
+            }
+            mask += 1;
+        }
+        table
+    };
+
     #[inline(always)]
-    pub fn iota(out: &mut [u32; 4], base: u32) {
+    fn compact_v128(v: v128, bits: u32, out: *mut v128) {
+        let shuffle = &COMPACT[(bits & 15) as usize];
+        // SAFETY: `shuffle` is 16 readable bytes; the callers' `out` 16 writable ones.
+        unsafe {
+            let s = v128_load(shuffle.as_ptr().cast());
+            v128_store(out, i8x16_swizzle(v, s));
+        }
+    }
+
+    /// The lanes of `v` selected by the four bits of `bits`, moved to the front of `out` (the
+    /// lanes after them are unspecified).
+    #[inline(always)]
+    pub fn compact(v: F4, bits: u32, out: &mut [f32; 4]) {
+        compact_v128(v.0, bits, out.as_mut_ptr().cast());
+    }
+
+    /// [`compact`] of `base, base + 1, base + 2, base + 3`.
+    #[inline(always)]
+    pub fn compact_iota(base: u32, bits: u32, out: &mut [u32; 4]) {
         let v = i32x4_add(u32x4(0, 1, 2, 3), u32x4_splat(base));
-        // SAFETY: `out` is 16 writable bytes, and `v128_store` needs no alignment.
-        unsafe { v128_store(out.as_mut_ptr().cast(), v) }
+        compact_v128(v, bits, out.as_mut_ptr().cast());
     }
 
     impl M4 {
@@ -260,10 +298,29 @@ mod imp {
         }
     }
 
-    /// `base, base + 1, base + 2, base + 3`.
+    /// The lanes of `v` selected by the four bits of `bits`, moved to the front of `out` (the
+    /// lanes after them are unspecified).
     #[inline(always)]
-    pub fn iota(out: &mut [u32; 4], base: u32) {
-        *out = from_fn(|i| base.wrapping_add(i as u32));
+    pub fn compact(v: F4, bits: u32, out: &mut [f32; 4]) {
+        let mut to = 0;
+        for lane in 0..4 {
+            if bits & (1 << lane) != 0 {
+                out[to] = v.0[lane];
+                to += 1;
+            }
+        }
+    }
+
+    /// [`compact`] of `base, base + 1, base + 2, base + 3`.
+    #[inline(always)]
+    pub fn compact_iota(base: u32, bits: u32, out: &mut [u32; 4]) {
+        let mut to = 0;
+        for lane in 0..4 {
+            if bits & (1 << lane) != 0 {
+                out[to] = base.wrapping_add(lane as u32);
+                to += 1;
+            }
+        }
     }
 
     impl M4 {
@@ -434,7 +491,9 @@ fn sum64(b: &[f32; BLOCK], f: impl Fn(F4) -> F4 + Copy) -> F4 {
 }
 
 /// Candidate buffers being filled by index (`Vec::push` in wasm stores the length to memory
-/// each time). The vectors only grow: filling them first would cost a pass.
+/// each time), four lanes at a time with the selected ones moved to the front (no branch per
+/// token: which tokens are selected is as good as random). The vectors only grow, with room
+/// for four lanes past the last token: filling them first would cost a pass.
 struct Gather<'a> {
     ids: &'a mut [u32],
     ls: &'a mut [f32],
@@ -443,53 +502,45 @@ struct Gather<'a> {
 
 impl<'a> Gather<'a> {
     fn new(n: usize, ids: &'a mut Vec<u32>, ls: &'a mut Vec<f32>) -> Self {
-        if ids.len() < n {
-            ids.resize(n, 0);
+        if ids.len() < n + 4 {
+            ids.resize(n + 4, 0);
         }
-        if ls.len() < n {
-            ls.resize(n, 0.0);
+        if ls.len() < n + 4 {
+            ls.resize(n + 4, 0.0);
         }
         Self {
-            ids: &mut ids[..n],
-            ls: &mut ls[..n],
+            ids: &mut ids[..n + 4],
+            ls: &mut ls[..n + 4],
             len: 0,
+        }
+    }
+
+    /// The lanes of `v` (tokens `base..base + 4`) selected by the four bits of `bits`.
+    #[inline(always)]
+    fn quad(&mut self, v: F4, bits: u32, base: usize) {
+        let at = self.len;
+        let ids = self
+            .ids
+            .get_mut(at..)
+            .and_then(|s| s.first_chunk_mut::<4>());
+        let ls = self.ls.get_mut(at..).and_then(|s| s.first_chunk_mut::<4>());
+        if let (Some(ids), Some(ls)) = (ids, ls) {
+            imp::compact(v, bits, ls);
+            imp::compact_iota(base as u32, bits, ids);
+            self.len = at + bits.count_ones() as usize;
         }
     }
 
     /// The tokens selected by bit `j` of `bits` among the 16 from `base`.
     #[inline(always)]
     fn sixteen(&mut self, bits: u32, base: usize, c: &[f32; 16]) {
-        let at = self.len;
-        if bits == 0xFFFF {
-            let ids = self
-                .ids
-                .get_mut(at..at + 16)
-                .and_then(|s| s.first_chunk_mut::<16>());
-            let ls = self
-                .ls
-                .get_mut(at..at + 16)
-                .and_then(|s| s.first_chunk_mut::<16>());
-            if let (Some(ids), Some(ls)) = (ids, ls) {
-                store_iota(ids, base as u32);
-                let (q, _) = ls.as_chunks_mut::<4>();
-                let (a, b, cc, d) = quads(c);
-                a.store(&mut q[0]);
-                b.store(&mut q[1]);
-                cc.store(&mut q[2]);
-                d.store(&mut q[3]);
-                self.len = at + 16;
-            }
-            return;
-        }
-        let mut rest = bits;
-        while rest != 0 {
-            let j = rest.trailing_zeros() as usize & 15;
-            self.one(base + j, c[j]);
-            rest &= rest - 1;
-        }
+        let (a, b, cc, d) = quads(c);
+        self.quad(a, bits & 15, base);
+        self.quad(b, bits >> 4 & 15, base + 4);
+        self.quad(cc, bits >> 8 & 15, base + 8);
+        self.quad(d, bits >> 12 & 15, base + 12);
     }
 
-    #[inline(always)]
     fn one(&mut self, id: usize, l: f32) {
         let at = self.len;
         if let (Some(i), Some(x)) = (self.ids.get_mut(at), self.ls.get_mut(at)) {
@@ -498,16 +549,6 @@ impl<'a> Gather<'a> {
             self.len = at + 1;
         }
     }
-}
-
-/// `base, base + 1, ..., base + 15`.
-#[inline(always)]
-fn store_iota(out: &mut [u32; 16], base: u32) {
-    let (q, _) = out.as_chunks_mut::<4>();
-    imp::iota(&mut q[0], base);
-    imp::iota(&mut q[1], base + 4);
-    imp::iota(&mut q[2], base + 8);
-    imp::iota(&mut q[3], base + 12);
 }
 
 /// Bits of the lanes where `m` holds, 16 logits at a time.
