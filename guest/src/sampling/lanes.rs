@@ -138,6 +138,14 @@ mod imp {
         }
     }
 
+    /// `base, base + 1, base + 2, base + 3`.
+    #[inline(always)]
+    pub fn iota(out: &mut [u32; 4], base: u32) {
+        let v = i32x4_add(u32x4(0, 1, 2, 3), u32x4_splat(base));
+        // SAFETY: `out` is 16 writable bytes, and `v128_store` needs no alignment.
+        unsafe { v128_store(out.as_mut_ptr().cast(), v) }
+    }
+
     /// For each 4-bit mask, the byte shuffle that moves the selected lanes to the front.
     static COMPACT: [[u8; 16]; 16] = {
         let mut table = [[0u8; 16]; 16];
@@ -296,6 +304,12 @@ mod imp {
         pub fn lanes(self) -> [f32; 4] {
             self.0
         }
+    }
+
+    /// `base, base + 1, base + 2, base + 3`.
+    #[inline(always)]
+    pub fn iota(out: &mut [u32; 4], base: u32) {
+        *out = from_fn(|i| base.wrapping_add(i as u32));
     }
 
     /// The lanes of `v` selected by the four bits of `bits`, moved to the front of `out` (the
@@ -534,6 +548,34 @@ impl<'a> Gather<'a> {
     /// The tokens selected by bit `j` of `bits` among the 16 from `base`.
     #[inline(always)]
     fn sixteen(&mut self, bits: u32, base: usize, c: &[f32; 16]) {
+        let at = self.len;
+        if bits == 0xFFFF {
+            // All of them (flat logits: every block).
+            let ids = self
+                .ids
+                .get_mut(at..)
+                .and_then(|s| s.first_chunk_mut::<16>());
+            let ls = self
+                .ls
+                .get_mut(at..)
+                .and_then(|s| s.first_chunk_mut::<16>());
+            if let (Some(ids), Some(ls)) = (ids, ls) {
+                let (q, _) = ids.as_chunks_mut::<4>();
+                let base = base as u32;
+                imp::iota(&mut q[0], base);
+                imp::iota(&mut q[1], base + 4);
+                imp::iota(&mut q[2], base + 8);
+                imp::iota(&mut q[3], base + 12);
+                let (q, _) = ls.as_chunks_mut::<4>();
+                let (a, b, cc, d) = quads(c);
+                a.store(&mut q[0]);
+                b.store(&mut q[1]);
+                cc.store(&mut q[2]);
+                d.store(&mut q[3]);
+                self.len = at + 16;
+            }
+            return;
+        }
         let (a, b, cc, d) = quads(c);
         self.quad(a, bits & 15, base);
         self.quad(b, bits >> 4 & 15, base + 4);
