@@ -218,9 +218,10 @@ mod imp {
     /// Four f32 lanes.
     #[derive(Clone, Copy)]
     pub struct F4([f32; 4]);
-    /// Four lane conditions.
+    /// Four lane conditions: all bits set where one holds (as in wasm, and so that the
+    /// compiler can keep these in vector registers too).
     #[derive(Clone, Copy)]
-    pub struct M4([bool; 4]);
+    pub struct M4([u32; 4]);
 
     impl F4 {
         #[inline(always)]
@@ -271,17 +272,19 @@ mod imp {
         }
         #[inline(always)]
         pub fn ge(self, o: Self) -> M4 {
-            M4(from_fn(|i| self.0[i] >= o.0[i]))
+            M4(from_fn(|i| {
+                0u32.wrapping_sub(u32::from(self.0[i] >= o.0[i]))
+            }))
         }
         /// The lanes where `m` holds, +0.0 elsewhere.
         #[inline(always)]
         pub fn and(self, m: M4) -> Self {
-            Self(from_fn(|i| if m.0[i] { self.0[i] } else { 0.0 }))
+            Self(from_fn(|i| f32::from_bits(self.0[i].to_bits() & m.0[i])))
         }
         /// The lanes where `m` does not hold, +0.0 elsewhere.
         #[inline(always)]
         pub fn and_not(self, m: M4) -> Self {
-            Self(from_fn(|i| if m.0[i] { 0.0 } else { self.0[i] }))
+            Self(from_fn(|i| f32::from_bits(self.0[i].to_bits() & !m.0[i])))
         }
         /// `2^n` from `n + MAGIC` (the exponent field built from the low mantissa bits).
         #[inline(always)]
@@ -293,6 +296,20 @@ mod imp {
         /// The lanes (positive, below 2^31) truncated to integers, read as the bits of f32s.
         #[inline(always)]
         pub fn trunc_bits(self) -> Self {
+            // `as` saturates, which compilers do one lane at a time; SSE2 (always there on
+            // x86-64) truncates four at once, the same for lanes in range.
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::x86_64::*;
+                let mut out = [0.0f32; 4];
+                // SAFETY: 16 bytes read from and written to four f32s; no alignment needed.
+                unsafe {
+                    let v = _mm_cvttps_epi32(_mm_loadu_ps(self.0.as_ptr()));
+                    _mm_storeu_ps(out.as_mut_ptr(), _mm_castsi128_ps(v));
+                }
+                Self(out)
+            }
+            #[cfg(not(target_arch = "x86_64"))]
             Self(from_fn(|i| f32::from_bits(self.0[i] as i32 as u32)))
         }
         /// The integers `n` of lanes holding `n + MAGIC`.
@@ -341,12 +358,15 @@ mod imp {
         /// Bit `i` set where lane `i` holds.
         #[inline(always)]
         pub fn bits(self) -> u32 {
-            (0..4).map(|i| u32::from(self.0[i]) << i).sum()
+            (self.0[0] >> 31)
+                | (self.0[1] >> 31) << 1
+                | (self.0[2] >> 31) << 2
+                | (self.0[3] >> 31) << 3
         }
         /// Where `a` holds `b`.
         #[inline(always)]
         pub fn eq_index(a: &[u32; 4], b: u32) -> Self {
-            Self(from_fn(|i| a[i] == b))
+            Self(from_fn(|i| 0u32.wrapping_sub(u32::from(a[i] == b))))
         }
     }
 }
