@@ -54,8 +54,19 @@ impl Default for SamplingParams {
 }
 
 /// Top-p gathers the tokens with `y >= tau` (weight at least `2^tau` of the top's) for the
-/// first of these that holds the nucleus (then every token).
-const TOP_P_GATHER: [f32; 2] = [-12.0, -24.0];
+/// first tau that holds the nucleus: one of these, chosen by top-p (a larger nucleus reaches
+/// further down; on the embedded model, top-p 0.9 fits above 2^-12 for most tokens, 0.95
+/// above 2^-14), then 2^-24, then every token.
+fn top_p_gather(top_p: f64) -> [f32; 2] {
+    let first = if top_p <= 0.9 {
+        -12.0
+    } else if top_p <= 0.95 {
+        -14.0
+    } else {
+        -16.0
+    };
+    [first, -24.0]
+}
 /// Candidate sets up to this size are sorted outright to find the nucleus.
 const SORT_UP_TO: usize = 64;
 /// The most histogram buckets of a nucleus (about 8 candidates a bucket up to this).
@@ -402,7 +413,7 @@ impl Work {
     /// Top-p over every token: gather the likely ones and bound the weight of the rest, so
     /// as to find the nucleus without the exact weights of most tokens.
     fn top_p(&mut self, logits: &[f32], scale: &Scale, top_p: f64) -> Nucleus {
-        for tau in TOP_P_GATHER {
+        for tau in top_p_gather(top_p) {
             let (n, rest_bound) =
                 lanes::gather_scaled(logits, scale, tau, &mut self.ids, &mut self.ls);
             let buffer = std::mem::take(&mut self.ls);
