@@ -9,18 +9,21 @@
 //!   f32, four lanes at a time (module `lanes`: wasm `simd128`, bit-identical to the portable
 //!   code).
 //! - Temperature alone: rejection sampling. One cheap pass sums an upper bound of every weight
-//!   (a chord of `2^f`, at most 6.2% above it) per block of 64 logits; a token is proposed in
-//!   proportion to its bound and accepted with probability weight / bound, which draws it in
-//!   proportion to its weight. Only the proposed token's exact weight is computed.
+//!   (the chord of `2^y` between integers, at most 6.2% above it, read off the float bits) per
+//!   block of 64 logits; a token is proposed in proportion to its bound and accepted with
+//!   probability weight / bound, which draws it in proportion to its weight. Only the proposed
+//!   token's exact weight is computed.
 //! - Top-k: the k-th largest block maximum bounds the k-th largest logit from below, so one
 //!   pass gathers the few tokens above it; a selection among those finds the k-th value. As
 //!   in HF, tokens tied with the k-th value stay.
-//! - Top-p: one pass gathers the tokens within `2^-12` of the top (exact weights for those) and
-//!   bounds the mass of the rest from above and below. If the nucleus ends among the gathered
-//!   tokens for every total within those bounds it is exact; otherwise the rest's exact mass
-//!   (or, if the nucleus may reach further, every token) is computed. Within the candidates a
-//!   histogram of the logits finds the bucket where the mass reaches `top_p`; only that bucket
-//!   is sorted.
+//! - Top-p: one pass gathers the tokens within `2^-12` of the top (further down for larger
+//!   top-p) and bounds the weight of the rest from above and below; the gathered tokens get
+//!   exact weights, and a histogram of them finds the bucket where the mass reaches `top_p`
+//!   (only that bucket is sorted). The nucleus found for the upper bound of the total may hold
+//!   a few tokens too many: a draw that lands on one of those is checked against the exact
+//!   total (one more pass) and drawn again if it is outside, which draws exactly from the
+//!   nucleus at the cost of that pass for a few draws in a hundred. If the nucleus may reach
+//!   below the gathered tokens, more are gathered (`2^-24`, then all).
 //!
 //! The order of likelihood is by logit, ties by lower token id.
 
@@ -313,7 +316,7 @@ impl Sampler {
             let ls = std::mem::take(&mut w.ls);
             let pool = if p.top_p < 1.0 {
                 // HF applies top-p to the top-k set's own probabilities.
-                let y_lo = lanes::scaled_one(&scale, lanes::min(&ls[..n]));
+                let y_lo = lanes::scaled_one(&scale, lanes::min(&ls[..n])).max(lanes::FLOOR);
                 let total = w.weigh(&ls[..n], &scale, Some(y_lo));
                 Pool::Nucleus(Nucleus::exact(
                     w.nucleus(&ls[..n], f64::from(p.top_p) * total),

@@ -1,21 +1,23 @@
 //! The sampler's passes over the logits, four f32 lanes at a time.
 //!
 //! Built for wasm32 with `simd128` (the workspace's `.cargo/config.toml` turns it on) a lane
-//! group is a wasm `v128`; anywhere else it is a plain array. Both run the same IEEE-754
-//! operations lane by lane (no fused multiply-add, no relaxed SIMD, every sum reduced in one
-//! fixed order), so each pass returns bit-identical results on every platform and a seeded
-//! sampler draws the same tokens natively and in wasm. Per-token helpers (`scaled_one`,
+//! group is a wasm `v128`; anywhere else it is a plain array (with SSE2's float-to-int
+//! truncation on x86-64, which compilers do not vectorize from a cast). Both run the same
+//! IEEE-754 operations lane by lane (no fused multiply-add, no relaxed SIMD, every sum reduced
+//! in one fixed order), so each pass returns bit-identical results on every platform and a
+//! seeded sampler draws the same tokens natively and in wasm. Per-token helpers (`scaled_one`,
 //! `exp2_one`, `bound_one`) run the very same lane code on a splat, so a value recomputed for
 //! one token equals the one its pass saw.
 //!
 //! Weights are powers of two: `y = (logit - max) * log2(e) / T` and `w = 2^y`, so the largest
-//! logit weighs exactly 1. Each pass handles 16 logits per loop trip (wasmtime checks its epoch
-//! at every loop head, which costs the loop's vector registers a spill).
+//! logit weighs exactly 1. Each pass handles 16 or 64 logits per loop trip, written out
+//! (wasmtime checks its epoch at every loop head, which costs the loop's vector registers a
+//! spill).
 
 pub use imp::F4;
 use imp::M4;
 
-/// Logits per block of [`block_max`] and [`bound_blocks`].
+/// Logits per block of [`max`]'s block maxima and of [`bound_blocks`].
 pub const BLOCK: usize = 64;
 /// Below `2^FLOOR` (the smallest normal f32) a weight is 0.
 pub const FLOOR: f32 = -126.0;
@@ -417,7 +419,8 @@ impl Scale {
             a23: F4::splat(a * TWO_23),
         }
     }
-    /// `y * 2^23` (exactly: scaling by a power of two commutes with rounding).
+    /// `y * 2^23` (exactly `y` scaled, barring subnormals: scaling by a power of two commutes
+    /// with rounding).
     #[inline(always)]
     pub fn y23(&self, l: F4) -> F4 {
         l.sub(self.m).mul(self.a23)
