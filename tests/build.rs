@@ -50,6 +50,7 @@ fn main() {
     let component = target_dir.join("wasm32-wasip2/release-wasm/gpt2_component.wasm");
     println!("cargo:rustc-env=GPT2_COMPONENT={}", component.display());
     for path in [
+        ".cargo/config.toml",
         "guest/src",
         "guest/assets",
         "guest/Cargo.toml",

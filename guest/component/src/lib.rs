@@ -54,6 +54,8 @@ impl Guest for Component {
 struct WitModel {
     context: inference::GraphExecutionContext,
     _graph: graph::Graph,
+    /// The last logits tensor as it came (read in place when 4-aligned), or copied.
+    raw: Vec<u8>,
     logits: Vec<f32>,
 }
 
@@ -78,6 +80,7 @@ impl WitModel {
         Ok(Self {
             context,
             _graph: graph,
+            raw: Vec::new(),
             logits: Vec::new(),
         })
     }
@@ -116,10 +119,19 @@ fn output(outputs: &[(String, tensor::Tensor)], name: &str) -> Option<Vec<u8>> {
 impl Forward for WitModel {
     fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
         let outputs = self.compute(tokens, None)?;
-        let data = output(&outputs, "logits")
+        self.raw = output(&outputs, "logits")
             .or_else(|| outputs.first().map(|(_, t)| t.data()))
             .ok_or("compute returned no outputs")?;
-        self.logits = f32s(&data);
+        // wasm is little-endian: an aligned buffer is the f32s already (no second copy).
+        if let Ok(logits) = bytemuck::try_cast_slice::<u8, f32>(&self.raw) {
+            return Ok(logits);
+        }
+        self.logits.clear();
+        self.logits.extend(
+            self.raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
         Ok(&self.logits)
     }
 
