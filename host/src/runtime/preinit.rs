@@ -118,18 +118,7 @@ pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
         .get_typed_func::<(), ()>(&mut store, INIT_EXPORT)
         .map_err(|_| PreinitError::NoInitFunction)?;
     if let Err(e) = init.call(&mut store, ()) {
-        if let Some(import) = forbidden.lock().ok().and_then(|mut f| f.take()) {
-            return Err(PreinitError::ForbiddenImport(import));
-        }
-        let exit = e
-            .downcast_ref::<wasmtime_wasi::I32Exit>()
-            .map(|exit| exit.0);
-        let message = match exit {
-            Some(code) => format!("it exited with code {code}"),
-            None => format!("{e:?}"),
-        };
-        let stderr = String::from_utf8_lossy(&stderr.contents()).into_owned();
-        return Err(PreinitError::InitFailed { message, stderr });
+        return Err(init_failure(&forbidden, &e, &stderr));
     }
 
     let mut state = SnapshotState {
@@ -148,6 +137,27 @@ pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
 
 /// WASI preview 1 for the init function, with every import outside [`ALLOWED_WASI`] (and
 /// every non-WASI import) replaced by one that records its name and traps.
+/// Why an init function failed: the forbidden import it called, else its exit code or trap
+/// with what it wrote to stderr.
+pub(crate) fn init_failure(
+    forbidden: &Mutex<Option<String>>,
+    e: &wasmtime::Error,
+    stderr: &MemoryOutputPipe,
+) -> PreinitError {
+    if let Some(import) = forbidden.lock().ok().and_then(|mut f| f.take()) {
+        return PreinitError::ForbiddenImport(import);
+    }
+    let exit = e
+        .downcast_ref::<wasmtime_wasi::I32Exit>()
+        .map(|exit| exit.0);
+    let message = match exit {
+        Some(code) => format!("it exited with code {code}"),
+        None => format!("{e:?}"),
+    };
+    let stderr = String::from_utf8_lossy(&stderr.contents()).into_owned();
+    PreinitError::InitFailed { message, stderr }
+}
+
 fn init_linker(
     engine: &Engine,
     module: &Module,

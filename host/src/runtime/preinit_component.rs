@@ -10,7 +10,7 @@
 //! else: a call to any other import (environment, arguments, clocks, filesystem, sockets,
 //! `wasi:nn`) traps and stops the pre-initialisation with [`PreinitError::ForbiddenImport`].
 
-use super::preinit::{block_on, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
+use super::preinit::{block_on, init_failure, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
 use std::sync::{Arc, Mutex};
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{
@@ -93,18 +93,7 @@ pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
         .get_typed_func::<(), ()>(&mut store, init_index)
         .map_err(|_| PreinitError::NoInitFunction)?;
     if let Err(e) = init.call(&mut store, ()) {
-        if let Some(import) = forbidden.lock().ok().and_then(|mut f| f.take()) {
-            return Err(PreinitError::ForbiddenImport(import));
-        }
-        let exit = e
-            .downcast_ref::<wasmtime_wasi::I32Exit>()
-            .map(|exit| exit.0);
-        let message = match exit {
-            Some(code) => format!("it exited with code {code}"),
-            None => format!("{e:?}"),
-        };
-        let stderr = String::from_utf8_lossy(&stderr.contents()).into_owned();
-        return Err(PreinitError::InitFailed { message, stderr });
+        return Err(init_failure(&forbidden, &e, &stderr));
     }
 
     let mut state = SnapshotState {
