@@ -65,7 +65,7 @@ else
 fi
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" \
+"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" --max-instances 320 \
   "${graph_args[@]}" 2>/tmp/server-$port.log &
 server=$!
 trap 'kill $server 2>/dev/null' EXIT

@@ -225,3 +225,178 @@ pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, EngineError> {
     }
     Ok(reports)
 }
+
+/// What one batched comparison saw.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BatchCheckReport {
+    pub model: String,
+    pub dtype: String,
+    pub streams: usize,
+    pub steps: usize,
+    /// Worst scaled logit error of any context after any shared step, against the CPU
+    /// reference fed the same ids.
+    pub decode_error: f32,
+    /// Worst scaled logit error between a context's shared steps and the same context run
+    /// alone on the GPU (the one-row decode kernels).
+    pub alone_error: f32,
+    /// Contexts whose greedy ids differ from their ids alone.
+    pub ids_differ: usize,
+    /// Steps where the batch's argmax disagrees with the logits it came with.
+    pub argmax_disagree: usize,
+    /// The largest step, in contexts (the steps were shared when it is > 1).
+    pub largest_step: usize,
+    /// The context sent an id outside the vocabulary mid-run: it got an error, and the
+    /// others' results did not change.
+    pub bad_id_refused: bool,
+    pub tolerance: f32,
+    pub passed: bool,
+}
+
+/// Greedy steps of `streams` contexts (distinct prompts of different lengths) stepping
+/// together, each step one shared batched step (a barrier per step), against the CPU
+/// reference and against each context run alone. Context 0 also sends an id outside the
+/// vocabulary halfway: it must get an error for that call alone.
+pub fn compare_batched(
+    name: &str,
+    weights: Gpt2Weights,
+    dtype: GpuDtype,
+    streams: usize,
+    steps: usize,
+    tolerance: f32,
+) -> Result<BatchCheckReport, EngineError> {
+    use wasi_nn_host::cuda::CudaExecutor;
+    let cfg = weights.config;
+    let prompts: Vec<Vec<u32>> = (0..streams)
+        .map(|i| {
+            let len = (5 + 11 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
+            prompt(len, cfg.vocab_size, 1000 + i as u32)
+        })
+        .collect();
+    let steps = steps.min(cfg.n_ctx - prompts.iter().map(Vec::len).max().unwrap_or(1));
+    let reference = match dtype {
+        GpuDtype::F32 => weights.clone(),
+        GpuDtype::Bf16 => weights.bf16_rounded(),
+    };
+    let cpu = CpuExecutor::reference(Arc::new(reference));
+    let options = EngineOptions {
+        dtype,
+        max_kv_bytes: usize::MAX,
+        ..Default::default()
+    };
+    let gpu = CudaExecutor::new(&weights, &options)?;
+    type Run = (Vec<u32>, Vec<Vec<f32>>, usize, bool);
+    // one context: its prompt, then greedy steps (with `barrier`, in step with the others)
+    let run = |i: usize, barrier: Option<&std::sync::Barrier>| -> Result<Run, EngineError> {
+        let mut s = gpu.new_session()?;
+        s.extend(&prompts[i], false)?;
+        let (mut ids, mut logits, mut disagree, mut refused) = (Vec::new(), Vec::new(), 0, false);
+        for step in 0..steps {
+            if let Some(b) = barrier {
+                b.wait();
+            }
+            let next = s.argmax()?;
+            if i == 0 && step == steps / 2 && barrier.is_some() {
+                refused = s.extend(&[cfg.vocab_size as u32], false).is_err();
+            }
+            s.extend(&[next], false)?;
+            let l = s.last_logits()?;
+            disagree += usize::from(s.argmax()? != argmax(&l));
+            ids.push(next);
+            logits.push(l);
+        }
+        Ok((ids, logits, disagree, refused))
+    };
+    let alone: Vec<Run> = (0..streams)
+        .map(|i| run(i, None))
+        .collect::<Result<_, _>>()?;
+    let (steps_before, _, _) = gpu.batch_stats();
+    let barrier = std::sync::Barrier::new(streams);
+    let together: Vec<Result<Run, EngineError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let (run, barrier) = (&run, &barrier);
+                scope.spawn(move || run(i, Some(barrier)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(EngineError::device("a stream panicked")))
+            })
+            .collect()
+    });
+    let (steps_after, _, largest) = gpu.batch_stats();
+    let (mut decode_error, mut alone_error, mut ids_differ, mut disagree) = (0.0f32, 0.0f32, 0, 0);
+    let mut bad_id_refused = false;
+    for (i, result) in together.into_iter().enumerate() {
+        let (ids, logits, d, refused) = result?;
+        bad_id_refused |= refused;
+        disagree += d;
+        ids_differ += usize::from(ids != alone[i].0);
+        for (a, b) in logits.iter().zip(&alone[i].1) {
+            alone_error = alone_error.max(scaled_error(a, b));
+        }
+        let mut c = cpu.new_session()?;
+        c.extend(&prompts[i], false)?;
+        for (id, l) in ids.iter().zip(&logits) {
+            c.extend(&[*id], false)?;
+            decode_error = decode_error.max(scaled_error(l, &c.last_logits()?));
+        }
+    }
+    Ok(BatchCheckReport {
+        model: name.to_owned(),
+        dtype: format!("{dtype:?}").to_lowercase(),
+        streams,
+        steps,
+        decode_error,
+        alone_error,
+        ids_differ,
+        argmax_disagree: disagree,
+        largest_step: largest,
+        bad_id_refused,
+        tolerance,
+        passed: decode_error <= tolerance
+            && alone_error <= tolerance
+            && ids_differ == 0
+            && disagree == 0
+            && bad_id_refused
+            && (streams < 2 || (largest > 1 && steps_after > steps_before)),
+    })
+}
+
+/// Batched steps on small random models of awkward sizes (head counts, widths, a vocabulary
+/// no multiple of the block sizes), 5 and 11 contexts (padded to 8 and 16 rows), f32 and
+/// bf16.
+pub fn batched_sweep(seed: u64) -> Result<Vec<BatchCheckReport>, EngineError> {
+    let configs = [(2, 3, 96, 130, 1000, 5), (1, 4, 256, 300, 2111, 11)];
+    let mut reports = Vec::new();
+    for (i, &(n_layer, n_head, n_embd, n_ctx, vocab_size, streams)) in configs.iter().enumerate() {
+        let config = Gpt2Config {
+            n_layer,
+            n_head,
+            n_embd,
+            n_ctx,
+            vocab_size,
+        };
+        let weights = random_weights(config, seed + 100 + i as u64);
+        let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
+        reports.push(compare_batched(
+            &name,
+            weights.clone(),
+            GpuDtype::F32,
+            streams,
+            24,
+            1e-3,
+        )?);
+        reports.push(compare_batched(
+            &name,
+            weights,
+            GpuDtype::Bf16,
+            streams,
+            24,
+            5e-2,
+        )?);
+    }
+    Ok(reports)
+}

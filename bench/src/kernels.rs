@@ -13,6 +13,7 @@ use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::attention::{
     DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
 };
+use wasi_nn_host::cuda::ops::batch::RowTable;
 use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
 use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
 use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};
@@ -324,7 +325,14 @@ pub fn run(seed: u64) -> Result<Vec<KernelReport>, EngineError> {
                 GpuDtype::F32 => weights.clone(),
                 GpuDtype::Bf16 => weights.bf16_rounded(),
             };
-            let exec = CudaExecutor::new(&weights, dtype, usize::MAX)?;
+            let exec = CudaExecutor::new(
+                &weights,
+                &wasi_nn_host::engine::EngineOptions {
+                    dtype,
+                    max_kv_bytes: usize::MAX,
+                    ..Default::default()
+                },
+            )?;
             let mut bench = Bench::new(&exec, config, seed ^ (i as u64 * 7919 + dtype as u64))?;
             let size = format!("C{n_embd} H{n_head} T{n_ctx} V{vocab_size}");
             let mut report = |kernel: &str, ours: &[f32], want: &[f32], tolerance: f32| {
@@ -764,6 +772,11 @@ fn check_one(
     );
     report("attention decode", &b.get(B::H, c)?, &want, 2e-4);
 
+    // the batched decode attention: rows of ragged lengths (one chunk, chunk edges, the
+    // whole context, a padding row) over the same cache, f32 or split bf16 output
+    let qkv_b = (&lw.qkv_b[..], dl.qkv_b.ptr());
+    check_batch_attention(b, dtype, (&keys, &values), qkv_b, report)?;
+
     // the tensor-core attention reading the prompt's queries, keys and values from bf16
     // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees
     // bf16 everywhere (the prefix is rounded on the way, probabilities too)
@@ -854,5 +867,136 @@ fn check_one(
             report(&name, &appended, &qkv[c..], 1e-4);
         }
     }
+    Ok(())
+}
+
+/// The batched attention (`batch_attention` + `batch_attention_combine`) for rows at ragged
+/// positions, each with its own cache, against the CPU's attention of each row alone: the
+/// QKV product's rows plus the bias give the query and the key and value appended at the
+/// row's position. In bf16 mode the product rows come split (hi and lo rows summed) and the
+/// output is split too (summed back here). One span per row, and four spans combined.
+fn check_batch_attention(
+    b: &mut Bench,
+    dtype: GpuDtype,
+    (keys, values): (&[f32], &[f32]),
+    qkv_b: (&[f32], DevPtr<wasi_nn_host::cuda::buffer::Stored>),
+    report: &mut impl FnMut(&str, &[f32], &[f32], f32),
+) -> Result<(), EngineError> {
+    use wasi_nn_host::cuda::ops::batch::{BatchAttention, BATCH_ATT_SPLITS};
+    let cfg = b.l.config();
+    let (c, t) = (cfg.n_embd, cfg.n_ctx);
+    let positions: Vec<i32> = vec![0, 31, 32, 33, (t / 2) as i32, (t - 1) as i32, -1];
+    let rows = positions.len();
+    let split = dtype == GpuDtype::Bf16;
+    let stream = b.l.stream().clone();
+    // the QKV product's rows: hi and lo halves in bf16 mode
+    let product_rows = if split { 2 * rows } else { rows };
+    let tmp_values = b.random(product_rows * 3 * c);
+    let tmp = DevBuf::from_host(&stream, &tmp_values, "product rows")?;
+    let mut caches = Vec::new();
+    for _ in 0..rows {
+        caches.push((
+            DevBuf::from_host(&stream, keys, "keys")?,
+            DevBuf::from_host(&stream, values, "values")?,
+        ));
+    }
+    let ints: Vec<i32> = std::iter::repeat_n(0, rows)
+        .chain(positions.iter().copied())
+        .collect();
+    let addrs: Vec<u64> = caches
+        .iter()
+        .map(|(k, _)| k.ptr().addr())
+        .chain(caches.iter().map(|(_, v)| v.ptr().addr()))
+        .chain(std::iter::repeat_n(0, rows))
+        .collect();
+    let ints = DevBuf::from_host(&stream, &ints, "table")?;
+    let addrs = DevBuf::from_host(&stream, &addrs, "table")?;
+    let keys_buf = DevBuf::<u64>::zeros(&stream, rows, "table")?;
+    let (ip, ap) = (ints.ptr(), addrs.ptr());
+    let table = RowTable {
+        rows,
+        tokens: ip,
+        positions: ip.skip(rows),
+        k_caches: ap,
+        v_caches: ap.skip(rows),
+        logits: ap.skip(2 * rows),
+        keys: keys_buf.ptr(),
+        layer_floats: t * c,
+    };
+    let partial = DevBuf::<f32>::zeros(
+        &stream,
+        rows * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
+        "partial",
+    )?;
+    let out = if split {
+        Act::Bf16(b.x_bf16()?)
+    } else {
+        Act::F32(b.ptr(B::H))
+    };
+    // what the CPU sees: each row's q, k, v (product rows summed, bias added) over its cache
+    let mut want = vec![0.0; rows * c];
+    for (r, &p) in positions.iter().enumerate() {
+        if p < 0 {
+            continue; // a padding row gives zeros
+        }
+        let p = p as usize;
+        let mut qkv: Vec<f32> = tmp_values[r * 3 * c..(r + 1) * 3 * c].to_vec();
+        if split {
+            let lo = &tmp_values[(rows + r) * 3 * c..(rows + r + 1) * 3 * c];
+            qkv.iter_mut().zip(lo).for_each(|(a, l)| *a += l);
+        }
+        qkv.iter_mut().zip(qkv_b.0).for_each(|(a, bias)| *a += bias);
+        let visible = (p + 1) * c;
+        let (mut k, mut v) = (keys[..visible].to_vec(), values[..visible].to_vec());
+        k[p * c..].copy_from_slice(&qkv[c..2 * c]);
+        v[p * c..].copy_from_slice(&qkv[2 * c..]);
+        cpu::attention(
+            &mut want[r * c..(r + 1) * c],
+            &qkv,
+            (&k, &v),
+            p,
+            cfg.n_head,
+            c,
+        );
+    }
+    for splits in [1, BATCH_ATT_SPLITS] {
+        let attention = BatchAttention {
+            out,
+            tmp: tmp.ptr(),
+            bias: qkv_b.1,
+            split,
+            partial: partial.ptr(),
+            layer: 0,
+            splits,
+        };
+        b.l.batch_attention(&table, attention)?;
+        let got = if split {
+            let halves = b.get_bf16(2 * rows * c)?;
+            let (hi, lo) = halves.split_at(rows * c);
+            hi.iter().zip(lo).map(|(h, l)| h + l).collect()
+        } else {
+            b.get(B::H, rows * c)?
+        };
+        let name = format!("attention batched rows={rows} spans={splits} split={split}");
+        report(&name, &got, &want, 2e-4);
+    }
+    // the appended keys: row 5's cache holds its key at its position
+    let (r, p) = (5, positions[5] as usize);
+    let got_k = caches[r].0.read(&stream, t * c)?;
+    let mut k_want: Vec<f32> = tmp_values[r * 3 * c + c..r * 3 * c + 2 * c].to_vec();
+    if split {
+        let lo = &tmp_values[(rows + r) * 3 * c + c..(rows + r) * 3 * c + 2 * c];
+        k_want.iter_mut().zip(lo).for_each(|(a, l)| *a += l);
+    }
+    k_want
+        .iter_mut()
+        .zip(&qkv_b.0[c..2 * c])
+        .for_each(|(a, bias)| *a += bias);
+    report(
+        "attention batched appended key",
+        &got_k[p * c..(p + 1) * c],
+        &k_want,
+        1e-6,
+    );
     Ok(())
 }

@@ -74,12 +74,10 @@ pub fn executor_for(
     match device {
         Device::Cpu => Ok(Arc::new(cpu::CpuExecutor::new(
             Arc::new(weights),
-            options.kv_pool_bytes,
+            options
+                .kv_pool_bytes
+                .unwrap_or(EngineOptions::DEFAULT_KV_POOL_BYTES),
         ))),
-        Device::Cuda => Ok(Arc::new(cuda::CudaExecutor::new(
-            &weights,
-            options.dtype,
-            options.max_kv_bytes,
-        )?)),
+        Device::Cuda => Ok(Arc::new(cuda::CudaExecutor::new(&weights, options)?)),
     }
 }

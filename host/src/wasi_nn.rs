@@ -143,8 +143,9 @@ impl Gpt2Backend {
         self
     }
 
-    /// Cap the KV caches of all contexts of one graph together (CPU).
-    pub fn with_kv_pool_bytes(mut self, bytes: usize) -> Self {
+    /// Cap the KV caches of all contexts of one graph together (`None`: the device's
+    /// default).
+    pub fn with_kv_pool_bytes(mut self, bytes: Option<usize>) -> Self {
         self.options.kv_pool_bytes = bytes;
         self
     }

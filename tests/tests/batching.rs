@@ -28,7 +28,10 @@ fn a_batched_step_equals_each_context_alone() {
     let batch = CpuBatch::new(weights.clone(), KvPool::new(usize::MAX));
     let spec = CpuModel::new(weights.clone());
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(i, 3 + 7 * i)).collect();
-    let mut seqs: Vec<_> = prompts.iter().map(|_| batch.new_seq()).collect();
+    let mut seqs: Vec<_> = prompts
+        .iter()
+        .map(|_| batch.new_seq().expect("seq"))
+        .collect();
     let mut caches: Vec<CpuKvCache> = prompts.iter().map(|_| CpuKvCache::default()).collect();
     // step 1: every prompt at once, the third asking for every position's logits
     let mut items: Vec<StepItem<'_, _>> = seqs
@@ -51,16 +54,16 @@ fn a_batched_step_equals_each_context_alone() {
     for (i, (seq, p)) in seqs.iter().zip(&prompts).enumerate() {
         let want = spec.forward(&mut caches[i], p, i == 2);
         let got = if i == 2 {
-            seq.all_logits()
+            seq.all_logits().expect("logits")
         } else {
-            seq.last_logits()
+            seq.last_logits().expect("logits")
         };
         worst = worst.max(assert_close(&got, &want, 1e-4, &format!("prompt {i}")));
         assert_eq!(seq.len(), p.len());
     }
     // steps 2..9: one decode token each, plus a new prompt joining mid-way
     for step in 0..8 {
-        let next: Vec<u32> = seqs.iter().map(|s| s.argmax()).collect();
+        let next: Vec<u32> = seqs.iter().map(|s| s.argmax().expect("argmax")).collect();
         let mut items: Vec<StepItem<'_, _>> = seqs
             .iter_mut()
             .zip(&next)
@@ -78,7 +81,12 @@ fn a_batched_step_equals_each_context_alone() {
         for (i, (seq, &t)) in seqs.iter().zip(&next).enumerate() {
             let want = spec.forward(&mut caches[i], &[t], false);
             let what = format!("decode step {step} of context {i}");
-            worst = worst.max(assert_close(&seq.last_logits(), &want, 1e-4, &what));
+            worst = worst.max(assert_close(
+                &seq.last_logits().expect("logits"),
+                &want,
+                1e-4,
+                &what,
+            ));
         }
     }
     eprintln!("worst scaled error batched vs the specification: {worst:e}");

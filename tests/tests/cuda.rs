@@ -44,6 +44,17 @@ fn kernels_on_random_models_of_awkward_sizes_match_the_cpu() {
 }
 
 #[test]
+fn contexts_sharing_batched_steps_match_the_cpu_and_their_runs_alone() {
+    if !gpu_or_skip("batched steps") {
+        return;
+    }
+    let reports = gpu_check::batched_sweep(std::process::id() as u64).expect("batched sweep");
+    for r in &reports {
+        assert!(r.passed, "{r:?}");
+    }
+}
+
+#[test]
 fn shakespeare_on_the_gpu_matches_the_cpu_in_f32_and_bf16() {
     if !gpu_or_skip("shakespeare") {
         return;

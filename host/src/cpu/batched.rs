@@ -53,14 +53,16 @@ impl SeqState for CpuSeq {
             self.reserved = keep;
         }
     }
-    fn last_logits(&self) -> Vec<f32> {
-        self.logits[self.logits.len().saturating_sub(self.vocab)..].to_vec()
+    fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.logits[self.logits.len().saturating_sub(self.vocab)..].to_vec())
     }
-    fn all_logits(&self) -> Vec<f32> {
-        self.logits.clone()
+    fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.logits.clone())
     }
-    fn argmax(&self) -> u32 {
-        argmax(&self.logits[self.logits.len().saturating_sub(self.vocab)..])
+    fn argmax(&self) -> Result<u32, EngineError> {
+        Ok(argmax(
+            &self.logits[self.logits.len().saturating_sub(self.vocab)..],
+        ))
     }
 }
 
@@ -136,9 +138,9 @@ fn layer_norm_rows(out: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32]) {
 impl BatchModel for CpuBatch {
     type Seq = CpuSeq;
 
-    fn new_seq(&self) -> CpuSeq {
+    fn new_seq(&self) -> Result<CpuSeq, EngineError> {
         let cfg = self.weights.config;
-        CpuSeq {
+        Ok(CpuSeq {
             cache: CpuKvCache::default(),
             logits: Vec::new(),
             vocab: cfg.vocab_size,
@@ -146,7 +148,7 @@ impl BatchModel for CpuBatch {
             position_bytes: 2 * cfg.n_layer * cfg.n_embd * 4,
             reserved: 0,
             pool: self.pool.clone(),
-        }
+        })
     }
 
     fn step(&self, items: &mut [StepItem<'_, CpuSeq>]) {

@@ -354,9 +354,15 @@ impl Executor for CpuExecutor {
     fn config(&self) -> Gpt2Config {
         self.config
     }
+    fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
+        match &self.engine {
+            CpuEngine::Batched(b) => Some(b.stats().counts()),
+            CpuEngine::Reference(_) => None,
+        }
+    }
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
         Ok(match &self.engine {
-            CpuEngine::Batched(batcher) => batcher.session(),
+            CpuEngine::Batched(batcher) => batcher.session()?,
             CpuEngine::Reference(model) => Box::new(CpuSession {
                 model: model.clone(),
                 cache: Default::default(),

@@ -187,6 +187,24 @@ impl Gpu {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The launches of `launches` on `stream` captured as a graph (None: nothing was
+    /// launched). Holds the set-up lock.
+    pub(crate) fn capture(
+        &self,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        launches: impl FnOnce() -> Result<(), CudaError>,
+    ) -> Result<Option<cudarc::driver::CudaGraph>, CudaError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let _setup = self.setup_lock();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .ctx("graph capture")?;
+        let launched = launches();
+        // the capture is ended whatever the launches did
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        launched.and(graph.ctx("graph capture"))
+    }
+
     /// The kernels for weights stored as `dtype`.
     pub(crate) fn kernels(&self, dtype: GpuDtype) -> Result<Kernels, CudaError> {
         let suffix = match dtype {
@@ -228,6 +246,11 @@ impl Gpu {
             gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
             add_bias: f(&format!("add_bias_{suffix}"))?,
             to_bf16: f("f32_to_bf16")?,
+            batch_residual_norm: f(&format!("batch_residual_norm_{suffix}"))?,
+            batch_epilogue: f(&format!("batch_epilogue_{suffix}"))?,
+            batch_attention: f(&format!("batch_attention_{suffix}"))?,
+            batch_att_combine: f("batch_attention_combine")?,
+            batch_logits: f("batch_logits")?,
         })
     }
 

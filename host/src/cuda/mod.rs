@@ -26,6 +26,7 @@ macro_rules! dev_modules {
     )*};
 }
 dev_modules!(blas, buffer, ops, session, weights);
+pub mod batch;
 pub mod device;
 pub mod error;
 pub mod nvrtc;
@@ -35,7 +36,8 @@ pub use error::CudaError;
 pub use nvrtc::compile_kernels;
 pub use session::CudaSession;
 
-use crate::engine::{EngineError, Executor, GpuDtype, Session, SessionPool};
+use crate::engine::batch::{Batcher, KvPool};
+use crate::engine::{EngineError, EngineOptions, Executor, GpuDtype, Session};
 use crate::model::{Gpt2Config, Gpt2Weights};
 use ops::Kernels;
 use std::sync::Arc;
@@ -51,22 +53,25 @@ pub(crate) struct ExecutorInner {
     pub(crate) max_kv_bytes: usize,
 }
 
-/// GPT-2 on the GPU: weights uploaded once, shared by every session; idle sessions pooled
-/// (a request then skips the allocation of its KV cache and buffers, the cuBLAS set-up and
-/// the decode-graph capture; a reused session starts empty).
+/// GPT-2 on the GPU: weights uploaded once, shared by every context; the contexts' decode
+/// steps taken together as batched steps ([`batch::CudaBatch`] behind a [`Batcher`]); idle
+/// sessions kept for reuse (a request then skips the allocation of its KV cache and buffers,
+/// the cuBLAS set-up and the decode-graph capture; a reused session starts empty).
 pub struct CudaExecutor {
     inner: Arc<ExecutorInner>,
-    pool: Arc<SessionPool<CudaSession>>,
+    batcher: Arc<Batcher<batch::CudaBatch>>,
 }
 
 impl CudaExecutor {
-    /// Upload `weights` (converted to `dtype`) to the GPU. `max_kv_bytes` caps each session's
-    /// KV cache.
-    pub fn new(
-        weights: &Gpt2Weights,
-        dtype: GpuDtype,
-        max_kv_bytes: usize,
-    ) -> Result<Self, EngineError> {
+    /// Most prompt tokens one batched step runs: a longer prompt goes through in chunks of
+    /// this many, so the streams decoding beside it wait at most one chunk per step.
+    pub const MAX_STEP_TOKENS: usize = 256;
+
+    /// Upload `weights` (converted to `options.dtype`) to the GPU. `options.max_kv_bytes`
+    /// caps each context's KV cache, `options.kv_pool_bytes` all of them together (by
+    /// default three quarters of the memory free once the weights are up).
+    pub fn new(weights: &Gpt2Weights, options: &EngineOptions) -> Result<Self, EngineError> {
+        let (dtype, max_kv_bytes) = (options.dtype, options.max_kv_bytes);
         let config = weights.config;
         if !config.n_embd.is_multiple_of(8)
             || config.n_embd > 2048
@@ -85,17 +90,34 @@ impl CudaExecutor {
         let session_bytes = 2 * config.n_layer * config.n_ctx * config.n_embd * 4
             + config.n_ctx * 16 * config.n_embd * 4;
         let max_idle = ((8usize << 30) / session_bytes.max(1)).clamp(1, 64);
+        let pool_bytes = match options.kv_pool_bytes {
+            Some(bytes) => bytes,
+            None => error::DriverContext::ctx(gpu.ctx.mem_get_info(), "memory info")?.0 / 4 * 3,
+        };
+        let inner = Arc::new(ExecutorInner {
+            gpu,
+            config,
+            dtype,
+            kernels,
+            weights,
+            max_kv_bytes,
+        });
+        let model = batch::CudaBatch::new(inner.clone(), KvPool::new(pool_bytes), max_idle);
         Ok(Self {
-            inner: Arc::new(ExecutorInner {
-                gpu,
-                config,
-                dtype,
-                kernels,
-                weights,
-                max_kv_bytes,
-            }),
-            pool: SessionPool::new(max_idle),
+            inner,
+            batcher: Batcher::new(model, Self::MAX_STEP_TOKENS),
         })
+    }
+
+    /// The batcher's counts (steps, items over all steps, the largest step).
+    pub fn batch_stats(&self) -> (usize, usize, usize) {
+        self.batcher.stats().get()
+    }
+
+    /// Bytes of the KV pool in use and its cap.
+    pub fn kv_pool(&self) -> (usize, usize) {
+        let pool = self.batcher.model().kv_pool();
+        (pool.used(), pool.cap())
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -135,8 +157,10 @@ impl Executor for CudaExecutor {
         self.inner.config
     }
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
-        let inner = self.inner.clone();
-        self.pool.checkout(move || Ok(CudaSession::new(inner)?))
+        self.batcher.session()
+    }
+    fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
+        Some(self.batcher.stats().counts())
     }
 }
 

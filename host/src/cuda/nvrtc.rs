@@ -7,7 +7,7 @@ use super::error::CudaError;
 use super::ops::DEFINES;
 use std::path::{Path, PathBuf};
 
-const KERNEL_SOURCES: [(&str, &str); 5] = [
+const KERNEL_SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embed_norm.cu",
@@ -19,6 +19,7 @@ const KERNEL_SOURCES: [(&str, &str); 5] = [
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),
     ),
+    ("batch.cu", include_str!("../../../kernels/batch.cu")),
 ];
 
 /// One translation unit of every kernel file: the header pasted in place of its includes.

@@ -19,8 +19,7 @@ use super::ops::matvec::{argmax_row, Matvec};
 use super::ops::{Epilogue, KvLayer, Launcher};
 use super::weights::DevLayer;
 use super::ExecutorInner;
-use crate::engine::{EngineError, GpuDtype, Reusable, Session};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::CudaGraph;
 use std::sync::Arc;
 
@@ -68,6 +67,11 @@ pub struct CudaSession {
     next: DevBuf<u64>,
     /// Rows of all-position logits from the last extend (0 when not asked for).
     all_rows: usize,
+    /// Where the current prefill's all-position logits go (rows already written by the
+    /// earlier chunks of the same extend).
+    all_offset: usize,
+    /// The argmax of the last logits when a batched step brought it back already.
+    cached_argmax: Option<u32>,
     max_chunks: usize,
     graph: Option<CudaGraph>,
     graph_failed: bool,
@@ -138,6 +142,8 @@ impl CudaSession {
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
             all_rows: 0,
+            all_offset: 0,
+            cached_argmax: None,
             max_chunks,
             capacity,
             len: 0,
@@ -335,16 +341,9 @@ impl CudaSession {
         &self,
         launches: impl FnOnce(&Self) -> Result<(), CudaError>,
     ) -> Result<Option<CudaGraph>, CudaError> {
-        let gpu = self.exec.gpu.clone();
-        let _setup = gpu.setup_lock();
-        let stream = self.launcher.stream();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .ctx("graph capture")?;
-        let launched = launches(self);
-        // the capture is ended whatever the launches did
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-        launched.and(graph.ctx("graph capture"))
+        self.exec
+            .gpu
+            .capture(self.launcher.stream(), || launches(self))
     }
 
     /// A batched prefill of `tokens` at positions len..len+n.
@@ -360,7 +359,8 @@ impl CudaSession {
             )?);
         }
         let key = (n, all_positions);
-        if self.prefill_graphable() {
+        // a later chunk's all-position logits go after the earlier chunks': not captured
+        if self.prefill_graphable() && self.all_offset == 0 {
             let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
             let graphed = cached.is_some() || self.prefill_seen.contains(&key);
             // a captured prefill reads its first position from ids[0]
@@ -450,15 +450,16 @@ impl CudaSession {
         }
         if let Some(all) = self.all_logits.as_ref().filter(|_| all_positions) {
             let v = cfg.vocab_size;
+            let all = all.ptr().skip(self.all_offset * v);
             if let Some(blas) = &self.blas {
                 // the final LayerNorm writes the head product's input in the weights' type
                 let a = self.product_input(blas);
                 self.layernorm(a, self.x.ptr(), w.lnf(), None, n)?;
-                blas.gemm(l, w.wte.ptr(), a, (n, v, c), (all.ptr(), v), false)?;
+                blas.gemm(l, w.wte.ptr(), a, (n, v, c), (all, v), false)?;
             } else {
                 self.layernorm(Act::F32(self.h.ptr()), self.x.ptr(), w.lnf(), None, n)?;
                 l.matmul(Matmul {
-                    out: all.ptr(),
+                    out: all,
                     x: self.h.ptr(),
                     w: w.wte.ptr(),
                     bias: None,
@@ -765,9 +766,82 @@ impl CudaSession {
     /// Run one decode step without copying logits back (the GPU part alone).
     pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
         self.check(1)?;
+        self.cached_argmax = None;
         self.decode(token)?;
         self.len += 1;
         Ok(())
+    }
+}
+
+/// What the batched step ([`super::batch`]) needs of a session.
+impl CudaSession {
+    /// Whether `tokens` may run next: not empty, ids in the vocabulary, room in the cache.
+    pub(crate) fn admit(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let vocab = self.exec.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(EngineError::EmptySequence);
+        }
+        self.check(tokens.len())?;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { id, vocab });
+        }
+        Ok(())
+    }
+
+    /// Run `tokens` on this session's own stream (its decode graph or its prefill); with
+    /// `continued`, they are a later chunk of one extend whose all-position logits follow
+    /// the earlier chunks'.
+    pub(crate) fn extend_chunk(
+        &mut self,
+        tokens: &[u32],
+        all_positions: bool,
+        continued: bool,
+    ) -> Result<(), EngineError> {
+        self.admit(tokens)?;
+        self.cached_argmax = None;
+        self.all_offset = if all_positions && continued { self.all_rows } else { 0 };
+        if tokens.len() == 1 && !all_positions {
+            self.decode(tokens[0])?;
+        } else {
+            self.prefill(tokens, all_positions)?;
+        }
+        self.all_rows = if all_positions { self.all_offset + tokens.len() } else { 0 };
+        self.len += tokens.len();
+        Ok(())
+    }
+
+    /// The device addresses a batched step's row takes: (layer-0 keys, layer-0 values, the
+    /// last logits).
+    pub(crate) fn row_addresses(&self) -> (u64, u64, u64) {
+        (self.k_cache.ptr().addr(), self.v_cache.ptr().addr(), self.logits.ptr().addr())
+    }
+
+    /// Floats between two layers of the KV cache.
+    pub(crate) fn layer_floats(&self) -> usize {
+        self.capacity * self.exec.config.n_embd
+    }
+
+    /// A batched step appended one position and left the logits (and their argmax).
+    pub(crate) fn decoded_in_batch(&mut self, argmax: u32) {
+        self.len += 1;
+        self.all_rows = 0;
+        self.cached_argmax = Some(argmax);
+    }
+
+    pub(crate) fn logits_now(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.read(self.exec.config.vocab_size, false)?)
+    }
+
+    pub(crate) fn all_logits_now(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.read(self.all_rows * self.exec.config.vocab_size, true)?)
+    }
+
+    pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
+        if let Some(id) = self.cached_argmax {
+            return Ok(id);
+        }
+        let key = self.next.read(self.launcher.stream(), 1)?;
+        Ok(argmax_row(key.first().copied().unwrap_or(0)))
     }
 }
 
@@ -782,44 +856,29 @@ impl Session for CudaSession {
     }
 
     fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
-        let vocab = self.exec.config.vocab_size;
-        if tokens.is_empty() {
-            return Err(EngineError::EmptySequence);
-        }
-        self.check(tokens.len())?;
-        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::TokenOutOfRange { id, vocab });
-        }
-        if tokens.len() == 1 && !all_positions {
-            self.decode(tokens[0])?;
-        } else {
-            self.prefill(tokens, all_positions)?;
-        }
-        self.all_rows = if all_positions { tokens.len() } else { 0 };
-        self.len += tokens.len();
-        Ok(())
+        self.extend_chunk(tokens, all_positions, false)
     }
 
     fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        let vocab = self.exec.config.vocab_size;
-        Ok(self.read(vocab, false)?)
+        self.logits_now()
     }
 
     fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        let count = self.all_rows * self.exec.config.vocab_size;
-        Ok(self.read(count, true)?)
+        self.all_logits_now()
     }
 
     fn argmax(&mut self) -> Result<u32, EngineError> {
-        let key = self.next.read(self.launcher.stream(), 1)?;
-        Ok(argmax_row(key.first().copied().unwrap_or(0)))
+        self.argmax_now()
     }
 }
 
-impl Reusable for CudaSession {
-    fn reset(&mut self) {
+impl CudaSession {
+    /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
+    pub(crate) fn reset(&mut self) {
         self.len = 0;
         self.all_rows = 0;
+        self.all_offset = 0;
+        self.cached_argmax = None;
     }
 }
 

@@ -4,10 +4,11 @@
 //! Iteration-level scheduling by flat combining, with no scheduler thread: a context that
 //! asks for a step queues its request; if no step is running, its own thread becomes the
 //! leader, takes every queued request (up to a token budget), runs them as one step of the
-//! [`BatchModel`], hands each result back and wakes the others; if a step is running, it waits
-//! and joins the next one. A step never waits for a batch to fill: a lone stream runs at once,
-//! on its own thread, as before. It only gives the contexts of the previous step, whose
-//! guests are choosing their next token, a moment (at most half that step's time, 2 ms at
+//! [`BatchModel`], hands each result to its thread and wakes that thread alone (and the
+//! thread of the first request still queued, to lead the next step); if a step is running, it
+//! parks and joins the next one. A step never waits for a batch to fill: a lone stream runs
+//! at once, on its own thread, as before. It only gives the contexts of the previous step,
+//! whose guests are choosing their next token, a moment (at most that step's time, 2 ms at
 //! most) to come back, so the streams stay in one step instead of splitting into two that
 //! alternate. A long prompt is cut into chunks of at most
 //! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
@@ -18,9 +19,10 @@
 //! an error while the batcher keeps serving.
 
 use super::{EngineError, Session};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 /// One context's state on a device: what a step reads and extends.
@@ -33,19 +35,20 @@ pub trait SeqState: Send + Sync + 'static {
     /// Forget every position from `len` on.
     fn truncate(&mut self, len: usize);
     /// Logits of the last position of the last extend, `[V]`.
-    fn last_logits(&self) -> Vec<f32>;
-    /// Logits of every position of the last extend with all positions, `[n, V]`.
-    fn all_logits(&self) -> Vec<f32>;
+    fn last_logits(&self) -> Result<Vec<f32>, EngineError>;
+    /// Logits of every position of the last extend with all positions (every chunk of it),
+    /// `[n, V]`.
+    fn all_logits(&self) -> Result<Vec<f32>, EngineError>;
     /// Index of the largest last-position logit.
-    fn argmax(&self) -> u32;
+    fn argmax(&self) -> Result<u32, EngineError>;
 }
 
 /// A model that runs several contexts' tokens as one step.
 pub trait BatchModel: Send + Sync + 'static {
     type Seq: SeqState;
 
-    /// A new, empty context.
-    fn new_seq(&self) -> Self::Seq;
+    /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
+    fn new_seq(&self) -> Result<Self::Seq, EngineError>;
 
     /// Run one step: each item's `tokens` at its next positions (a chunk of its request:
     /// `first_chunk` / `last_chunk` say which). Keep the last position's logits of a last
@@ -64,10 +67,29 @@ pub struct StepItem<'a, S> {
     pub error: Option<EngineError>,
 }
 
+/// Where a request's outcome goes, and the thread waiting for it.
+struct Slot<S> {
+    outcome: Mutex<Option<(S, Result<(), EngineError>)>>,
+    thread: Thread,
+}
+
+impl<S> Slot<S> {
+    fn take(&self) -> Option<(S, Result<(), EngineError>)> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+    fn put(&self, outcome: (S, Result<(), EngineError>)) {
+        *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+    }
+}
+
 /// A queued request: a context's state and the tokens still to run.
 struct Request<S> {
     /// The context's id (a context has at most one request at a time).
     ticket: u64,
+    slot: Arc<Slot<S>>,
     seq: S,
     tokens: Vec<u32>,
     done: usize,
@@ -84,7 +106,6 @@ struct Scheduled<S> {
 struct State<S> {
     running: bool,
     queue: VecDeque<Request<S>>,
-    finished: HashMap<u64, (S, Result<(), EngineError>)>,
     /// Contexts whose request the last step completed: they are expected back for their next
     /// token (their guests are choosing it), so the next step gives them until
     /// `gather_until` to join rather than running without them.
@@ -98,13 +119,12 @@ pub struct Batcher<M: BatchModel> {
     /// Most tokens one step runs (every queued decode gets its token; prompts share the rest).
     max_step_tokens: usize,
     state: Mutex<State<M::Seq>>,
-    wake: Condvar,
     stats: BatchStats,
     next_id: AtomicU64,
 }
 
 /// The longest a step waits for the contexts of the previous one to come back (it waits at
-/// most half the previous step's time, and never for a lone context).
+/// most the previous step's time, and never for a lone context).
 const MAX_GATHER: Duration = Duration::from_millis(2);
 
 /// What the batcher has done, for benchmarks and tests.
@@ -113,16 +133,39 @@ pub struct BatchStats {
     steps: AtomicUsize,
     items: AtomicUsize,
     largest: AtomicUsize,
+    step_ns: AtomicU64,
+    gather_ns: AtomicU64,
+}
+
+/// What a [`Batcher`] has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchCounts {
+    /// Steps run.
+    pub steps: usize,
+    /// Items over all steps.
+    pub items: usize,
+    /// The largest step, in items.
+    pub largest: usize,
+    /// Time spent in steps, and waiting for the previous step's contexts to come back.
+    pub step_seconds: f64,
+    pub gather_seconds: f64,
 }
 
 impl BatchStats {
     /// (steps run, items over all steps, the largest step in items).
     pub fn get(&self) -> (usize, usize, usize) {
-        (
-            self.steps.load(Ordering::Relaxed),
-            self.items.load(Ordering::Relaxed),
-            self.largest.load(Ordering::Relaxed),
-        )
+        let c = self.counts();
+        (c.steps, c.items, c.largest)
+    }
+
+    pub fn counts(&self) -> BatchCounts {
+        BatchCounts {
+            steps: self.steps.load(Ordering::Relaxed),
+            items: self.items.load(Ordering::Relaxed),
+            largest: self.largest.load(Ordering::Relaxed),
+            step_seconds: self.step_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            gather_seconds: self.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
     }
 }
 
@@ -134,11 +177,9 @@ impl<M: BatchModel> Batcher<M> {
             state: Mutex::new(State {
                 running: false,
                 queue: VecDeque::new(),
-                finished: HashMap::new(),
                 returning: HashSet::new(),
                 gather_until: None,
             }),
-            wake: Condvar::new(),
             stats: BatchStats::default(),
             next_id: AtomicU64::new(0),
         })
@@ -153,12 +194,12 @@ impl<M: BatchModel> Batcher<M> {
     }
 
     /// A new context as a [`Session`] whose extends go through this batcher.
-    pub fn session(self: &Arc<Self>) -> Box<dyn Session> {
-        Box::new(BatchedSession {
+    pub fn session(self: &Arc<Self>) -> Result<Box<dyn Session>, EngineError> {
+        Ok(Box::new(BatchedSession {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             batcher: self.clone(),
-            seq: Some(self.model.new_seq()),
-        })
+            seq: Some(self.model.new_seq()?),
+        }))
     }
 
     fn lock(&self) -> MutexGuard<'_, State<M::Seq>> {
@@ -171,7 +212,10 @@ impl<M: BatchModel> Batcher<M> {
     fn forget(&self, id: u64) {
         let mut state = self.lock();
         if state.returning.remove(&id) {
-            self.wake.notify_all();
+            // the next step may not need to wait any longer
+            if let Some(front) = state.queue.front() {
+                front.slot.thread.unpark();
+            }
         }
     }
 
@@ -184,71 +228,89 @@ impl<M: BatchModel> Batcher<M> {
         tokens: Vec<u32>,
         all_positions: bool,
     ) -> (M::Seq, Result<(), EngineError>) {
-        let mut state = self.lock();
-        state.returning.remove(&ticket);
-        state.queue.push_back(Request {
-            ticket,
-            seq,
-            tokens,
-            done: 0,
-            all_positions,
+        let slot = Arc::new(Slot {
+            outcome: Mutex::new(None),
+            thread: std::thread::current(),
         });
+        {
+            let mut state = self.lock();
+            state.returning.remove(&ticket);
+            state.queue.push_back(Request {
+                ticket,
+                slot: slot.clone(),
+                seq,
+                tokens,
+                done: 0,
+                all_positions,
+            });
+        }
         loop {
-            if let Some(outcome) = state.finished.remove(&ticket) {
+            if let Some(outcome) = slot.take() {
                 return outcome;
             }
-            if !state.running && !state.queue.is_empty() {
-                let now = Instant::now();
-                match state.gather_until {
-                    Some(until) if now < until && !state.returning.is_empty() => {
-                        // the previous step's other contexts are on their way back
-                        state = self
-                            .wake
-                            .wait_timeout(state, until - now)
-                            .map(|(guard, _)| guard)
-                            .unwrap_or_else(|p| p.into_inner().0);
-                        continue;
-                    }
-                    _ => {}
-                }
-                state.running = true;
-                state.returning.clear();
-                let mut batch = self.take_batch(&mut state);
+            let mut state = self.lock();
+            if state.running || state.queue.is_empty() {
+                // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
-                let started = Instant::now();
-                self.run_step(&mut batch);
-                let took = started.elapsed();
-                state = self.lock();
-                state.gather_until = Some(Instant::now() + (took / 2).min(MAX_GATHER));
-                // unfinished prompts go back to the front, in their order
-                for Scheduled {
-                    request,
-                    take,
-                    error,
-                } in batch.into_iter().rev()
-                {
-                    let request = match (request, error) {
-                        (r, Some(e)) => {
-                            state.finished.insert(r.ticket, (r.seq, Err(e)));
-                            continue;
-                        }
-                        (mut r, None) => {
-                            r.done += take;
-                            r
-                        }
-                    };
-                    if request.done >= request.tokens.len() {
-                        state.returning.insert(request.ticket);
-                        state.finished.insert(request.ticket, (request.seq, Ok(())));
-                    } else {
-                        state.queue.push_front(request);
-                    }
-                }
-                state.running = false;
-                self.wake.notify_all();
+                std::thread::park();
                 continue;
             }
-            state = self.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            if let Some(until) = state.gather_until {
+                if now < until && !state.returning.is_empty() {
+                    // the previous step's other contexts are on their way back; the last of
+                    // them leads the step itself
+                    drop(state);
+                    std::thread::park_timeout(until - now);
+                    let waited = now.elapsed().as_nanos() as u64;
+                    self.stats.gather_ns.fetch_add(waited, Ordering::Relaxed);
+                    continue;
+                }
+            }
+            state.running = true;
+            state.returning.clear();
+            let mut batch = self.take_batch(&mut state);
+            drop(state);
+            let started = Instant::now();
+            self.run_step(&mut batch);
+            let took = started.elapsed();
+            self.stats
+                .step_ns
+                .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+            let mut wake = Vec::with_capacity(batch.len() + 1);
+            let mut state = self.lock();
+            state.gather_until = Some(Instant::now() + took.min(MAX_GATHER));
+            // unfinished prompts go back to the front, in their order
+            for Scheduled {
+                request,
+                take,
+                error,
+            } in batch.into_iter().rev()
+            {
+                let mut r = request;
+                if let Some(e) = error {
+                    r.slot.put((r.seq, Err(e)));
+                    wake.push(r.slot);
+                    continue;
+                }
+                r.done += take;
+                if r.done >= r.tokens.len() {
+                    state.returning.insert(r.ticket);
+                    r.slot.put((r.seq, Ok(())));
+                    wake.push(r.slot);
+                } else {
+                    state.queue.push_front(r);
+                }
+            }
+            state.running = false;
+            // the first request still queued leads the next step
+            if let Some(front) = state.queue.front() {
+                wake.push(front.slot.clone());
+            }
+            drop(state);
+            for slot in wake {
+                slot.thread.unpark();
+            }
         }
     }
 
@@ -366,13 +428,13 @@ impl<M: BatchModel> Session for BatchedSession<M> {
         result
     }
     fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        Ok(self.seq()?.last_logits())
+        self.seq()?.last_logits()
     }
     fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        Ok(self.seq()?.all_logits())
+        self.seq()?.all_logits()
     }
     fn argmax(&mut self) -> Result<u32, EngineError> {
-        Ok(self.seq()?.argmax())
+        self.seq()?.argmax()
     }
 }
 

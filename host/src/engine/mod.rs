@@ -1,8 +1,7 @@
 //! What every device backend shares, and nothing device-specific: where a forward pass runs
 //! ([`Device`], [`GpuDtype`]), the engine's error ([`EngineError`]), the two traits a backend
 //! implements ([`Executor`]: a model loaded on a device; [`Session`]: one sequence's KV cache
-//! on it), the greedy [`argmax`], a pool of idle sessions ([`SessionPool`]), and continuous
-//! batching across contexts ([`batch`]).
+//! on it), the greedy [`argmax`], and continuous batching across contexts ([`batch`]).
 //!
 //! The CPU reference ([`crate::cpu`]) and the CUDA backend ([`crate::cuda`]) depend on this
 //! module; it depends on neither. The wasi-nn contract ([`crate::wasi_nn`]) sits on top.
@@ -10,7 +9,6 @@
 pub mod batch;
 
 use crate::model::{Gpt2Config, LoadError};
-use std::sync::{Arc, Mutex};
 
 /// Where the forward pass runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -44,8 +42,10 @@ pub struct EngineOptions {
     pub dtype: GpuDtype,
     /// Cap on one context's KV cache (GPU).
     pub max_kv_bytes: usize,
-    /// Cap on the KV caches of all contexts of one model together (CPU, batched).
-    pub kv_pool_bytes: usize,
+    /// Cap on the KV caches of all contexts of one model together; `None`: the device's
+    /// default (CPU: [`Self::DEFAULT_KV_POOL_BYTES`]; GPU: three quarters of the device
+    /// memory free once the weights are loaded).
+    pub kv_pool_bytes: Option<usize>,
 }
 
 impl EngineOptions {
@@ -60,7 +60,7 @@ impl Default for EngineOptions {
         Self {
             dtype: GpuDtype::F32,
             max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
-            kv_pool_bytes: Self::DEFAULT_KV_POOL_BYTES,
+            kv_pool_bytes: None,
         }
     }
 }
@@ -104,6 +104,10 @@ impl EngineError {
 pub trait Executor: Send + Sync {
     fn config(&self) -> Gpt2Config;
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError>;
+    /// What the executor's batcher has done, if its contexts share batched steps.
+    fn batch_counts(&self) -> Option<batch::BatchCounts> {
+        None
+    }
 }
 
 /// One sequence's KV cache on a device. Logits stay on the device until asked for, so a
@@ -138,95 +142,4 @@ pub fn argmax(values: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-/// A session that can go back to a [`SessionPool`]: it is reset (emptied) on the way, so
-/// nothing of the previous sequence is readable by the next user.
-pub trait Reusable: Session + Sized + 'static {
-    /// Forget the sequence (length 0) and any per-sequence outputs.
-    fn reset(&mut self);
-}
-
-/// Idle sessions of one executor, reused by new execution contexts: a request then skips
-/// the allocation of its KV cache and buffers (and, on the GPU, library set-up and graph
-/// captures). Holds at most `max_idle` sessions.
-pub struct SessionPool<S> {
-    idle: Mutex<Vec<S>>,
-    max_idle: usize,
-}
-
-impl<S: Reusable> SessionPool<S> {
-    pub fn new(max_idle: usize) -> Arc<Self> {
-        Arc::new(Self {
-            idle: Mutex::new(Vec::new()),
-            max_idle,
-        })
-    }
-
-    /// An idle session if there is one, else a new one from `open`; it comes back to the
-    /// pool when the returned box is dropped.
-    pub fn checkout(
-        self: &Arc<Self>,
-        open: impl FnOnce() -> Result<S, EngineError>,
-    ) -> Result<Box<dyn Session>, EngineError> {
-        let reused = self.idle.lock().ok().and_then(|mut idle| idle.pop());
-        let session = match reused {
-            Some(session) => session,
-            None => open()?,
-        };
-        Ok(Box::new(Pooled {
-            session: Some(session),
-            pool: self.clone(),
-        }))
-    }
-}
-
-/// A pooled session: goes back to the pool (reset) when its execution context is dropped.
-struct Pooled<S: Reusable> {
-    session: Option<S>,
-    pool: Arc<SessionPool<S>>,
-}
-
-impl<S: Reusable> Drop for Pooled<S> {
-    fn drop(&mut self) {
-        if let Some(mut session) = self.session.take() {
-            session.reset();
-            if let Ok(mut idle) = self.pool.idle.lock() {
-                if idle.len() < self.pool.max_idle {
-                    idle.push(session);
-                }
-            }
-        }
-    }
-}
-
-impl<S: Reusable> Pooled<S> {
-    fn get(&mut self) -> Result<&mut S, EngineError> {
-        self.session
-            .as_mut()
-            .ok_or_else(|| EngineError::device("session already released"))
-    }
-}
-
-impl<S: Reusable> Session for Pooled<S> {
-    fn len(&self) -> usize {
-        self.session.as_ref().map_or(0, |s| s.len())
-    }
-    fn truncate(&mut self, len: usize) {
-        if let Some(s) = self.session.as_mut() {
-            s.truncate(len);
-        }
-    }
-    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
-        self.get()?.extend(tokens, all_positions)
-    }
-    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        self.get()?.last_logits()
-    }
-    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
-        self.get()?.all_logits()
-    }
-    fn argmax(&mut self) -> Result<u32, EngineError> {
-        self.get()?.argmax()
-    }
 }

@@ -168,7 +168,7 @@ pub struct HostBuilder {
     dtype: GpuDtype,
     max_load_bytes: usize,
     max_kv_bytes: usize,
-    kv_pool_bytes: usize,
+    kv_pool_bytes: Option<usize>,
     graphs: GraphSet,
     pool: Option<InstancePool>,
 }
@@ -193,7 +193,7 @@ impl HostBuilder {
             dtype: GpuDtype::F32,
             max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
             max_kv_bytes: EngineOptions::DEFAULT_MAX_KV_BYTES,
-            kv_pool_bytes: EngineOptions::DEFAULT_KV_POOL_BYTES,
+            kv_pool_bytes: None,
             graphs: GraphSet::default(),
             pool: Some(InstancePool::default()),
         }
@@ -224,10 +224,11 @@ impl HostBuilder {
         self
     }
 
-    /// Cap on the KV caches of all contexts of one graph together (CPU, where contexts
-    /// share batched steps); a context that would pass it gets an error, the others go on.
+    /// Cap on the KV caches of all contexts of one graph together (they share batched
+    /// steps); a context that would pass it gets an error, the others go on. By default 4 GiB
+    /// on the CPU, three quarters of the free GPU memory on the GPU.
     pub fn kv_pool_bytes(mut self, bytes: usize) -> Self {
-        self.kv_pool_bytes = bytes;
+        self.kv_pool_bytes = Some(bytes);
         self
     }
 

@@ -7,6 +7,7 @@
 //! defined here once and handed to NVRTC as `-D` defines ([`DEFINES`]).
 
 pub mod attention;
+pub mod batch;
 pub mod embed_norm;
 pub mod matmul;
 pub mod matvec;
@@ -83,6 +84,11 @@ pub struct Kernels {
     pub(crate) gemm_epilogue: CudaFunction,
     pub(crate) add_bias: CudaFunction,
     pub(crate) to_bf16: CudaFunction,
+    pub(crate) batch_residual_norm: CudaFunction,
+    pub(crate) batch_epilogue: CudaFunction,
+    pub(crate) batch_attention: CudaFunction,
+    pub(crate) batch_att_combine: CudaFunction,
+    pub(crate) batch_logits: CudaFunction,
 }
 
 /// Launches kernels of one model shape and weight dtype on one stream, with programmatic

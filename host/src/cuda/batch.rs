@@ -1,0 +1,483 @@
+//! Many contexts, one GPU step: [`CudaBatch`] is the CUDA model behind the engine's
+//! [`crate::engine::batch::Batcher`].
+//!
+//! Each context keeps its own [`CudaSession`] (stream, KV cache, logits, captured graphs).
+//! In a step, prompts (and chunks of them) run on their sessions' own streams through the
+//! prefill path, a lone decode through its session's captured decode graph (one stream keeps
+//! its latency), and two or more decodes as one batched step on the batch's stream: every
+//! row's embedding, the products over all rows through cuBLAS (bf16 inputs split in hi and
+//! lo halves so the rows see their activations to ~16 bits, as the one-row kernels do),
+//! each row's keys and values appended to its own cache, attention of each row over its own
+//! cache in one launch (ragged lengths), and the LM head writing each row's logits into its
+//! session with their argmax. The batched step is captured as a CUDA graph per size bucket
+//! (rows rounded up; padding rows touch no cache and no output). Contexts never see each
+//! other's caches: a row's addresses come from its own session, set by the step.
+//!
+//! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
+//! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
+//! alone.
+
+use super::blas::Blas;
+use super::buffer::{Act, DevBuf, DevPtr};
+use super::error::{CudaError, DriverContext};
+use super::ops::batch::{
+    BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update, BATCH_ATT_SPLITS,
+};
+use super::ops::matvec::argmax_row;
+use super::ops::{Epilogue, Launcher};
+use super::session::CudaSession;
+use super::ExecutorInner;
+use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
+use crate::engine::{EngineError, GpuDtype, Session};
+use cudarc::driver::{CudaGraph, CudaStream};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Most rows of one batched step (more decodes run as several).
+pub const MAX_ROWS: usize = 256;
+
+/// Longest context (positions) whose attention one block per head and row takes in a step;
+/// past it the positions are split in [`BATCH_ATT_SPLITS`] spans and combined.
+const LONE_SPAN: usize = 256;
+
+/// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
+/// of 8 to 64, then of 32.
+pub fn bucket(rows: usize) -> usize {
+    match rows {
+        0..=8 => rows.next_power_of_two(),
+        9..=64 => rows.div_ceil(8) * 8,
+        _ => (rows.div_ceil(32) * 32).min(MAX_ROWS),
+    }
+}
+
+/// Floats between two rows of the LM head's product: V rounded up to a multiple of 8, so
+/// cuBLAS can take its aligned kernels.
+fn head_ld(vocab: usize) -> usize {
+    vocab.div_ceil(8) * 8
+}
+
+/// Sessions not in use, and the pool their KV caches are reserved from.
+struct Idle {
+    sessions: Mutex<Vec<CudaSession>>,
+    max_idle: usize,
+    pool: Arc<KvPool>,
+    /// KV bytes of one session.
+    session_bytes: usize,
+}
+
+/// One context's state: its session, and its reservation in the pool (given back with it).
+pub struct CudaSeq {
+    session: Option<CudaSession>,
+    idle: Arc<Idle>,
+}
+
+impl CudaSeq {
+    fn session(&self) -> Result<&CudaSession, EngineError> {
+        self.session
+            .as_ref()
+            .ok_or_else(|| EngineError::device("session already released"))
+    }
+
+    fn session_mut(&mut self) -> Result<&mut CudaSession, EngineError> {
+        self.session
+            .as_mut()
+            .ok_or_else(|| EngineError::device("session already released"))
+    }
+}
+
+impl Drop for CudaSeq {
+    fn drop(&mut self) {
+        self.idle.pool.release(self.idle.session_bytes);
+        if let Some(mut session) = self.session.take() {
+            // nothing of this sequence stays readable, nor in flight, when it is reused
+            if session.synchronize().is_err() {
+                return;
+            }
+            session.reset();
+            if let Ok(mut idle) = self.idle.sessions.lock() {
+                if idle.len() < self.idle.max_idle {
+                    idle.push(session);
+                }
+            }
+        }
+    }
+}
+
+impl SeqState for CudaSeq {
+    fn len(&self) -> usize {
+        self.session.as_ref().map_or(0, Session::len)
+    }
+    fn truncate(&mut self, len: usize) {
+        if let Some(s) = self.session.as_mut() {
+            s.truncate(len);
+        }
+    }
+    fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
+        self.session()?.logits_now()
+    }
+    fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
+        self.session()?.all_logits_now()
+    }
+    fn argmax(&self) -> Result<u32, EngineError> {
+        self.session()?.argmax_now()
+    }
+}
+
+/// The batched step's buffers on its own stream, made at the first batched step.
+struct StepBuffers {
+    launcher: Launcher,
+    blas: Blas,
+    /// Residual stream `[MAX_ROWS, C]`.
+    x: DevBuf<f32>,
+    /// Product inputs: f32 `[MAX_ROWS, 4C]`, or the same bytes as split bf16 rows
+    /// `[2 * MAX_ROWS, 4C]`.
+    act: DevBuf<f32>,
+    /// The LM head's product rows `[2 * MAX_ROWS, head_ld(V)]`.
+    head: DevBuf<f32>,
+    partial: DevBuf<f32>,
+    /// Tokens `[MAX_ROWS]` then positions `[MAX_ROWS]`.
+    ints: DevBuf<i32>,
+    /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
+    addrs: DevBuf<u64>,
+    keys: DevBuf<u64>,
+    /// Captured steps by (bucket, attention spans).
+    graphs: HashMap<(usize, usize), CudaGraph>,
+    graphs_failed: bool,
+}
+
+// SAFETY: the buffers are only touched by the step that holds the mutex around them; the raw
+// handles in `Blas` and `CudaGraph` are used from that one thread at a time.
+unsafe impl Send for StepBuffers {}
+
+impl StepBuffers {
+    fn new(exec: &Arc<ExecutorInner>) -> Result<Self, CudaError> {
+        let gpu = exec.gpu.clone();
+        let cfg = exec.config;
+        let c = cfg.n_embd;
+        let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
+        let blas = Blas::new(&stream, 2 * MAX_ROWS, c, false)
+            .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
+        let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
+        let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
+        Ok(Self {
+            x: zeros(MAX_ROWS * c, "batched activations")?,
+            act: zeros(MAX_ROWS * 4 * c, "batched activations")?,
+            head: zeros(2 * MAX_ROWS * head_ld(cfg.vocab_size), "batched logits")?,
+            partial: zeros(
+                MAX_ROWS * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
+                "batched attention scratch",
+            )?,
+            ints: DevBuf::zeros(&stream, 2 * MAX_ROWS, "batched step table")?,
+            addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
+            keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
+            launcher,
+            blas,
+            graphs: HashMap::new(),
+            graphs_failed: false,
+        })
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.launcher.stream()
+    }
+
+    /// The table of the first `rows` rows (fixed addresses: every graph reads it).
+    fn table(&self, rows: usize, layer_floats: usize) -> RowTable {
+        let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
+        let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
+        RowTable {
+            rows,
+            tokens: ints,
+            positions: ints.skip(MAX_ROWS),
+            k_caches: part(addrs, 0),
+            v_caches: part(addrs, 1),
+            logits: part(addrs, 2),
+            keys: self.keys.ptr(),
+            layer_floats,
+        }
+    }
+}
+
+/// GPT-2 on the GPU for the engine's batcher (see the module docs).
+pub struct CudaBatch {
+    exec: Arc<ExecutorInner>,
+    idle: Arc<Idle>,
+    buffers: Mutex<Option<StepBuffers>>,
+}
+
+impl CudaBatch {
+    pub(crate) fn new(exec: Arc<ExecutorInner>, pool: Arc<KvPool>, max_idle: usize) -> Self {
+        let cfg = exec.config;
+        let per_position = 2 * cfg.n_layer * cfg.n_embd * 4;
+        let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position.max(1));
+        Self {
+            idle: Arc::new(Idle {
+                sessions: Mutex::new(Vec::new()),
+                max_idle,
+                pool,
+                session_bytes: capacity * per_position,
+            }),
+            buffers: Mutex::new(None),
+            exec,
+        }
+    }
+
+    /// The pool the contexts' KV caches are reserved from.
+    pub fn kv_pool(&self) -> &Arc<KvPool> {
+        &self.idle.pool
+    }
+
+    /// The kernels of one batched step over the table's rows.
+    fn step_kernels(&self, b: &StepBuffers, t: &RowTable, splits: usize) -> Result<(), CudaError> {
+        let (cfg, w) = (self.exec.config, &self.exec.weights);
+        let (c, v, n) = (cfg.n_embd, cfg.vocab_size, t.rows);
+        let l = &b.launcher;
+        let split = self.exec.dtype == GpuDtype::Bf16;
+        let act = match split {
+            true => Act::Bf16(b.act.ptr().cast()),
+            false => Act::F32(b.act.ptr()),
+        };
+        let product_rows = if split { 2 * n } else { n };
+        let tmp = b.blas.tmp.ptr();
+        let x = b.x.ptr();
+        let product = |w: DevPtr<_>, n_out: usize, k: usize| {
+            b.blas
+                .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
+        };
+
+        // x += the product and its bias, then the LayerNorm `norm` into act
+        let residual_norm = |bias, norm| {
+            let update = Update::Product { tmp, bias, split };
+            l.batch_residual_norm(
+                t,
+                ResidualNorm {
+                    x,
+                    update,
+                    norm,
+                    out: act,
+                },
+            )
+        };
+        let embed = Update::Embed {
+            wte: w.wte.ptr(),
+            wpe: w.wpe.ptr(),
+        };
+        let first_norm = w.layers.first().map_or(w.lnf(), |lw| lw.ln1());
+        l.batch_residual_norm(
+            t,
+            ResidualNorm {
+                x,
+                update: embed,
+                norm: first_norm,
+                out: act,
+            },
+        )?;
+        for (i, lw) in w.layers.iter().enumerate() {
+            product(lw.qkv_w.ptr(), 3 * c, c)?;
+            let attention = BatchAttention {
+                out: act,
+                tmp,
+                bias: lw.qkv_b.ptr(),
+                split,
+                partial: b.partial.ptr(),
+                layer: i,
+                splits,
+            };
+            l.batch_attention(t, attention)?;
+            product(lw.proj_w.ptr(), c, c)?;
+            residual_norm(lw.proj_b.ptr(), lw.ln2())?;
+            product(lw.fc_w.ptr(), 4 * c, c)?;
+            let gelu = BatchEpilogue {
+                out: act,
+                tmp,
+                bias: lw.fc_b.ptr(),
+                n: 4 * c,
+                epilogue: Epilogue::Gelu,
+                split,
+            };
+            l.batch_epilogue(t, gelu)?;
+            product(lw.fc_proj_w.ptr(), c, 4 * c)?;
+            let next_norm = w.layers.get(i + 1).map_or(w.lnf(), |next| next.ln1());
+            residual_norm(lw.fc_proj_b.ptr(), next_norm)?;
+        }
+        let (head, ld) = (b.head.ptr(), head_ld(v));
+        b.blas
+            .gemm(l, w.wte.ptr(), act, (product_rows, v, c), (head, ld), false)?;
+        l.batch_logits(t, head, ld, split)
+    }
+
+    /// One decode token for each of `rows` (at most [`MAX_ROWS`], each admitted) as one
+    /// batched step; on success each session has its new position, logits and argmax.
+    fn decode_rows(&self, rows: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
+        let n = rows.len();
+        let padded = bucket(n);
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(StepBuffers::new(&self.exec)?);
+        }
+        let b = guard
+            .as_mut()
+            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        let mut ints = vec![0i32; 2 * MAX_ROWS];
+        let mut addrs = vec![0u64; 3 * MAX_ROWS];
+        ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
+        let (mut layer_floats, mut longest) = (0, 0);
+        for (r, item) in rows.iter().enumerate() {
+            let session = item.seq.session()?;
+            ints[r] = item.tokens[0] as i32;
+            ints[MAX_ROWS + r] = session.len() as i32;
+            let (k, v, logits) = session.row_addresses();
+            addrs[r] = k;
+            addrs[MAX_ROWS + r] = v;
+            addrs[2 * MAX_ROWS + r] = logits;
+            layer_floats = session.layer_floats();
+            longest = longest.max(session.len() + 1);
+        }
+        // rows all short: one block per head and row, no combine pass
+        let splits = if longest <= LONE_SPAN {
+            1
+        } else {
+            BATCH_ATT_SPLITS
+        };
+        let key = (padded, splits);
+        let stream = b.stream().clone();
+        let t0 = std::time::Instant::now();
+        b.ints.write(&stream, 0, &ints)?;
+        b.addrs.write(&stream, 0, &addrs)?;
+        let table = b.table(padded, layer_floats);
+        let use_graphs = self.exec.gpu.tuning().graphs && !b.graphs_failed;
+        if use_graphs && !b.graphs.contains_key(&key) {
+            match self
+                .exec
+                .gpu
+                .capture(&stream, || self.step_kernels(b, &table, splits))
+            {
+                Ok(Some(graph)) => {
+                    b.graphs.insert(key, graph);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!("batched step capture failed, running steps eagerly: {e}");
+                    b.graphs_failed = true;
+                }
+            }
+        }
+        let t1 = std::time::Instant::now();
+        let graphed = match b.graphs.get(&key).filter(|_| use_graphs) {
+            Some(graph) => {
+                graph.launch().ctx("batched step")?;
+                true
+            }
+            None => {
+                self.step_kernels(b, &table, splits)?;
+                false
+            }
+        };
+        let t2 = std::time::Instant::now();
+        let keys = b.keys.read(&stream, n)?;
+        tracing::trace!(
+            rows = n,
+            graphed,
+            upload_us = (t1 - t0).as_micros() as u64,
+            launch_us = (t2 - t1).as_micros() as u64,
+            wait_us = t2.elapsed().as_micros() as u64,
+            "batched decode"
+        );
+        for (item, key) in rows.iter_mut().zip(keys) {
+            item.seq.session_mut()?.decoded_in_batch(argmax_row(key));
+        }
+        Ok(())
+    }
+}
+
+impl BatchModel for CudaBatch {
+    type Seq = CudaSeq;
+
+    fn new_seq(&self) -> Result<CudaSeq, EngineError> {
+        self.idle.pool.reserve(self.idle.session_bytes)?;
+        let reused = self
+            .idle
+            .sessions
+            .lock()
+            .ok()
+            .and_then(|mut idle| idle.pop());
+        let session = match reused {
+            Some(session) => session,
+            None => match CudaSession::new(self.exec.clone()) {
+                Ok(session) => session,
+                Err(e) => {
+                    self.idle.pool.release(self.idle.session_bytes);
+                    return Err(e.into());
+                }
+            },
+        };
+        Ok(CudaSeq {
+            session: Some(session),
+            idle: self.idle.clone(),
+        })
+    }
+
+    fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
+        let started = std::time::Instant::now();
+        // Prompts (and chunks) start on their own streams at once; decodes are gathered.
+        let mut own = Vec::new();
+        let mut decodes = Vec::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
+            if let Err(e) = admitted {
+                item.error = Some(e);
+            } else if item.tokens.len() == 1 && !item.all_positions {
+                decodes.push(i);
+            } else {
+                own.push(i);
+                let (tokens, all, continued) = (item.tokens, item.all_positions, !item.first_chunk);
+                let ran = item
+                    .seq
+                    .session_mut()
+                    .and_then(|s| s.extend_chunk(tokens, all, continued));
+                item.error = ran.err();
+            }
+        }
+        if decodes.len() == 1 {
+            // a lone stream keeps its own captured decode step
+            let item = &mut items[decodes[0]];
+            let token = item.tokens;
+            item.error = item
+                .seq
+                .session_mut()
+                .and_then(|s| s.extend_chunk(token, false, false))
+                .err();
+            own.push(decodes[0]);
+        } else if !decodes.is_empty() {
+            let launched = started.elapsed();
+            let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| decodes.binary_search(i).is_ok())
+                .map(|(_, item)| item)
+                .collect();
+            for chunk in rows.chunks_mut(MAX_ROWS) {
+                if let Err(e) = self.decode_rows(chunk) {
+                    let message = e.to_string();
+                    for item in chunk.iter_mut() {
+                        item.error = Some(EngineError::device(format!("batched step: {message}")));
+                    }
+                }
+            }
+            tracing::debug!(
+                rows = decodes.len(),
+                own = own.len(),
+                own_launch_us = launched.as_micros() as u64,
+                decode_us = (started.elapsed() - launched).as_micros() as u64,
+                "batched step"
+            );
+        }
+        // everything of this step is done before its contexts see their results
+        for i in own {
+            let item = &mut items[i];
+            if let Err(e) = item.seq.session().and_then(CudaSession::synchronize) {
+                item.error.get_or_insert(e);
+            }
+        }
+    }
+}

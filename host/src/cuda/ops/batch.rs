@@ -1,0 +1,230 @@
+//! `kernels/batch.cu`: one decode step of many contexts, one row each, every row with its
+//! own token, position and KV cache read from a [`RowTable`]. Product inputs are an
+//! [`Act`]: f32 rows, or in bf16 mode bf16 rows split in hi and lo halves (`[2 * rows, k]`)
+//! whose product rows the next kernel sums.
+
+use super::{kernel_args, Epilogue, Launcher, Norm};
+use crate::cuda::buffer::{Act, DevPtr, Stored};
+use crate::cuda::error::{ensure, CudaError};
+use cudarc::driver::LaunchConfig;
+
+/// Most spans each row's positions are split into by the batched attention (blocks per
+/// head and row); steps whose rows are all short take one.
+pub const BATCH_ATT_SPLITS: usize = 4;
+
+/// The rows of a batched step: per row its token, position (-1: a padding row that touches
+/// no cache and no output), the addresses of its layer-0 key and value caches
+/// (`[capacity, C]` per layer, `layer_floats` apart), its logits buffer (V floats) and its
+/// argmax key.
+#[derive(Clone, Copy, Debug)]
+pub struct RowTable {
+    pub rows: usize,
+    pub tokens: DevPtr<i32>,
+    pub positions: DevPtr<i32>,
+    pub k_caches: DevPtr<u64>,
+    pub v_caches: DevPtr<u64>,
+    pub logits: DevPtr<u64>,
+    pub keys: DevPtr<u64>,
+    /// Floats between two layers of one cache (capacity * C).
+    pub layer_floats: usize,
+}
+
+impl RowTable {
+    fn check(&self, what: &'static str) -> Result<(), CudaError> {
+        let n = self.rows;
+        ensure(
+            self.tokens.len() >= n
+                && self.positions.len() >= n
+                && self.k_caches.len() >= n
+                && self.v_caches.len() >= n
+                && self.logits.len() >= n
+                && self.keys.len() >= n,
+            what,
+        )
+    }
+}
+
+/// The rows a product input holds: `rows` f32 rows, or twice that many split bf16 rows.
+fn act_len(a: Act, rows: usize, width: usize) -> usize {
+    if a.is_bf16() {
+        2 * rows * width
+    } else {
+        rows * width
+    }
+}
+
+fn act_fits(a: Act, len: usize) -> bool {
+    match a {
+        Act::F32(p) => p.len() >= len,
+        Act::Bf16(p) => p.len() >= len,
+    }
+}
+
+/// What updates the residual stream before a LayerNorm: the embedding of the rows' tokens,
+/// or a product's result (f32 rows, or twice as many from a split input) and its bias.
+#[derive(Clone, Copy, Debug)]
+pub enum Update {
+    Embed { wte: DevPtr<Stored>, wpe: DevPtr<Stored> },
+    Product { tmp: DevPtr<f32>, bias: DevPtr<Stored>, split: bool },
+}
+
+/// `x = update(x)`, then `out = LayerNorm(x)` as a product input.
+#[derive(Clone, Copy, Debug)]
+pub struct ResidualNorm {
+    pub x: DevPtr<f32>,
+    pub update: Update,
+    pub norm: Norm,
+    pub out: Act,
+}
+
+/// After a product of width `n` over the table's rows: bias, then GELU or not, into the
+/// product input `out`.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchEpilogue {
+    pub out: Act,
+    pub tmp: DevPtr<f32>,
+    pub bias: DevPtr<Stored>,
+    pub n: usize,
+    /// [`Epilogue::Gelu`] or [`Epilogue::Store`].
+    pub epilogue: Epilogue,
+    /// The product's input was split (its result has 2 * rows rows).
+    pub split: bool,
+}
+
+/// The QKV product's bias and each row's attention over its own cache of `layer` (its key
+/// and value appended first), into the product input `out`, the positions in `splits` spans
+/// (1: no combine pass; else `partial` holds `[rows, n_head, splits, hd + 2]`).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchAttention {
+    pub out: Act,
+    pub tmp: DevPtr<f32>,
+    pub bias: DevPtr<Stored>,
+    pub split: bool,
+    pub partial: DevPtr<f32>,
+    pub layer: usize,
+    pub splits: usize,
+}
+
+impl Launcher {
+    /// The residual stream's update (an embedding, or a projection's result with its bias)
+    /// and the LayerNorm after it, into the product input `out`.
+    pub fn batch_residual_norm(&self, t: &RowTable, a: ResidualNorm) -> Result<(), CudaError> {
+        let c = self.config.n_embd;
+        t.check("batched residual + layernorm")?;
+        let (tmp, bias, split_in, wte, wpe) = match a.update {
+            Update::Embed { wte, wpe } => (0, 0, false, wte.addr(), wpe.addr()),
+            Update::Product { tmp, bias, split } => {
+                let rows = if split { 2 * t.rows } else { t.rows };
+                ensure(tmp.len() >= rows * c, "batched residual + layernorm")?;
+                (tmp.addr(), bias.addr(), split, 0, 0)
+            }
+        };
+        ensure(
+            a.x.len() >= t.rows * c && act_fits(a.out, act_len(a.out, t.rows, c)),
+            "batched residual + layernorm",
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (t.rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (split_in, split_out) = (i32::from(split_in), i32::from(a.out.is_bf16()));
+        let (rows, c) = (t.rows as i32, c as i32);
+        let (x, out, ln_w, ln_b) = (a.x.addr(), a.out.addr(), a.norm.w.addr(), a.norm.b.addr());
+        let (tokens, pos, keys) = (t.tokens.addr(), t.positions.addr(), t.keys.addr());
+        // SAFETY: x holds rows*C floats, out rows (or 2*rows) rows of C, tmp (if any) the
+        // product's rows of C; tokens (checked < vocab by the step) and positions (< capacity
+        // <= n_ctx, or -1) index the embeddings; keys holds rows u64.
+        let mut args = kernel_args![
+            &x, &tmp, &bias, &split_in, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c, &keys
+        ];
+        unsafe { self.launch(&self.kernels.batch_residual_norm, cfg, 1, &mut args, "batched residual + layernorm") }
+    }
+
+    pub fn batch_epilogue(&self, t: &RowTable, a: BatchEpilogue) -> Result<(), CudaError> {
+        let tmp_rows = if a.split { 2 * t.rows } else { t.rows };
+        ensure(
+            matches!(a.epilogue, Epilogue::Gelu | Epilogue::Store)
+                && a.tmp.len() >= tmp_rows * a.n
+                && act_fits(a.out, act_len(a.out, t.rows, a.n)),
+            "batched epilogue",
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (a.n.div_ceil(256).min(16) as u32, t.rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, n, mode) = (t.rows as i32, a.n as i32, a.epilogue as i32);
+        let (split_in, split_out) = (i32::from(a.split), i32::from(a.out.is_bf16()));
+        let (out, tmp, bias) = (a.out.addr(), a.tmp.addr(), a.bias.addr());
+        // SAFETY: tmp holds the product's rows of n floats and out the rows' n values (or
+        // split rows), checked above; bias holds n weights.
+        let mut args = kernel_args![&out, &tmp, &bias, &rows, &n, &mode, &split_in, &split_out];
+        unsafe { self.launch(&self.kernels.batch_epilogue, cfg, 1, &mut args, "batched epilogue") }
+    }
+
+    pub fn batch_attention(&self, t: &RowTable, a: BatchAttention) -> Result<(), CudaError> {
+        let cfg = self.config;
+        let (c, hd, heads) = (cfg.n_embd, cfg.head_dim(), cfg.n_head);
+        t.check("batched attention")?;
+        let tmp_rows = if a.split { 2 * t.rows } else { t.rows };
+        ensure(
+            a.tmp.len() >= tmp_rows * 3 * c
+                && (1..=BATCH_ATT_SPLITS).contains(&a.splits)
+                && (a.splits == 1 || a.partial.len() >= t.rows * heads * a.splits * (hd + 2))
+                && act_fits(a.out, act_len(a.out, t.rows, c))
+                && a.layer < cfg.n_layer
+                && hd <= 128,
+            "batched attention",
+        )?;
+        let grid = LaunchConfig {
+            grid_dim: (heads as u32, a.splits as u32, t.rows as u32),
+            block_dim: (super::attention::ATT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let layer_off = (a.layer * t.layer_floats) as i64;
+        let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
+        let (split_in, split_out) = (i32::from(a.split), i32::from(a.out.is_bf16()));
+        let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
+        let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
+        // SAFETY: each row reads and appends to its own cache of `layer` at positions
+        // 0..=position < capacity (checked by the step; padding rows touch none); tmp, bias,
+        // out and partial are covered (checked above).
+        let mut args = kernel_args![
+            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out
+        ];
+        unsafe { self.launch(&self.kernels.batch_attention, grid, 1, &mut args, "batched attention") }?;
+        if a.splits == 1 {
+            return Ok(());
+        }
+        let grid = LaunchConfig {
+            grid_dim: (heads as u32, t.rows as u32, 1),
+            block_dim: (super::attention::ATT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let splits = a.splits as i32;
+        // SAFETY: as above; out holds the rows' C values (or split rows).
+        let mut args = kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out];
+        unsafe { self.launch(&self.kernels.batch_att_combine, grid, 1, &mut args, "batched attention") }
+    }
+
+    /// The LM head's product rows (`tmp`, `ld` >= V floats apart) into each row's logits
+    /// buffer, with their argmax into the row's key.
+    pub fn batch_logits(&self, t: &RowTable, tmp: DevPtr<f32>, ld: usize, split: bool) -> Result<(), CudaError> {
+        let v = self.config.vocab_size;
+        t.check("batched logits")?;
+        let tmp_rows = if split { 2 * t.rows } else { t.rows };
+        ensure(ld >= v && tmp.len() >= tmp_rows * ld, "batched logits")?;
+        let cfg = LaunchConfig {
+            grid_dim: (v.div_ceil(256 * 16) as u32, t.rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, split, v, ld) = (t.rows as i32, i32::from(split), v as i32, ld as i32);
+        let (tmp, pos, dst, keys) = (tmp.addr(), t.positions.addr(), t.logits.addr(), t.keys.addr());
+        // SAFETY: tmp holds the product's rows of ld >= V floats; each real row's logits
+        // address is a V-float buffer of its context (set by the step); keys holds rows u64.
+        let mut args = kernel_args![&tmp, &rows, &split, &v, &ld, &pos, &dst, &keys];
+        unsafe { self.launch(&self.kernels.batch_logits, cfg, 1, &mut args, "batched logits") }
+    }
+}

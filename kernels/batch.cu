@@ -1,0 +1,261 @@
+// One decode step of many contexts at once: row r of the step is one context's next token.
+//
+// Each row brings its own token, position and KV cache through a table the host uploads before
+// the step (`tokens[r]`, `positions[r]`, the addresses `k_caches[r]` / `v_caches[r]` of its
+// layer-0 cache, `[capacity, C]` per layer, `layer_off` floats apart); a padding row (the step
+// rounded up to a captured graph's size) has position -1 and touches no cache and no output.
+//
+// The products go through cuBLAS over all rows. In bf16 mode their inputs are "split": each f32
+// activation v is stored as two bf16 rows, hi = bf16(v) in row r and lo = bf16(v - hi) in row
+// rows + r, and the product's two result rows are summed afterwards, so a batched step sees
+// the activations to ~16 bits, as the one-row f32 decode kernels do, instead of bf16's 8.
+#include "common.cuh"
+
+// An activation into `out`: f32 `[rows, width]`, or split into bf16 hi/lo rows `[2 * rows, width]`.
+__device__ __forceinline__ void store_act(void* out, int rows, int r, int col, int width, float v, int split) {
+    if (split) {
+        bf16_t hi = f32_to_bf16_bits(v);
+        bf16_t* o = static_cast<bf16_t*>(out);
+        o[(size_t)r * width + col] = hi;
+        o[(size_t)(rows + r) * width + col] = f32_to_bf16_bits(v - bf16_to_f32(hi));
+    } else {
+        static_cast<float*>(out)[(size_t)r * width + col] = v;
+    }
+}
+// A product's result for row r: its row, plus the lo row's when the input was split.
+__device__ __forceinline__ float product_value(const float* tmp, int rows, int r, int col, int n, int split) {
+    float v = tmp[(size_t)r * n + col];
+    if (split) v += tmp[(size_t)(rows + r) * n + col];
+    return v;
+}
+
+// The residual stream's update and the LayerNorm that follows it, one block per row: with
+// `tmp`, x[r] += product + bias (a projection's result); without, x[r] = wte[tokens[r]] +
+// wpe[positions[r]] (the embedding; zeros for a padding row; clears keys[r], the row's argmax
+// key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes, as `layernorm`)
+// into `out` as a product input (f32, or split).
+template <typename W>
+__device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, const int* tokens,
+                                         const int* positions, const W* wte, const W* wpe, const W* ln_w,
+                                         const W* ln_b, void* out, int split_out, int rows, int c,
+                                         unsigned long long* keys) {
+    __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = blockIdx.x, pos = positions[r];
+    float* xr = x + (size_t)r * c;
+    float s = 0.0f;
+    if (tmp == nullptr) {
+        if (threadIdx.x == 0) keys[r] = 0ull;
+        const W* te = wte + (size_t)tokens[r] * c;
+        const W* pe = wpe + (size_t)(pos < 0 ? 0 : pos) * c;
+        for (int i = threadIdx.x; i < c; i += blockDim.x) {
+            float v = pos < 0 ? 0.0f : load1(te + i) + load1(pe + i);
+            xr[i] = v;
+            s += v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < c; i += blockDim.x) {
+            float v = xr[i] + (product_value(tmp, rows, r, i, c, split_in) + load1(bias + i));
+            xr[i] = v;
+            s += v;
+        }
+    }
+    float mean = block_sum(s, scratch) / c;
+    float var = 0.0f;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        float d = xr[i] - mean;
+        var += d * d;
+    }
+    float rstd = rsqrtf(block_sum(var, scratch) / c + 1e-5f);
+    for (int i = threadIdx.x; i < c; i += blockDim.x)
+        store_act(out, rows, r, i, c, (xr[i] - mean) * rstd * load1(ln_w + i) + load1(ln_b + i), split_out);
+}
+#define BATCH_RESIDUAL_NORM(name, W)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                          \
+        name(float* x, const float* tmp, const W* bias, int split_in, const int* tokens, const int* positions, \
+             const W* wte, const W* wpe, const W* ln_w, const W* ln_b, void* out, int split_out, int rows,     \
+             int c, unsigned long long* keys) {                                                                \
+        batch_residual_norm_impl(x, tmp, bias, split_in, tokens, positions, wte, wpe, ln_w, ln_b, out,          \
+                                 split_out, rows, c, keys);                                                     \
+    }
+BATCH_RESIDUAL_NORM(batch_residual_norm_f32, float)
+BATCH_RESIDUAL_NORM(batch_residual_norm_bf16, bf16_t)
+
+// After a product of width n over the rows (`tmp`, `[rows or 2 * rows, n]`): bias, then GELU
+// (EPI_GELU) or not (EPI_STORE), into `out` as a product input. Grid (column blocks, rows).
+// (Residual products go through `batch_residual_norm`, the QKV product through
+// `batch_attention`.)
+template <typename W>
+__device__ void batch_epilogue_impl(void* out, const float* tmp, const W* bias, int rows, int n, int mode, int split_in,
+                                    int split_out) {
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = blockIdx.y;
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < n; col += gridDim.x * blockDim.x) {
+        float v = product_value(tmp, rows, r, col, n, split_in) + load1(bias + col);
+        store_act(out, rows, r, col, n, mode == EPI_GELU ? gelu_tanh(v) : v, split_out);
+    }
+}
+extern "C" __global__ void batch_epilogue_f32(void* out, const float* tmp, const float* bias, int rows, int n,
+                                              int mode, int split_in, int split_out) {
+    batch_epilogue_impl(out, tmp, bias, rows, n, mode, split_in, split_out);
+}
+extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, const bf16_t* bias, int rows, int n,
+                                               int mode, int split_in, int split_out) {
+    batch_epilogue_impl(out, tmp, bias, rows, n, mode, split_in, split_out);
+}
+
+// The QKV product's epilogue and attention in one kernel. Block (h, s, r) takes head h of row
+// r: its query (product rows of `tmp`, `[rows or 2 * rows, 3C]`, plus the bias), and the s-th of
+// gridDim.y spans of the row's positions 0..=positions[r]; the block whose span holds the row's
+// own position first appends the row's key and value (head h) to the row's cache there. The
+// span is scored in chunks of ATT_CHUNK, 4 threads a position (as
+// `attention_decode_partial`), with a running max and sum. With one span the block writes the
+// normalised output to `out` as a product input (f32, or split); with several it leaves
+// [max, sum, out[hd]] for `batch_attention_combine`. A padding row touches no cache and
+// gives zeros.
+template <typename W>
+__device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
+                                     const int* positions, const unsigned long long* k_caches,
+                                     const unsigned long long* v_caches, long long layer_off, int c, int hd,
+                                     int rows, int split_out) {
+    __shared__ float qs[MAX_HD];
+    __shared__ float p[ATT_CHUNK];
+    __shared__ float acc_s[4][MAX_HD];
+    __shared__ float scratch[32];
+    pdl_launch_dependents();
+    pdl_wait();
+    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
+    int len = positions[r] + 1;  // 0 for a padding row
+    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
+    int first = s * span, end = min(len, first + span);
+    float* part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
+    if (first >= end) {
+        if (splits > 1) {
+            if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
+        } else {
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
+        }
+        return;
+    }
+    float* kc = reinterpret_cast<float*>(k_caches[r]) + layer_off + h * hd;
+    float* vc = reinterpret_cast<float*>(v_caches[r]) + layer_off + h * hd;
+    int n3 = 3 * c;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        int col = h * hd + d;
+        qs[d] = product_value(tmp, rows, r, col, n3, split_in) + load1(bias + col);
+        if (end == len) {
+            kc[(size_t)(len - 1) * c + d] = product_value(tmp, rows, r, c + col, n3, split_in) + load1(bias + c + col);
+            vc[(size_t)(len - 1) * c + d] =
+                product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col);
+        }
+    }
+    __syncthreads();
+    float scale = rsqrtf((float)hd);
+    int j = threadIdx.x >> 2, quarter = threadIdx.x & 3;
+    float m_run = -INFINITY, sum_run = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // this thread's (dimension, position group) sums
+    for (int base = first; base < end; base += ATT_CHUNK) {
+        int count = min(ATT_CHUNK, end - base);
+        float sc = 0.0f;
+        if (j < count) sc = partial_dot(kc + (size_t)(base + j) * c, qs, hd, quarter, 4);
+        sc += __shfl_xor_sync(0xffffffffu, sc, 1);
+        sc += __shfl_xor_sync(0xffffffffu, sc, 2);
+        sc = j < count ? sc * scale : -INFINITY;
+        float m = fmaxf(m_run, block_max(sc, scratch));
+        float e = j < count ? __expf(sc - m) : 0.0f;
+        if (quarter == 0 && j < ATT_CHUNK) p[j] = e;
+        float sum = block_sum(quarter == 0 ? e : 0.0f, scratch);
+        float rescale = __expf(m_run - m);
+        sum_run = sum_run * rescale + sum;
+        m_run = m;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int idx = threadIdx.x + i * blockDim.x;
+            if (idx < 4 * hd) {
+                int d = idx % hd, g = idx / hd;
+                float a = 0.0f;
+                for (int jj = g; jj < count; jj += 4) a += p[jj] * vc[(size_t)(base + jj) * c + d];
+                acc[i] = acc[i] * rescale + a;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        if (idx < 4 * hd) acc_s[idx / hd][idx % hd] = acc[i];
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
+        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
+        else part[2 + d] = a;
+    }
+    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+}
+#define BATCH_ATTENTION(name, W)                                                                                \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                   \
+        name(void* out, float* partial, const float* tmp, const W* bias, int split_in, const int* positions,     \
+             const unsigned long long* k_caches, const unsigned long long* v_caches, long long layer_off, int c, \
+             int hd, int rows, int split_out) {                                                                  \
+        batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, \
+                             rows, split_out);                                                                   \
+    }
+BATCH_ATTENTION(batch_attention_f32, float)
+BATCH_ATTENTION(batch_attention_bf16, bf16_t)
+
+// Block (h, r): the row's spans rescaled by exp(max_span - max) and normalised, into `out` as
+// a product input (f32, or split); zeros for a padding row.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    batch_attention_combine(void* out, const float* partial, const int* positions, int hd, int c, int rows,
+                            int splits, int split) {
+    pdl_launch_dependents();
+    pdl_wait();
+    int h = blockIdx.x, r = blockIdx.y;
+    const float* base = partial + ((size_t)r * gridDim.x + h) * splits * (hd + 2);
+    bool pad = positions[r] < 0;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, base[(size_t)s * (hd + 2)]);
+    float denom = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = base[(size_t)s * (hd + 2)];
+        if (ms != -INFINITY) denom += __expf(ms - m) * base[(size_t)s * (hd + 2) + 1];
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float ms = base[(size_t)s * (hd + 2)];
+            if (ms != -INFINITY) acc += __expf(ms - m) * base[(size_t)s * (hd + 2) + 2 + d];
+        }
+        store_act(out, rows, r, h * hd + d, c, pad ? 0.0f : acc / denom, split);
+    }
+}
+
+// The LM head's rows (`tmp`, `[rows or 2 * rows, ld]`, ld >= V) into each row's logits
+// buffer (`dst[r]`, V floats), and their argmax into keys[r] (cleared by the embedding; see
+// `argmax_key`). Grid (column blocks, rows); a padding row is skipped.
+extern "C" __global__ void __launch_bounds__(256)
+    batch_logits(const float* tmp, int rows, int split, int v, int ld, const int* positions,
+                 const unsigned long long* dst, unsigned long long* keys) {
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = blockIdx.y;
+    if (positions[r] < 0) return;
+    float* o = reinterpret_cast<float*>(dst[r]);
+    unsigned long long best = 0ull;
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < v; col += gridDim.x * blockDim.x) {
+        float value = product_value(tmp, rows, r, col, ld, split);
+        o[col] = value;
+        unsigned long long key = argmax_key(value, col);
+        best = key > best ? key : best;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+        best = other > best ? other : best;
+    }
+    if ((threadIdx.x & 31) == 0 && best != 0ull) atomicMax(keys + r, best);
+}
