@@ -485,6 +485,9 @@ fn i32_values(index: u32, tensor: &Tensor) -> Result<Vec<i32>, Gpt2Error> {
         .collect())
 }
 
+/// The WIT `compute` input that asks for the greedy next token instead of the logits.
+pub const NEXT_TOKEN_ONLY: &str = "next_token_only";
+
 fn input_index(id: &Id) -> Result<u32, Gpt2Error> {
     match id {
         Id::Index(i) => Ok(*i),
@@ -527,8 +530,16 @@ impl BackendExecutionContext for Gpt2Context {
             self.run()?;
             return Ok(None);
         };
-        // The WIT ABI passes named inputs and wants named outputs back.
+        // The WIT ABI passes named inputs and wants named outputs back. With the input
+        // `next_token_only` (I32 [1], non-zero), the outputs are the greedy `next_token`
+        // (I32 [1]) instead of the last logits: a greedy guest then takes 4 bytes, not V floats.
+        let mut next_token_only = false;
         for (position, input) in inputs.iter().enumerate() {
+            if input.name == NEXT_TOKEN_ONLY {
+                let values = i32_values(2, &input.tensor)?;
+                next_token_only = values.first().is_some_and(|&v| v != 0);
+                continue;
+            }
             let index = match input_index(&Id::Name(input.name.clone())) {
                 Ok(i) => i,
                 Err(_) => position as u32,
@@ -536,9 +547,13 @@ impl BackendExecutionContext for Gpt2Context {
             self.set_input_tensor(index, &input.tensor)?;
         }
         self.run()?;
+        let first = match next_token_only {
+            true => ("next_token", 2),
+            false => ("logits", 0),
+        };
         let mut outputs = vec![NamedTensor {
-            name: "logits".to_owned(),
-            tensor: self.output_tensor(0)?,
+            name: first.0.to_owned(),
+            tensor: self.output_tensor(first.1)?,
         }];
         if self.range_skip.is_some() {
             outputs.push(NamedTensor {

@@ -233,3 +233,31 @@ fn backend_loads_guest_bytes_and_refuses_bad_ones() {
     // still serving after all of that
     assert!(backend.load(&[&bin], ExecutionTarget::Cpu).is_ok());
 }
+
+#[test]
+fn wit_compute_with_next_token_only_returns_the_greedy_token_alone() {
+    use wasmtime_wasi_nn::backend::NamedTensor;
+    let mut ctx = tiny_context();
+    let ids = sequence(9, 3);
+    let logits = compute(&mut ctx, &ids);
+    let want = wasi_nn_host::engine::argmax(&logits) as i32;
+    let mut fresh = tiny_context();
+    let ids32: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+    let inputs = vec![
+        NamedTensor {
+            name: "input_ids".to_owned(),
+            tensor: tokens_tensor(&ids32),
+        },
+        NamedTensor {
+            name: wasi_nn_host::wasi_nn::NEXT_TOKEN_ONLY.to_owned(),
+            tensor: Tensor::new(vec![1], TensorType::I32, 1i32.to_le_bytes().to_vec()),
+        },
+    ];
+    let outputs = fresh
+        .compute(Some(inputs))
+        .expect("compute")
+        .expect("named outputs");
+    assert_eq!(outputs.len(), 1, "only the next token comes back");
+    assert_eq!(outputs[0].name, "next_token");
+    assert_eq!(outputs[0].tensor.data, want.to_le_bytes().to_vec());
+}

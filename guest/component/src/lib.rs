@@ -57,6 +57,9 @@ struct WitModel {
     /// The last logits tensor as it came (read in place when 4-aligned), or copied.
     raw: Vec<u8>,
     logits: Vec<f32>,
+    /// Whether the backend took `next_token_only` last time (ours does; another runtime may
+    /// refuse the input or ignore it, and greedy steps then read the logits).
+    next_token_only: bool,
 }
 
 fn nn_error(what: &str, e: wasi::nn::errors::Error) -> String {
@@ -82,6 +85,7 @@ impl WitModel {
             _graph: graph,
             raw: Vec::new(),
             logits: Vec::new(),
+            next_token_only: true,
         })
     }
 
@@ -90,6 +94,16 @@ impl WitModel {
         &self,
         tokens: &[u32],
         logits_from: Option<i32>,
+    ) -> Result<Vec<(String, tensor::Tensor)>, String> {
+        self.compute_with(tokens, logits_from, false)
+    }
+
+    /// compute(), asking for the greedy next token alone when `next_token_only`.
+    fn compute_with(
+        &self,
+        tokens: &[u32],
+        logits_from: Option<i32>,
+        next_token_only: bool,
     ) -> Result<Vec<(String, tensor::Tensor)>, String> {
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         let mut inputs = vec![(
@@ -103,23 +117,20 @@ impl WitModel {
                 tensor::Tensor::new(&[1], tensor::TensorType::I32, &bytes),
             ));
         }
+        if next_token_only {
+            inputs.push((
+                "next_token_only".to_string(),
+                tensor::Tensor::new(&[1], tensor::TensorType::I32, &1i32.to_le_bytes()),
+            ));
+        }
         self.context
             .compute(inputs)
             .map_err(|e| nn_error("compute", e))
     }
-}
 
-fn output(outputs: &[(String, tensor::Tensor)], name: &str) -> Option<Vec<u8>> {
-    outputs
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, t)| t.data())
-}
-
-impl Forward for WitModel {
-    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
-        let outputs = self.compute(tokens, None)?;
-        self.raw = output(&outputs, "logits")
+    /// The last logits from `outputs` (named `logits`, else the first).
+    fn take_logits(&mut self, outputs: &[(String, tensor::Tensor)]) -> Result<&[f32], String> {
+        self.raw = output(outputs, "logits")
             .or_else(|| outputs.first().map(|(_, t)| t.data()))
             .ok_or("compute returned no outputs")?;
         // wasm is little-endian: an aligned buffer is the f32s already (no second copy).
@@ -133,6 +144,40 @@ impl Forward for WitModel {
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         );
         Ok(&self.logits)
+    }
+}
+
+fn output(outputs: &[(String, tensor::Tensor)], name: &str) -> Option<Vec<u8>> {
+    outputs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, t)| t.data())
+}
+
+impl Forward for WitModel {
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
+        let outputs = self.compute(tokens, None)?;
+        self.take_logits(&outputs)
+    }
+
+    fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, String> {
+        if self.next_token_only {
+            // a backend that refuses the extra input gets the plain call (the context keeps
+            // its cache either way: the same tokens again run nothing new)
+            if let Ok(outputs) = self.compute_with(tokens, None, true) {
+                if let Some(id) = output(&outputs, "next_token").and_then(|d| {
+                    d.get(..4)
+                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                }) {
+                    return Ok(id);
+                }
+                // it ignored the input: the logits came back
+                self.next_token_only = false;
+                return Ok(gpt2_guest::sampling::argmax(self.take_logits(&outputs)?) as u32);
+            }
+            self.next_token_only = false;
+        }
+        Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
     }
 
     fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {

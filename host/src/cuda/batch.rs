@@ -36,9 +36,9 @@ use std::sync::{Arc, Mutex};
 /// Most rows of one batched step (more decodes run as several).
 pub const MAX_ROWS: usize = 256;
 
-/// Longest context (positions) whose attention one block per head and row takes in a step;
-/// past it the positions are split in [`BATCH_ATT_SPLITS`] spans and combined.
-const LONE_SPAN: usize = 256;
+/// Positions one block of the batched attention takes before the step's rows are split in
+/// more spans (up to [`BATCH_ATT_SPLITS`]) and combined.
+const SPAN: usize = 64;
 
 /// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
 /// of 8 to 64, then of 32.
@@ -333,12 +333,8 @@ impl CudaBatch {
             layer_floats = session.layer_floats();
             longest = longest.max(session.len() + 1);
         }
-        // rows all short: one block per head and row, no combine pass
-        let splits = if longest <= LONE_SPAN {
-            1
-        } else {
-            BATCH_ATT_SPLITS
-        };
+        // a span of at most SPAN positions per block (short rows: one, and no combine pass)
+        let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
         let key = (padded, splits);
         let stream = b.stream().clone();
         let t0 = std::time::Instant::now();

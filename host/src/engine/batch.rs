@@ -111,6 +111,8 @@ struct State<S> {
     /// `gather_until` to join rather than running without them.
     returning: HashSet<u64>,
     gather_until: Option<Instant>,
+    /// A thread is timing the wait for them (the others queued just park).
+    gatherer: bool,
 }
 
 /// Steps shared by the contexts of one model (see the module docs).
@@ -179,6 +181,7 @@ impl<M: BatchModel> Batcher<M> {
                 queue: VecDeque::new(),
                 returning: HashSet::new(),
                 gather_until: None,
+                gatherer: false,
             }),
             stats: BatchStats::default(),
             next_id: AtomicU64::new(0),
@@ -232,40 +235,47 @@ impl<M: BatchModel> Batcher<M> {
             outcome: Mutex::new(None),
             thread: std::thread::current(),
         });
-        {
-            let mut state = self.lock();
-            state.returning.remove(&ticket);
-            state.queue.push_back(Request {
-                ticket,
-                slot: slot.clone(),
-                seq,
-                tokens,
-                done: 0,
-                all_positions,
-            });
-        }
+        let mut state = self.lock();
+        state.returning.remove(&ticket);
+        state.queue.push_back(Request {
+            ticket,
+            slot: slot.clone(),
+            seq,
+            tokens,
+            done: 0,
+            all_positions,
+        });
         loop {
             if let Some(outcome) = slot.take() {
                 return outcome;
             }
-            let mut state = self.lock();
             if state.running || state.queue.is_empty() {
                 // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
                 std::thread::park();
+                state = self.lock();
                 continue;
             }
             let now = Instant::now();
-            if let Some(until) = state.gather_until {
-                if now < until && !state.returning.is_empty() {
-                    // the previous step's other contexts are on their way back; the last of
-                    // them leads the step itself
+            let gather = state
+                .gather_until
+                .filter(|&until| now < until && !state.returning.is_empty());
+            if let Some(until) = gather {
+                // the previous step's other contexts are on their way back: the last of them
+                // leads the step; one thread keeps the time in case they don't all come
+                if state.gatherer {
+                    drop(state);
+                    std::thread::park();
+                } else {
+                    state.gatherer = true;
                     drop(state);
                     std::thread::park_timeout(until - now);
                     let waited = now.elapsed().as_nanos() as u64;
                     self.stats.gather_ns.fetch_add(waited, Ordering::Relaxed);
-                    continue;
+                    self.lock().gatherer = false;
                 }
+                state = self.lock();
+                continue;
             }
             state.running = true;
             state.returning.clear();
@@ -278,7 +288,7 @@ impl<M: BatchModel> Batcher<M> {
                 .step_ns
                 .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
             let mut wake = Vec::with_capacity(batch.len() + 1);
-            let mut state = self.lock();
+            state = self.lock();
             state.gather_until = Some(Instant::now() + took.min(MAX_GATHER));
             // unfinished prompts go back to the front, in their order
             for Scheduled {
@@ -311,6 +321,7 @@ impl<M: BatchModel> Batcher<M> {
             for slot in wake {
                 slot.thread.unpark();
             }
+            state = self.lock();
         }
     }
 
