@@ -153,6 +153,7 @@ fn main() -> Result<()> {
         Command::Serve(args) => {
             let builder = HostBuilder::new(args.device)
                 .dtype(args.dtype)
+                .warm_contexts(args.warm_contexts)
                 .instance_pool(Some(args.instance_pool()));
             let builder = with_graphs(builder, &args.graph_specs()?)?;
             wasi_nn_host::serve::run(builder.build()?, &args)?;

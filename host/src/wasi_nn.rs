@@ -143,6 +143,12 @@ impl Gpt2Backend {
         self
     }
 
+    /// Contexts made ready per GPU graph when it loads.
+    pub fn with_warm_contexts(mut self, n: usize) -> Self {
+        self.options.warm_contexts = n;
+        self
+    }
+
     /// Cap the KV caches of all contexts of one graph together (`None`: the device's
     /// default).
     pub fn with_kv_pool_bytes(mut self, bytes: Option<usize>) -> Self {

@@ -222,6 +222,16 @@ impl CudaBatch {
         }
     }
 
+    /// Make `n` idle sessions ready (allocated, set up) for the first contexts.
+    pub(crate) fn warm(&self, n: usize) -> Result<(), EngineError> {
+        let made = (0..n)
+            .map(|_| CudaSession::new(self.exec.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut idle = self.idle.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        idle.extend(made);
+        Ok(())
+    }
+
     /// The pool the contexts' KV caches are reserved from.
     pub fn kv_pool(&self) -> &Arc<KvPool> {
         &self.idle.pool
@@ -390,6 +400,7 @@ impl BatchModel for CudaBatch {
     type Seq = CudaSeq;
 
     fn new_seq(&self) -> Result<CudaSeq, EngineError> {
+        let started = std::time::Instant::now();
         self.idle.pool.reserve(self.idle.session_bytes)?;
         let reused = self
             .idle
@@ -400,7 +411,10 @@ impl BatchModel for CudaBatch {
         let session = match reused {
             Some(session) => session,
             None => match CudaSession::new(self.exec.clone()) {
-                Ok(session) => session,
+                Ok(session) => {
+                    tracing::debug!("new GPU session in {:?}", started.elapsed());
+                    session
+                }
                 Err(e) => {
                     self.idle.pool.release(self.idle.session_bytes);
                     return Err(e.into());
@@ -418,6 +432,7 @@ impl BatchModel for CudaBatch {
         // Prompts (and chunks) start on their own streams at once; decodes are gathered.
         let mut own = Vec::new();
         let mut decodes = Vec::new();
+        let alone = items.len() == 1;
         for (i, item) in items.iter_mut().enumerate() {
             let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
             if let Err(e) = admitted {
@@ -427,10 +442,10 @@ impl BatchModel for CudaBatch {
             } else {
                 own.push(i);
                 let (tokens, all, continued) = (item.tokens, item.all_positions, !item.first_chunk);
-                let ran = item
-                    .seq
-                    .session_mut()
-                    .and_then(|s| s.extend_chunk(tokens, all, continued));
+                let ran = item.seq.session_mut().and_then(|s| {
+                    s.allow_capture(alone);
+                    s.extend_chunk(tokens, all, continued)
+                });
                 item.error = ran.err();
             }
         }

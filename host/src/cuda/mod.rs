@@ -89,7 +89,9 @@ impl CudaExecutor {
         // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
         let session_bytes = 2 * config.n_layer * config.n_ctx * config.n_embd * 4
             + config.n_ctx * 16 * config.n_embd * 4;
-        let max_idle = ((8usize << 30) / session_bytes.max(1)).clamp(1, 64);
+        let max_idle = ((8usize << 30) / session_bytes.max(1))
+            .clamp(1, 64)
+            .max(options.warm_contexts);
         let pool_bytes = match options.kv_pool_bytes {
             Some(bytes) => bytes,
             None => error::DriverContext::ctx(gpu.ctx.mem_get_info(), "memory info")?.0 / 4 * 3,
@@ -103,6 +105,7 @@ impl CudaExecutor {
             max_kv_bytes,
         });
         let model = batch::CudaBatch::new(inner.clone(), KvPool::new(pool_bytes), max_idle);
+        model.warm(options.warm_contexts)?;
         Ok(Self {
             inner,
             batcher: Batcher::new(model, Self::MAX_STEP_TOKENS),

@@ -72,6 +72,9 @@ pub struct CudaSession {
     all_offset: usize,
     /// The argmax of the last logits when a batched step brought it back already.
     cached_argmax: Option<u32>,
+    /// Whether a repeated prompt shape may be captured now (not while other contexts share
+    /// the step: a capture holds them up).
+    may_capture: bool,
     max_chunks: usize,
     graph: Option<CudaGraph>,
     graph_failed: bool,
@@ -144,6 +147,7 @@ impl CudaSession {
             all_rows: 0,
             all_offset: 0,
             cached_argmax: None,
+            may_capture: true,
             max_chunks,
             capacity,
             len: 0,
@@ -362,7 +366,9 @@ impl CudaSession {
         // a later chunk's all-position logits go after the earlier chunks': not captured
         if self.prefill_graphable() && self.all_offset == 0 {
             let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
-            let graphed = cached.is_some() || self.prefill_seen.contains(&key);
+            // a capture stalls everything else on the GPU's set-up lock: only when alone
+            let graphed =
+                cached.is_some() || (self.may_capture && self.prefill_seen.contains(&key));
             // a captured prefill reads its first position from ids[0]
             self.upload_ids(graphed.then_some(start), &ids)?;
             if let Some(i) = cached {
@@ -808,6 +814,11 @@ impl CudaSession {
         self.all_rows = if all_positions { self.all_offset + tokens.len() } else { 0 };
         self.len += tokens.len();
         Ok(())
+    }
+
+    /// Allow or hold off capturing repeated prompt shapes (already captured ones replay).
+    pub(crate) fn allow_capture(&mut self, allowed: bool) {
+        self.may_capture = allowed;
     }
 
     /// The device addresses a batched step's row takes: (layer-0 keys, layer-0 values, the

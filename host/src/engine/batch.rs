@@ -69,19 +69,50 @@ pub struct StepItem<'a, S> {
 
 /// Where a request's outcome goes, and the thread waiting for it.
 struct Slot<S> {
-    outcome: Mutex<Option<(S, Result<(), EngineError>)>>,
+    outcome: Mutex<Option<Outcome<S>>>,
     thread: Thread,
 }
 
+/// A request's result, and the threads of its step still to wake.
+type Outcome<S> = (S, Result<(), EngineError>, Arc<WakeList>);
+
 impl<S> Slot<S> {
+    /// The outcome, once a step put it there; the waking of the step's other threads is
+    /// helped along on the way.
     fn take(&self) -> Option<(S, Result<(), EngineError>)> {
-        self.outcome
+        let (seq, result, wake) = self
+            .outcome
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .take()
+            .take()?;
+        wake.help(WAKE_FAN_OUT);
+        Some((seq, result))
     }
-    fn put(&self, outcome: (S, Result<(), EngineError>)) {
+    fn put(&self, outcome: Outcome<S>) {
         *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+    }
+}
+
+/// Threads each woken thread wakes in turn: the step's threads wake as a tree, not one
+/// after another from the leader.
+const WAKE_FAN_OUT: usize = 2;
+
+/// The threads a step wakes; whoever holds the list wakes the next ones.
+struct WakeList {
+    threads: Vec<Thread>,
+    next: AtomicUsize,
+}
+
+impl WakeList {
+    /// Wake up to `n` more threads (all that are left for `usize::MAX`).
+    fn help(&self, n: usize) {
+        for _ in 0..n {
+            let i = self.next.fetch_add(1, Ordering::AcqRel);
+            match self.threads.get(i) {
+                Some(thread) => thread.unpark(),
+                None => return,
+            }
+        }
     }
 }
 
@@ -253,6 +284,9 @@ impl<M: BatchModel> Batcher<M> {
                 // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
                 std::thread::park();
+                if let Some(outcome) = slot.take() {
+                    return outcome;
+                }
                 state = self.lock();
                 continue;
             }
@@ -266,6 +300,9 @@ impl<M: BatchModel> Batcher<M> {
                 if state.gatherer {
                     drop(state);
                     std::thread::park();
+                    if let Some(outcome) = slot.take() {
+                        return outcome;
+                    }
                 } else {
                     state.gatherer = true;
                     drop(state);
@@ -287,7 +324,8 @@ impl<M: BatchModel> Batcher<M> {
             self.stats
                 .step_ns
                 .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-            let mut wake = Vec::with_capacity(batch.len() + 1);
+            let mut done = Vec::with_capacity(batch.len());
+            let mut threads = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
             state.gather_until = Some(Instant::now() + took.min(MAX_GATHER));
             // unfinished prompts go back to the front, in their order
@@ -299,15 +337,15 @@ impl<M: BatchModel> Batcher<M> {
             {
                 let mut r = request;
                 if let Some(e) = error {
-                    r.slot.put((r.seq, Err(e)));
-                    wake.push(r.slot);
+                    threads.push(r.slot.thread.clone());
+                    done.push((r.slot, r.seq, Err(e)));
                     continue;
                 }
                 r.done += take;
                 if r.done >= r.tokens.len() {
                     state.returning.insert(r.ticket);
-                    r.slot.put((r.seq, Ok(())));
-                    wake.push(r.slot);
+                    threads.push(r.slot.thread.clone());
+                    done.push((r.slot, r.seq, Ok(())));
                 } else {
                     state.queue.push_front(r);
                 }
@@ -315,12 +353,18 @@ impl<M: BatchModel> Batcher<M> {
             state.running = false;
             // the first request still queued leads the next step
             if let Some(front) = state.queue.front() {
-                wake.push(front.slot.clone());
+                threads.push(front.slot.thread.clone());
+            }
+            let wake = Arc::new(WakeList {
+                threads,
+                next: AtomicUsize::new(0),
+            });
+            for (slot, seq, result) in done {
+                slot.put((seq, result, wake.clone()));
             }
             drop(state);
-            for slot in wake {
-                slot.thread.unpark();
-            }
+            // the woken threads wake the rest with us
+            wake.help(usize::MAX);
             state = self.lock();
         }
     }

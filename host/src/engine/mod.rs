@@ -46,6 +46,10 @@ pub struct EngineOptions {
     /// default (CPU: [`Self::DEFAULT_KV_POOL_BYTES`]; GPU: three quarters of the device
     /// memory free once the weights are loaded).
     pub kv_pool_bytes: Option<usize>,
+    /// Contexts made ready when the model loads (GPU: their KV caches and buffers allocated
+    /// up front, as a server preallocates its KV memory), so the first requests of a burst
+    /// don't pay for them.
+    pub warm_contexts: usize,
 }
 
 impl EngineOptions {
@@ -61,6 +65,7 @@ impl Default for EngineOptions {
             dtype: GpuDtype::F32,
             max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
             kv_pool_bytes: None,
+            warm_contexts: 0,
         }
     }
 }

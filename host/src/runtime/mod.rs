@@ -169,6 +169,7 @@ pub struct HostBuilder {
     max_load_bytes: usize,
     max_kv_bytes: usize,
     kv_pool_bytes: Option<usize>,
+    warm_contexts: usize,
     graphs: GraphSet,
     pool: Option<InstancePool>,
 }
@@ -194,6 +195,7 @@ impl HostBuilder {
             max_load_bytes: Gpt2Backend::DEFAULT_MAX_LOAD_BYTES,
             max_kv_bytes: EngineOptions::DEFAULT_MAX_KV_BYTES,
             kv_pool_bytes: None,
+            warm_contexts: 0,
             graphs: GraphSet::default(),
             pool: Some(InstancePool::default()),
         }
@@ -229,6 +231,13 @@ impl HostBuilder {
     /// on the CPU, three quarters of the free GPU memory on the GPU.
     pub fn kv_pool_bytes(mut self, bytes: usize) -> Self {
         self.kv_pool_bytes = Some(bytes);
+        self
+    }
+
+    /// Contexts made ready per GPU graph when it loads (`--warm-contexts`): their KV caches
+    /// and buffers allocated up front, so a burst of requests doesn't wait for them.
+    pub fn warm_contexts(mut self, n: usize) -> Self {
+        self.warm_contexts = n;
         self
     }
 
@@ -275,6 +284,7 @@ impl HostBuilder {
             .with_dtype(self.dtype)
             .with_max_kv_bytes(self.max_kv_bytes)
             .with_kv_pool_bytes(self.kv_pool_bytes)
+            .with_warm_contexts(self.warm_contexts)
     }
 
     pub fn build(self) -> Result<Host, HostError> {

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// about 4 GiB of address space, not memory); more get 503 until one finishes.
     #[arg(long, default_value_t = crate::runtime::InstancePool::default().max_instances)]
     pub max_instances: u32,
+    /// GPU contexts made ready per graph at start (their KV caches and buffers allocated up
+    /// front, as a server preallocates its KV memory), so a burst of requests doesn't wait
+    /// for them; up to `--max-instances` is useful.
+    #[arg(long, default_value_t = 0)]
+    pub warm_contexts: usize,
 }
 
 impl ServeArgs {
