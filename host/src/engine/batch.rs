@@ -20,7 +20,7 @@
 
 use super::{EngineError, Session};
 use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -71,10 +71,12 @@ pub struct StepItem<'a, S> {
 struct Slot<S> {
     outcome: Mutex<Option<Outcome<S>>>,
     thread: Thread,
+    /// Set with every wake-up (a result, or a turn to lead), for a thread that is spinning.
+    woken: AtomicBool,
 }
 
 /// A request's result, and the threads of its step still to wake.
-type Outcome<S> = (S, Result<(), EngineError>, Arc<WakeList>);
+type Outcome<S> = (S, Result<(), EngineError>, Arc<WakeList<S>>);
 
 impl<S> Slot<S> {
     /// The outcome, once a step put it there; the waking of the step's other threads is
@@ -91,25 +93,47 @@ impl<S> Slot<S> {
     fn put(&self, outcome: Outcome<S>) {
         *self.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
     }
+
+    fn wake(&self) {
+        self.woken.store(true, Ordering::Release);
+        self.thread.unpark();
+    }
+
+    /// Wait for a wake-up: spinning (yielding the core) for a while, as a step takes about
+    /// a millisecond and waking a sleeping core costs a good part of that, then parked.
+    fn wait(&self) {
+        let spin_until = Instant::now() + SPIN;
+        while Instant::now() < spin_until {
+            if self.woken.swap(false, Ordering::AcqRel) {
+                return;
+            }
+            std::thread::yield_now();
+        }
+        std::thread::park();
+        self.woken.store(false, Ordering::Release);
+    }
 }
+
+/// How long a waiting thread spins before it parks.
+const SPIN: Duration = Duration::from_millis(3);
 
 /// Threads each woken thread wakes in turn: the step's threads wake as a tree, not one
 /// after another from the leader.
 const WAKE_FAN_OUT: usize = 2;
 
 /// The threads a step wakes; whoever holds the list wakes the next ones.
-struct WakeList {
-    threads: Vec<Thread>,
+struct WakeList<S> {
+    slots: Vec<Arc<Slot<S>>>,
     next: AtomicUsize,
 }
 
-impl WakeList {
+impl<S> WakeList<S> {
     /// Wake up to `n` more threads (all that are left for `usize::MAX`).
     fn help(&self, n: usize) {
         for _ in 0..n {
             let i = self.next.fetch_add(1, Ordering::AcqRel);
-            match self.threads.get(i) {
-                Some(thread) => thread.unpark(),
+            match self.slots.get(i) {
+                Some(slot) => slot.wake(),
                 None => return,
             }
         }
@@ -144,6 +168,8 @@ struct State<S> {
     gather_until: Option<Instant>,
     /// A thread is timing the wait for them (the others queued just park).
     gatherer: bool,
+    /// When the last step ended.
+    last_end: Option<Instant>,
 }
 
 /// Steps shared by the contexts of one model (see the module docs).
@@ -213,6 +239,7 @@ impl<M: BatchModel> Batcher<M> {
                 returning: HashSet::new(),
                 gather_until: None,
                 gatherer: false,
+                last_end: None,
             }),
             stats: BatchStats::default(),
             next_id: AtomicU64::new(0),
@@ -248,7 +275,7 @@ impl<M: BatchModel> Batcher<M> {
         if state.returning.remove(&id) {
             // the next step may not need to wait any longer
             if let Some(front) = state.queue.front() {
-                front.slot.thread.unpark();
+                front.slot.wake();
             }
         }
     }
@@ -265,6 +292,7 @@ impl<M: BatchModel> Batcher<M> {
         let slot = Arc::new(Slot {
             outcome: Mutex::new(None),
             thread: std::thread::current(),
+            woken: AtomicBool::new(false),
         });
         let mut state = self.lock();
         state.returning.remove(&ticket);
@@ -283,7 +311,7 @@ impl<M: BatchModel> Batcher<M> {
             if state.running || state.queue.is_empty() {
                 // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
-                std::thread::park();
+                slot.wait();
                 if let Some(outcome) = slot.take() {
                     return outcome;
                 }
@@ -299,7 +327,7 @@ impl<M: BatchModel> Batcher<M> {
                 // leads the step; one thread keeps the time in case they don't all come
                 if state.gatherer {
                     drop(state);
-                    std::thread::park();
+                    slot.wait();
                     if let Some(outcome) = slot.take() {
                         return outcome;
                     }
@@ -317,17 +345,25 @@ impl<M: BatchModel> Batcher<M> {
             state.running = true;
             state.returning.clear();
             let mut batch = self.take_batch(&mut state);
+            let since_last = state.last_end.map(|end| end.elapsed());
             drop(state);
             let started = Instant::now();
             self.run_step(&mut batch);
             let took = started.elapsed();
+            tracing::trace!(
+                items = batch.len(),
+                step_us = took.as_micros() as u64,
+                between_us = since_last.map_or(0, |d| d.as_micros() as u64),
+                "step"
+            );
             self.stats
                 .step_ns
                 .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
             let mut done = Vec::with_capacity(batch.len());
-            let mut threads = Vec::with_capacity(batch.len() + 1);
+            let mut slots = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
             state.gather_until = Some(Instant::now() + took.min(MAX_GATHER));
+            state.last_end = Some(Instant::now());
             // unfinished prompts go back to the front, in their order
             for Scheduled {
                 request,
@@ -337,14 +373,14 @@ impl<M: BatchModel> Batcher<M> {
             {
                 let mut r = request;
                 if let Some(e) = error {
-                    threads.push(r.slot.thread.clone());
+                    slots.push(r.slot.clone());
                     done.push((r.slot, r.seq, Err(e)));
                     continue;
                 }
                 r.done += take;
                 if r.done >= r.tokens.len() {
                     state.returning.insert(r.ticket);
-                    threads.push(r.slot.thread.clone());
+                    slots.push(r.slot.clone());
                     done.push((r.slot, r.seq, Ok(())));
                 } else {
                     state.queue.push_front(r);
@@ -353,10 +389,10 @@ impl<M: BatchModel> Batcher<M> {
             state.running = false;
             // the first request still queued leads the next step
             if let Some(front) = state.queue.front() {
-                threads.push(front.slot.thread.clone());
+                slots.push(front.slot.clone());
             }
             let wake = Arc::new(WakeList {
-                threads,
+                slots,
                 next: AtomicUsize::new(0),
             });
             for (slot, seq, result) in done {
