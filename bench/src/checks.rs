@@ -12,6 +12,36 @@ use wasi_nn_host::engine::{argmax, Device, EngineError, EngineOptions, Executor,
 use wasi_nn_host::executor_for;
 use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
 
+/// The CUDA executor the checks and benchmarks use: weights as `dtype`, no cap on a
+/// context's KV cache (the whole context).
+pub fn gpu_executor(
+    weights: &Gpt2Weights,
+    dtype: GpuDtype,
+) -> Result<wasi_nn_host::cuda::CudaExecutor, EngineError> {
+    let options = EngineOptions {
+        dtype,
+        max_kv_bytes: usize::MAX,
+        ..Default::default()
+    };
+    wasi_nn_host::cuda::CudaExecutor::new(weights, &options)
+}
+
+/// A random model of the shape `(n_layer, n_head, n_embd, n_ctx, vocab_size)`, and its name.
+fn random_model(
+    (n_layer, n_head, n_embd, n_ctx, vocab_size): (usize, usize, usize, usize, usize),
+    seed: u64,
+) -> (String, Gpt2Weights) {
+    let config = Gpt2Config {
+        n_layer,
+        n_head,
+        n_embd,
+        n_ctx,
+        vocab_size,
+    };
+    let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
+    (name, random_weights(config, seed))
+}
+
 /// What one comparison saw.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct CheckReport {
@@ -194,16 +224,9 @@ pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, EngineError> {
         (2, 2, 128, 96, 50257),
     ];
     let mut reports = Vec::new();
-    for (i, &(n_layer, n_head, n_embd, n_ctx, vocab_size)) in configs.iter().enumerate() {
-        let config = Gpt2Config {
-            n_layer,
-            n_head,
-            n_embd,
-            n_ctx,
-            vocab_size,
-        };
-        let weights = random_weights(config, seed + i as u64);
-        let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
+    for (i, &shape) in configs.iter().enumerate() {
+        let (name, weights) = random_model(shape, seed + i as u64);
+        let (n_ctx, vocab_size) = (shape.3, shape.4);
         // prompt fills most of the context, then decode to the very end
         let p = prompt(n_ctx - 20, vocab_size, i as u32);
         reports.push(compare(
@@ -264,7 +287,6 @@ pub fn compare_batched(
     steps: usize,
     tolerance: f32,
 ) -> Result<BatchCheckReport, EngineError> {
-    use wasi_nn_host::cuda::CudaExecutor;
     let cfg = weights.config;
     let prompts: Vec<Vec<u32>> = (0..streams)
         .map(|i| {
@@ -278,12 +300,7 @@ pub fn compare_batched(
         GpuDtype::Bf16 => weights.bf16_rounded(),
     };
     let cpu = CpuExecutor::reference(Arc::new(reference));
-    let options = EngineOptions {
-        dtype,
-        max_kv_bytes: usize::MAX,
-        ..Default::default()
-    };
-    let gpu = CudaExecutor::new(&weights, &options)?;
+    let gpu = gpu_executor(&weights, dtype)?;
     type Run = (Vec<u32>, Vec<Vec<f32>>, usize, bool);
     // one context: its prompt, then greedy steps (with `barrier`, in step with the others)
     let run = |i: usize, barrier: Option<&std::sync::Barrier>| -> Result<Run, EngineError> {
@@ -372,15 +389,8 @@ pub fn batched_sweep(seed: u64) -> Result<Vec<BatchCheckReport>, EngineError> {
     let configs = [(2, 3, 96, 130, 1000, 5), (1, 4, 256, 300, 2111, 11)];
     let mut reports = Vec::new();
     for (i, &(n_layer, n_head, n_embd, n_ctx, vocab_size, streams)) in configs.iter().enumerate() {
-        let config = Gpt2Config {
-            n_layer,
-            n_head,
-            n_embd,
-            n_ctx,
-            vocab_size,
-        };
-        let weights = random_weights(config, seed + 100 + i as u64);
-        let name = format!("random L{n_layer} H{n_head} C{n_embd} T{n_ctx} V{vocab_size}");
+        let shape = (n_layer, n_head, n_embd, n_ctx, vocab_size);
+        let (name, weights) = random_model(shape, seed + 100 + i as u64);
         reports.push(compare_batched(
             &name,
             weights.clone(),

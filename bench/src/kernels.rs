@@ -325,14 +325,7 @@ pub fn run(seed: u64) -> Result<Vec<KernelReport>, EngineError> {
                 GpuDtype::F32 => weights.clone(),
                 GpuDtype::Bf16 => weights.bf16_rounded(),
             };
-            let exec = CudaExecutor::new(
-                &weights,
-                &wasi_nn_host::engine::EngineOptions {
-                    dtype,
-                    max_kv_bytes: usize::MAX,
-                    ..Default::default()
-                },
-            )?;
+            let exec = crate::checks::gpu_executor(&weights, dtype)?;
             let mut bench = Bench::new(&exec, config, seed ^ (i as u64 * 7919 + dtype as u64))?;
             let size = format!("C{n_embd} H{n_head} T{n_ctx} V{vocab_size}");
             let mut report = |kernel: &str, ours: &[f32], want: &[f32], tolerance: f32| {

@@ -5,7 +5,6 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::Instant;
-use wasi_nn_host::cuda::CudaExecutor;
 use wasi_nn_host::engine::Session;
 use wasi_nn_host::model;
 use wasi_nn_host::{executor_for, Device, EngineOptions, GpuDtype};
@@ -262,14 +261,7 @@ fn bench_cuda(
 ) -> Result<()> {
     let weights = model::load_spec(spec)?;
     let config = weights.config;
-    let executor = CudaExecutor::new(
-        &weights,
-        &wasi_nn_host::engine::EngineOptions {
-            dtype,
-            max_kv_bytes: usize::MAX,
-            ..Default::default()
-        },
-    )?;
+    let executor = wasi_nn_bench::checks::gpu_executor(&weights, dtype)?;
     drop(weights);
     if context + 10 * (steps + 2) > config.n_ctx {
         bail!(
