@@ -47,6 +47,15 @@ pub trait SeqState: Send + Sync + 'static {
 pub trait BatchModel: Send + Sync + 'static {
     type Seq: SeqState;
 
+    /// How long a context waiting for a step spins (yielding its core) before it parks:
+    /// worth it when the step runs elsewhere (a GPU) and waking a sleeping core costs a good
+    /// part of a step; not when the step needs every core (the CPU).
+    const SPIN: Duration = Duration::ZERO;
+
+    /// The longest a step waits for the contexts of the previous one to come back (at most
+    /// the previous step's time, and never for a lone context).
+    const MAX_GATHER: Duration = Duration::from_millis(2);
+
     /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
     fn new_seq(&self) -> Result<Self::Seq, EngineError>;
 
@@ -99,10 +108,9 @@ impl<S> Slot<S> {
         self.thread.unpark();
     }
 
-    /// Wait for a wake-up: spinning (yielding the core) for a while, as a step takes about
-    /// a millisecond and waking a sleeping core costs a good part of that, then parked.
-    fn wait(&self) {
-        let spin_until = Instant::now() + SPIN;
+    /// Wait for a wake-up: spinning (yielding the core) for `spin`, then parked.
+    fn wait(&self, spin: Duration) {
+        let spin_until = Instant::now() + spin;
         while Instant::now() < spin_until {
             if self.woken.swap(false, Ordering::AcqRel) {
                 return;
@@ -113,9 +121,6 @@ impl<S> Slot<S> {
         self.woken.store(false, Ordering::Release);
     }
 }
-
-/// How long a waiting thread spins before it parks.
-const SPIN: Duration = Duration::from_millis(3);
 
 /// Threads each woken thread wakes in turn: the step's threads wake as a tree, not one
 /// after another from the leader.
@@ -181,10 +186,6 @@ pub struct Batcher<M: BatchModel> {
     stats: BatchStats,
     next_id: AtomicU64,
 }
-
-/// The longest a step waits for the contexts of the previous one to come back (it waits at
-/// most the previous step's time, and never for a lone context).
-const MAX_GATHER: Duration = Duration::from_millis(2);
 
 /// What the batcher has done, for benchmarks and tests.
 #[derive(Default)]
@@ -311,7 +312,7 @@ impl<M: BatchModel> Batcher<M> {
             if state.running || state.queue.is_empty() {
                 // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
-                slot.wait();
+                slot.wait(M::SPIN);
                 if let Some(outcome) = slot.take() {
                     return outcome;
                 }
@@ -327,7 +328,7 @@ impl<M: BatchModel> Batcher<M> {
                 // leads the step; one thread keeps the time in case they don't all come
                 if state.gatherer {
                     drop(state);
-                    slot.wait();
+                    slot.wait(M::SPIN);
                     if let Some(outcome) = slot.take() {
                         return outcome;
                     }
@@ -362,7 +363,7 @@ impl<M: BatchModel> Batcher<M> {
             let mut done = Vec::with_capacity(batch.len());
             let mut slots = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
-            state.gather_until = Some(Instant::now() + took.min(MAX_GATHER));
+            state.gather_until = Some(Instant::now() + took.min(M::MAX_GATHER));
             state.last_end = Some(Instant::now());
             // unfinished prompts go back to the front, in their order
             for Scheduled {
