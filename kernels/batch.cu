@@ -108,8 +108,10 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 
 // The QKV product's epilogue and attention in one kernel. Block (h, s, r) takes head h of row
 // r: its query (product rows of `tmp`, `[rows or 2 * rows, 3C]`, plus the bias), and the s-th of
-// gridDim.y spans of the row's positions 0..=positions[r]; the block whose span holds the row's
-// own position first appends the row's key and value (head h) to the row's cache there. The
+// gridDim.y spans of the row's positions 0..=positions[r]; with `append`, the block whose span
+// holds the row's own position first appends the row's key and value (head h) to the row's
+// cache there (without, `batch_append_kv` did it for every row before: rows of one prompt read
+// each other's keys). The
 // span is scored in chunks of ATT_CHUNK, 4 threads a position (as
 // `attention_decode_partial`), with a running max and sum. With one span the block writes the
 // normalised output to `out` as a product input (f32, or split); with several it leaves
@@ -119,7 +121,7 @@ template <typename W>
 __device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
                                      const unsigned long long* v_caches, long long layer_off, int c, int hd,
-                                     int rows, int split_out) {
+                                     int rows, int split_out, int append) {
     __shared__ float qs[MAX_HD];
     __shared__ float p[ATT_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
@@ -145,7 +147,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         int col = h * hd + d;
         qs[d] = product_value(tmp, rows, r, col, n3, split_in) + load1(bias + col);
-        if (end == len) {
+        if (append && end == len) {
             kc[(size_t)(len - 1) * c + d] = product_value(tmp, rows, r, c + col, n3, split_in) + load1(bias + c + col);
             vc[(size_t)(len - 1) * c + d] =
                 product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col);
@@ -200,12 +202,45 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                   \
         name(void* out, float* partial, const float* tmp, const W* bias, int split_in, const int* positions,     \
              const unsigned long long* k_caches, const unsigned long long* v_caches, long long layer_off, int c, \
-             int hd, int rows, int split_out) {                                                                  \
+             int hd, int rows, int split_out, int append) {                                                      \
         batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, \
-                             rows, split_out);                                                                   \
+                             rows, split_out, append);                                                           \
     }
 BATCH_ATTENTION(batch_attention_f32, float)
 BATCH_ATTENTION(batch_attention_bf16, bf16_t)
+
+// The keys and values of every row (the QKV product's rows of `tmp` plus the bias) into the rows'
+// caches at their positions, before `batch_attention` (without append) reads them: a step that
+// carries a prompt's rows has rows of one context that read each other's keys. Grid (column
+// blocks, rows); a padding row writes nothing.
+template <typename W>
+__device__ void batch_append_kv_impl(const float* tmp, const W* bias, int split_in, const int* positions,
+                                     const unsigned long long* k_caches, const unsigned long long* v_caches,
+                                     long long layer_off, int c, int rows) {
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = blockIdx.y, pos = positions[r];
+    if (pos < 0) return;
+    float* kc = reinterpret_cast<float*>(k_caches[r]) + layer_off + (size_t)pos * c;
+    float* vc = reinterpret_cast<float*>(v_caches[r]) + layer_off + (size_t)pos * c;
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < 2 * c; col += gridDim.x * blockDim.x) {
+        float v = product_value(tmp, rows, r, c + col, 3 * c, split_in) + load1(bias + c + col);
+        if (col < c) kc[col] = v;
+        else vc[col - c] = v;
+    }
+}
+extern "C" __global__ void batch_append_kv_f32(const float* tmp, const float* bias, int split_in,
+                                               const int* positions, const unsigned long long* k_caches,
+                                               const unsigned long long* v_caches, long long layer_off, int c,
+                                               int rows) {
+    batch_append_kv_impl(tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows);
+}
+extern "C" __global__ void batch_append_kv_bf16(const float* tmp, const bf16_t* bias, int split_in,
+                                                const int* positions, const unsigned long long* k_caches,
+                                                const unsigned long long* v_caches, long long layer_off, int c,
+                                                int rows) {
+    batch_append_kv_impl(tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows);
+}
 
 // Block (h, r): the row's spans rescaled by exp(max_span - max) and normalised, into `out` as
 // a product input (f32, or split); zeros for a padding row.
@@ -243,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(256)
     pdl_launch_dependents();
     pdl_wait();
     int r = blockIdx.y;
-    if (positions[r] < 0) return;
+    if (positions[r] < 0 || dst[r] == 0ull) return;  // padding, or a prompt row before its last
     float* o = reinterpret_cast<float*>(dst[r]);
     unsigned long long best = 0ull;
     for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < v; col += gridDim.x * blockDim.x) {

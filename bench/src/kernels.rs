@@ -961,6 +961,7 @@ fn check_batch_attention(
             partial: partial.ptr(),
             layer: 0,
             splits,
+            append: true,
         };
         b.l.batch_attention(&table, attention)?;
         let got = if split {

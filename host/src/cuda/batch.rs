@@ -36,6 +36,11 @@ use std::sync::{Arc, Mutex};
 /// Most rows of one batched step (more decodes run as several).
 pub const MAX_ROWS: usize = 256;
 
+/// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
+/// token; longer ones run on their session's own stream (the prefill path's tensor-core
+/// attention).
+const BATCHED_PROMPT: usize = 64;
+
 /// Positions one block of the batched attention takes before the step's rows are split in
 /// more spans (up to [`BATCH_ATT_SPLITS`]) and combined.
 const SPAN: usize = 64;
@@ -140,8 +145,8 @@ struct StepBuffers {
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
     keys: DevBuf<u64>,
-    /// Captured steps by (bucket, attention spans).
-    graphs: HashMap<(usize, usize), CudaGraph>,
+    /// Captured steps by (bucket, attention spans, whether prompt rows are in it).
+    graphs: HashMap<(usize, usize, bool), CudaGraph>,
     graphs_failed: bool,
 }
 
@@ -238,7 +243,13 @@ impl CudaBatch {
     }
 
     /// The kernels of one batched step over the table's rows.
-    fn step_kernels(&self, b: &StepBuffers, t: &RowTable, splits: usize) -> Result<(), CudaError> {
+    fn step_kernels(
+        &self,
+        b: &StepBuffers,
+        t: &RowTable,
+        splits: usize,
+        prompts: bool,
+    ) -> Result<(), CudaError> {
         let (cfg, w) = (self.exec.config, &self.exec.weights);
         let (c, v, n) = (cfg.n_embd, cfg.vocab_size, t.rows);
         let l = &b.launcher;
@@ -284,6 +295,10 @@ impl CudaBatch {
         )?;
         for (i, lw) in w.layers.iter().enumerate() {
             product(lw.qkv_w.ptr(), 3 * c, c)?;
+            if prompts {
+                // rows of one prompt read each other's keys: all appended first
+                l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), split, i)?;
+            }
             let attention = BatchAttention {
                 out: act,
                 tmp,
@@ -292,6 +307,7 @@ impl CudaBatch {
                 partial: b.partial.ptr(),
                 layer: i,
                 splits,
+                append: !prompts,
             };
             l.batch_attention(t, attention)?;
             product(lw.proj_w.ptr(), c, c)?;
@@ -316,11 +332,13 @@ impl CudaBatch {
         l.batch_logits(t, head, ld, split)
     }
 
-    /// One decode token for each of `rows` (at most [`MAX_ROWS`], each admitted) as one
-    /// batched step; on success each session has its new position, logits and argmax.
-    fn decode_rows(&self, rows: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
-        let n = rows.len();
+    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
+    /// batched step, one row per token at its position; on success each session has its new
+    /// positions, its last row's logits and their argmax.
+    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
+        let n: usize = items.iter().map(|item| item.tokens.len()).sum();
         let padded = bucket(n);
+        let prompts = items.iter().any(|item| item.tokens.len() > 1);
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             *guard = Some(StepBuffers::new(&self.exec)?);
@@ -331,21 +349,29 @@ impl CudaBatch {
         let mut ints = vec![0i32; 2 * MAX_ROWS];
         let mut addrs = vec![0u64; 3 * MAX_ROWS];
         ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
-        let (mut layer_floats, mut longest) = (0, 0);
-        for (r, item) in rows.iter().enumerate() {
+        let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
+        let mut last_rows = Vec::with_capacity(items.len());
+        for item in items.iter() {
             let session = item.seq.session()?;
-            ints[r] = item.tokens[0] as i32;
-            ints[MAX_ROWS + r] = session.len() as i32;
             let (k, v, logits) = session.row_addresses();
-            addrs[r] = k;
-            addrs[MAX_ROWS + r] = v;
-            addrs[2 * MAX_ROWS + r] = logits;
+            for (i, &token) in item.tokens.iter().enumerate() {
+                ints[r] = token as i32;
+                ints[MAX_ROWS + r] = (session.len() + i) as i32;
+                addrs[r] = k;
+                addrs[MAX_ROWS + r] = v;
+                // logits for the item's last row only
+                if i + 1 == item.tokens.len() {
+                    addrs[2 * MAX_ROWS + r] = logits;
+                    last_rows.push(r);
+                }
+                r += 1;
+            }
             layer_floats = session.layer_floats();
-            longest = longest.max(session.len() + 1);
+            longest = longest.max(session.len() + item.tokens.len());
         }
         // a span of at most SPAN positions per block (short rows: one, and no combine pass)
         let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
-        let key = (padded, splits);
+        let key = (padded, splits, prompts);
         let stream = b.stream().clone();
         let t0 = std::time::Instant::now();
         b.ints.write(&stream, 0, &ints)?;
@@ -353,11 +379,8 @@ impl CudaBatch {
         let table = b.table(padded, layer_floats);
         let use_graphs = self.exec.gpu.tuning().graphs && !b.graphs_failed;
         if use_graphs && !b.graphs.contains_key(&key) {
-            match self
-                .exec
-                .gpu
-                .capture(&stream, || self.step_kernels(b, &table, splits))
-            {
+            let launches = || self.step_kernels(b, &table, splits, prompts);
+            match self.exec.gpu.capture(&stream, launches) {
                 Ok(Some(graph)) => {
                     b.graphs.insert(key, graph);
                 }
@@ -375,7 +398,7 @@ impl CudaBatch {
                 true
             }
             None => {
-                self.step_kernels(b, &table, splits)?;
+                self.step_kernels(b, &table, splits, prompts)?;
                 false
             }
         };
@@ -387,10 +410,14 @@ impl CudaBatch {
             upload_us = (t1 - t0).as_micros() as u64,
             launch_us = (t2 - t1).as_micros() as u64,
             wait_us = t2.elapsed().as_micros() as u64,
-            "batched decode"
+            "batched rows"
         );
-        for (item, key) in rows.iter_mut().zip(keys) {
-            item.seq.session_mut()?.decoded_in_batch(argmax_row(key));
+        for (item, row) in items.iter_mut().zip(last_rows) {
+            let key = keys.get(row).copied().unwrap_or(0);
+            let added = item.tokens.len();
+            item.seq
+                .session_mut()?
+                .advanced_in_batch(added, argmax_row(key));
         }
         Ok(())
     }
@@ -432,16 +459,19 @@ impl BatchModel for CudaBatch {
 
     fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
         let started = std::time::Instant::now();
-        // Prompts (and chunks) start on their own streams at once; decodes are gathered.
+        // Long prompts (and prompts asking for every position's logits) start on their own
+        // streams at once; decodes and short prompts go through the batched step, one row a
+        // token (a short prompt always does, alone or not, so its logits don't depend on its
+        // company); a lone decode keeps its session's captured decode step.
         let mut own = Vec::new();
-        let mut decodes = Vec::new();
+        let mut batched = Vec::new();
         let alone = items.len() == 1;
         for (i, item) in items.iter_mut().enumerate() {
             let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
             if let Err(e) = admitted {
                 item.error = Some(e);
-            } else if item.tokens.len() == 1 && !item.all_positions {
-                decodes.push(i);
+            } else if item.tokens.len() <= BATCHED_PROMPT && !item.all_positions {
+                batched.push(i);
             } else {
                 own.push(i);
                 let (tokens, all, continued) = (item.tokens, item.all_positions, !item.first_chunk);
@@ -452,37 +482,50 @@ impl BatchModel for CudaBatch {
                 item.error = ran.err();
             }
         }
-        if decodes.len() == 1 {
-            // a lone stream keeps its own captured decode step
-            let item = &mut items[decodes[0]];
-            let token = item.tokens;
-            item.error = item
-                .seq
-                .session_mut()
-                .and_then(|s| s.extend_chunk(token, false, false))
-                .err();
-            own.push(decodes[0]);
-        } else if !decodes.is_empty() {
-            let launched = started.elapsed();
+        let launched = started.elapsed();
+        if let [i] = batched[..] {
+            if items[i].tokens.len() == 1 {
+                // a lone decode keeps its own captured decode step
+                let item = &mut items[i];
+                let token = item.tokens;
+                item.error = item
+                    .seq
+                    .session_mut()
+                    .and_then(|s| s.extend_chunk(token, false, false))
+                    .err();
+                own.push(i);
+                batched.clear();
+            }
+        }
+        if !batched.is_empty() {
             let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
                 .iter_mut()
                 .enumerate()
-                .filter(|(i, _)| decodes.binary_search(i).is_ok())
+                .filter(|(i, _)| batched.binary_search(i).is_ok())
                 .map(|(_, item)| item)
                 .collect();
-            for chunk in rows.chunks_mut(MAX_ROWS) {
-                if let Err(e) = self.decode_rows(chunk) {
+            // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
+            let mut start = 0;
+            while start < rows.len() {
+                let (mut end, mut count) = (start, 0);
+                while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
+                    count += rows[end].tokens.len();
+                    end += 1;
+                }
+                let group = &mut rows[start..end];
+                if let Err(e) = self.run_rows(group) {
                     let message = e.to_string();
-                    for item in chunk.iter_mut() {
+                    for item in group.iter_mut() {
                         item.error = Some(EngineError::device(format!("batched step: {message}")));
                     }
                 }
+                start = end;
             }
             tracing::debug!(
-                rows = decodes.len(),
+                items = batched.len(),
                 own = own.len(),
                 own_launch_us = launched.as_micros() as u64,
-                decode_us = (started.elapsed() - launched).as_micros() as u64,
+                batched_us = (started.elapsed() - launched).as_micros() as u64,
                 "batched step"
             );
         }

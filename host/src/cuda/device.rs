@@ -249,6 +249,7 @@ impl Gpu {
             batch_residual_norm: f(&format!("batch_residual_norm_{suffix}"))?,
             batch_epilogue: f(&format!("batch_epilogue_{suffix}"))?,
             batch_attention: f(&format!("batch_attention_{suffix}"))?,
+            batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
             batch_att_combine: f("batch_attention_combine")?,
             batch_logits: f("batch_logits")?,
         })

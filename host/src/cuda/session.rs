@@ -832,9 +832,10 @@ impl CudaSession {
         self.capacity * self.exec.config.n_embd
     }
 
-    /// A batched step appended one position and left the logits (and their argmax).
-    pub(crate) fn decoded_in_batch(&mut self, argmax: u32) {
-        self.len += 1;
+    /// A batched step appended `added` positions and left the last one's logits (and their
+    /// argmax).
+    pub(crate) fn advanced_in_batch(&mut self, added: usize, argmax: u32) {
+        self.len += added;
         self.all_rows = 0;
         self.cached_argmax = Some(argmax);
     }

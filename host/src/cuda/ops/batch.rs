@@ -103,6 +103,8 @@ pub struct BatchAttention {
     pub partial: DevPtr<f32>,
     pub layer: usize,
     pub splits: usize,
+    /// Each row appends its own key and value first (else [`Launcher::batch_append_kv`] did).
+    pub append: bool,
 }
 
 impl Launcher {
@@ -185,13 +187,14 @@ impl Launcher {
         let layer_off = (a.layer * t.layer_floats) as i64;
         let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
         let (split_in, split_out) = (i32::from(a.split), i32::from(a.out.is_bf16()));
+        let append = i32::from(a.append);
         let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
         let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
         // SAFETY: each row reads and appends to its own cache of `layer` at positions
         // 0..=position < capacity (checked by the step; padding rows touch none); tmp, bias,
         // out and partial are covered (checked above).
         let mut args = kernel_args![
-            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out
+            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out, &append
         ];
         unsafe { self.launch(&self.kernels.batch_attention, grid, 1, &mut args, "batched attention") }?;
         if a.splits == 1 {
@@ -206,6 +209,36 @@ impl Launcher {
         // SAFETY: as above; out holds the rows' C values (or split rows).
         let mut args = kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out];
         unsafe { self.launch(&self.kernels.batch_att_combine, grid, 1, &mut args, "batched attention") }
+    }
+
+    /// The keys and values of every row (the QKV product's rows and bias) into the rows'
+    /// caches of `layer` at their positions.
+    pub fn batch_append_kv(
+        &self,
+        t: &RowTable,
+        tmp: DevPtr<f32>,
+        bias: DevPtr<Stored>,
+        split: bool,
+        layer: usize,
+    ) -> Result<(), CudaError> {
+        let c = self.config.n_embd;
+        t.check("batched key and value append")?;
+        let tmp_rows = if split { 2 * t.rows } else { t.rows };
+        ensure(
+            tmp.len() >= tmp_rows * 3 * c && layer < self.config.n_layer,
+            "batched key and value append",
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: ((2 * c).div_ceil(256) as u32, t.rows as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (split, layer_off, c32, rows) = (i32::from(split), (layer * t.layer_floats) as i64, c as i32, t.rows as i32);
+        let (tmp, bias, pos, kc, vc) = (tmp.addr(), bias.addr(), t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
+        // SAFETY: each row writes its own cache of `layer` at its position < capacity (checked
+        // by the step; padding rows write nothing); tmp holds the product's rows of 3C.
+        let mut args = kernel_args![&tmp, &bias, &split, &pos, &kc, &vc, &layer_off, &c32, &rows];
+        unsafe { self.launch(&self.kernels.batch_append_kv, cfg, 1, &mut args, "batched key and value append") }
     }
 
     /// The LM head's product rows (`tmp`, `ld` >= V floats apart) into each row's logits

@@ -87,6 +87,7 @@ pub struct Kernels {
     pub(crate) batch_residual_norm: CudaFunction,
     pub(crate) batch_epilogue: CudaFunction,
     pub(crate) batch_attention: CudaFunction,
+    pub(crate) batch_append_kv: CudaFunction,
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
 }
