@@ -228,12 +228,45 @@ impl CudaBatch {
     }
 
     /// Make `n` idle sessions ready (allocated, set up) for the first contexts.
+    /// With them, the batched step's graphs of every size are captured too,
+    /// and each session's decode step: a capture holds up every context on the GPU, so none
+    /// is left for the first requests.
     pub(crate) fn warm(&self, n: usize) -> Result<(), EngineError> {
-        let made = (0..n)
+        let mut made = (0..n)
             .map(|_| CudaSession::new(self.exec.clone()))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut idle = self.idle.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        idle.extend(made);
+        made.iter_mut().for_each(CudaSession::capture_decode);
+        let layer_floats = made.first().map(CudaSession::layer_floats);
+        self.idle
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(made);
+        let (Some(layer_floats), true) = (layer_floats, self.exec.gpu.tuning().graphs) else {
+            return Ok(());
+        };
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(StepBuffers::new(&self.exec)?);
+        }
+        let b = guard
+            .as_mut()
+            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        let stream = b.stream().clone();
+        // every size: prompt rows make a step bigger than its contexts
+        let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+        sizes.dedup();
+        for padded in sizes {
+            for splits in 1..=BATCH_ATT_SPLITS {
+                for prompts in [false, true] {
+                    let table = b.table(padded, layer_floats);
+                    let launches = || self.step_kernels(b, &table, splits, prompts);
+                    if let Some(graph) = self.exec.gpu.capture(&stream, launches)? {
+                        b.graphs.insert((padded, splits, prompts), graph);
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

@@ -323,6 +323,16 @@ impl CudaSession {
     /// One decode step through the captured graph (captured on first use).
     fn decode(&mut self, token: u32) -> Result<(), CudaError> {
         self.upload_ids(Some(self.len), &[token as i32])?;
+        self.capture_decode();
+        match &self.graph {
+            Some(graph) => graph.launch().ctx("decode step"),
+            None => self.decode_kernels(),
+        }
+    }
+
+    /// Capture the decode step as a graph if it is not yet (it reads the token and the
+    /// position from device memory, so it serves every step).
+    pub(crate) fn capture_decode(&mut self) {
         if self.graph.is_none() && !self.graph_failed && self.exec.gpu.tuning.graphs {
             match self.capture(Self::decode_kernels) {
                 Ok(graph) => self.graph = graph,
@@ -332,10 +342,6 @@ impl CudaSession {
                     self.graph_failed = true;
                 }
             }
-        }
-        match &self.graph {
-            Some(graph) => graph.launch().ctx("decode step"),
-            None => self.decode_kernels(),
         }
     }
 
