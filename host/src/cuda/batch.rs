@@ -2,20 +2,22 @@
 //! [`crate::engine::batch::Batcher`].
 //!
 //! Each context keeps its own [`CudaSession`] (stream, KV cache, logits, captured graphs).
-//! In a step, prompts (and chunks of them) run on their sessions' own streams through the
-//! prefill path, a lone decode through its session's captured decode graph (one stream keeps
-//! its latency), and two or more decodes as one batched step on the batch's stream: every
-//! row's embedding, the products over all rows through cuBLAS (bf16 inputs split in hi and
-//! lo halves so the rows see their activations to ~16 bits, as the one-row kernels do),
-//! each row's keys and values appended to its own cache, attention of each row over its own
-//! cache in one launch (ragged lengths), and the LM head writing each row's logits into its
-//! session with their argmax. The batched step is captured as a CUDA graph per size bucket
-//! (rows rounded up; padding rows touch no cache and no output). Contexts never see each
-//! other's caches: a row's addresses come from its own session, set by the step.
+//! In a step, a lone decode runs through its session's captured decode graph (one stream
+//! keeps its latency); long prompts (over `BATCHED_PROMPT` tokens, and prompts that want
+//! every position's logits) run on their sessions' own streams through the prefill path;
+//! everything else, decodes and short prompts, is one batched pass on the batch's stream,
+//! one row a token: every row's embedding, the products over all rows through cuBLAS (bf16
+//! inputs split in hi and lo halves so the rows see their activations to ~16 bits, as the
+//! one-row kernels do), each row's key and value appended to its own context's cache,
+//! attention of each row over its own context's cache in one launch (ragged lengths), and
+//! the LM head writing each context's last row's logits into its session with their argmax.
+//! The batched pass is captured as a CUDA graph per size bucket (rows rounded up; padding
+//! rows touch no cache and no output). Contexts never see each other's caches: a row's
+//! addresses come from its own session, set by the step.
 //!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
-//! alone.
+//! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.
 
 use super::blas::Blas;
 use super::buffer::{Act, DevBuf, DevPtr};
@@ -33,7 +35,7 @@ use cudarc::driver::{CudaGraph, CudaStream};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Most rows of one batched step (more decodes run as several).
+/// Most rows of one batched pass (a step with more runs several, in order).
 pub const MAX_ROWS: usize = 256;
 
 /// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
