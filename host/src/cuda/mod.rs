@@ -63,9 +63,11 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Most prompt tokens one batched step runs: a longer prompt goes through in chunks of
-    /// this many, so the streams decoding beside it wait at most one chunk per step.
-    pub const MAX_STEP_TOKENS: usize = 256;
+    /// Most tokens one step runs, decodes included (every queued decode still gets its
+    /// token): prompts share the rest, a longer one in chunks, so the streams decoding beside
+    /// a prompt wait at most one such step. 128 rather than 256 took the p99 gap between
+    /// tokens at 64 streams from 3.7 to 3.0 ms at the same throughput (H200, BENCHMARKS.md).
+    pub const MAX_STEP_TOKENS: usize = 128;
 
     /// Upload `weights` (converted to `options.dtype`) to the GPU. `options.max_kv_bytes`
     /// caps each context's KV cache, `options.kv_pool_bytes` all of them together (by
