@@ -120,22 +120,9 @@ fn main() -> Result<()> {
                 dtype,
                 ..Default::default()
             };
-            // the CPU executor's own type, to report how the streams shared steps
-            let (executor, cpu) = match device {
-                Device::Cpu => {
-                    let cpu = std::sync::Arc::new(wasi_nn_host::cpu::CpuExecutor::new(
-                        weights.into(),
-                        options
-                            .kv_pool_bytes
-                            .unwrap_or(wasi_nn_host::engine::EngineOptions::DEFAULT_KV_POOL_BYTES),
-                    ));
-                    let executor: std::sync::Arc<dyn wasi_nn_host::engine::Executor> = cpu.clone();
-                    (executor, Some(cpu))
-                }
-                Device::Cuda => (executor_for(weights, device, &options)?, None),
-            };
+            let executor = executor_for(weights, device, &options)?;
             for n in streams {
-                concurrent_streams(&model, executor.as_ref(), cpu.as_deref(), n, prompt, steps)?;
+                concurrent_streams(&model, executor.as_ref(), n, prompt, steps)?;
             }
         }
         Command::Bench {
@@ -478,7 +465,6 @@ fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> 
 fn concurrent_streams(
     spec: &str,
     executor: &dyn wasi_nn_host::engine::Executor,
-    cpu: Option<&wasi_nn_host::cpu::CpuExecutor>,
     n: usize,
     prompt_len: usize,
     steps: usize,
@@ -514,7 +500,6 @@ fn concurrent_streams(
     let seconds = started.elapsed().as_secs_f64();
     let mut ms_per_token = per_stream.into_iter().collect::<Result<Vec<f64>>>()?;
     ms_per_token.sort_by(f64::total_cmp);
-    let _ = cpu;
     let b = executor.batch_counts().unwrap_or_default();
     let line = serde_json::json!({
         "batched_steps_so_far": b.steps, "mean_step_items": b.items as f64 / b.steps.max(1) as f64, "largest_step": b.largest,

@@ -33,7 +33,7 @@ use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Most rows of one batched pass (a step with more runs several, in order).
 pub const MAX_ROWS: usize = 256;
@@ -56,6 +56,9 @@ pub fn bucket(rows: usize) -> usize {
         _ => (rows.div_ceil(32) * 32).min(MAX_ROWS),
     }
 }
+
+/// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it).
+type GraphKey = (usize, usize, bool);
 
 /// Floats between two rows of the LM head's product: V rounded up to a multiple of 8, so
 /// cuBLAS can take its aligned kernels.
@@ -147,8 +150,8 @@ struct StepBuffers {
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
     keys: DevBuf<u64>,
-    /// Captured steps by (bucket, attention spans, whether prompt rows are in it).
-    graphs: HashMap<(usize, usize, bool), CudaGraph>,
+    /// Captured steps.
+    graphs: HashMap<GraphKey, CudaGraph>,
     graphs_failed: bool,
 }
 
@@ -247,29 +250,52 @@ impl CudaBatch {
         let (Some(layer_floats), true) = (layer_floats, self.exec.gpu.tuning().graphs) else {
             return Ok(());
         };
-        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            *guard = Some(StepBuffers::new(&self.exec)?);
-        }
+        let mut guard = self.buffers()?;
         let b = guard
             .as_mut()
             .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
-        let stream = b.stream().clone();
         // every size: prompt rows make a step bigger than its contexts
         let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
         sizes.dedup();
         for padded in sizes {
             for splits in 1..=BATCH_ATT_SPLITS {
                 for prompts in [false, true] {
-                    let table = b.table(padded, layer_floats);
-                    let launches = || self.step_kernels(b, &table, splits, prompts);
-                    if let Some(graph) = self.exec.gpu.capture(&stream, launches)? {
-                        b.graphs.insert((padded, splits, prompts), graph);
-                    }
+                    self.capture(b, (padded, splits, prompts), layer_floats);
                 }
             }
         }
         Ok(())
+    }
+
+    /// The step's buffers, made at first use.
+    fn buffers(&self) -> Result<MutexGuard<'_, Option<StepBuffers>>, EngineError> {
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(StepBuffers::new(&self.exec)?);
+        }
+        Ok(guard)
+    }
+
+    /// The graph of `key` captured into `b.graphs` unless it is there, graphs are off, or a
+    /// capture failed before (then steps run kernel by kernel from here on).
+    fn capture(&self, b: &mut StepBuffers, key: GraphKey, layer_floats: usize) {
+        if !self.exec.gpu.tuning().graphs || b.graphs_failed || b.graphs.contains_key(&key) {
+            return;
+        }
+        let (padded, splits, prompts) = key;
+        let table = b.table(padded, layer_floats);
+        let stream = b.stream().clone();
+        let launches = || self.step_kernels(b, &table, splits, prompts);
+        match self.exec.gpu.capture(&stream, launches) {
+            Ok(Some(graph)) => {
+                b.graphs.insert(key, graph);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("batched step capture failed, running steps eagerly: {e}");
+                b.graphs_failed = true;
+            }
+        }
     }
 
     /// The pool the contexts' KV caches are reserved from.
@@ -374,10 +400,7 @@ impl CudaBatch {
         let n: usize = items.iter().map(|item| item.tokens.len()).sum();
         let padded = bucket(n);
         let prompts = items.iter().any(|item| item.tokens.len() > 1);
-        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            *guard = Some(StepBuffers::new(&self.exec)?);
-        }
+        let mut guard = self.buffers()?;
         let b = guard
             .as_mut()
             .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
@@ -411,23 +434,10 @@ impl CudaBatch {
         let t0 = std::time::Instant::now();
         b.ints.write(&stream, 0, &ints)?;
         b.addrs.write(&stream, 0, &addrs)?;
+        self.capture(b, key, layer_floats);
         let table = b.table(padded, layer_floats);
-        let use_graphs = self.exec.gpu.tuning().graphs && !b.graphs_failed;
-        if use_graphs && !b.graphs.contains_key(&key) {
-            let launches = || self.step_kernels(b, &table, splits, prompts);
-            match self.exec.gpu.capture(&stream, launches) {
-                Ok(Some(graph)) => {
-                    b.graphs.insert(key, graph);
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::warn!("batched step capture failed, running steps eagerly: {e}");
-                    b.graphs_failed = true;
-                }
-            }
-        }
         let t1 = std::time::Instant::now();
-        let graphed = match b.graphs.get(&key).filter(|_| use_graphs) {
+        let graphed = match b.graphs.get(&key).filter(|_| !b.graphs_failed) {
             Some(graph) => {
                 graph.launch().ctx("batched step")?;
                 true

@@ -338,7 +338,9 @@ impl<M: BatchModel> Batcher<M> {
                     std::thread::park_timeout(until - now);
                     let waited = now.elapsed().as_nanos() as u64;
                     self.stats.gather_ns.fetch_add(waited, Ordering::Relaxed);
-                    self.lock().gatherer = false;
+                    state = self.lock();
+                    state.gatherer = false;
+                    continue;
                 }
                 state = self.lock();
                 continue;
