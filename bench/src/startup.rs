@@ -95,7 +95,7 @@ fn component_request(
         top_k: 0,
         top_p: 1.0,
         seed: 0,
-        stop: Vec::new(),
+        ..Default::default()
     };
     let t = Instant::now();
     let completion = host

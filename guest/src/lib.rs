@@ -2,6 +2,7 @@
 //! and stop strings. They build and are unit-tested natively as well as for wasm32-wasip1.
 
 pub mod generate;
+pub mod processing;
 pub mod sampling;
 pub mod text;
 pub mod tokenizer;

@@ -317,6 +317,7 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
         max_tokens: options.max_tokens,
         sampling: options.sampling,
         stops: options.stops.clone(),
+        ..Default::default()
     };
     let mut generation = Generation::new(tokenizer, prompt, params)?;
     let graph = load_graph(options)?;

@@ -13,6 +13,7 @@ fn sampling(max_tokens: u32, temperature: f32, stop: Vec<String>) -> Sampling {
         top_p: 0.9,
         seed: 3,
         stop,
+        ..Default::default()
     }
 }
 
@@ -54,7 +55,7 @@ fn the_component_generates_what_the_command_generates() {
             "ROMEO:",
             &sampling(64, 0.0, vec![]),
             &limits,
-            |p| pieces.push(p.to_owned()),
+            |p| pieces.push(p.text.clone()),
         )
         .expect("run")
         .expect("generate");
@@ -172,7 +173,7 @@ fn the_preinitialised_component_gives_the_plain_components_completions() {
             let mut pieces = Vec::new();
             let completion = host
                 .generate_with_component(component, "gpt2", prompt, &params, &limits, |p| {
-                    pieces.push(p.to_owned())
+                    pieces.push(p.text.clone())
                 })
                 .expect("run")
                 .expect("generate");

@@ -2,7 +2,8 @@
 //! `wasi:nn` (WIT), and shares tokenizer, sampling and the generation loop with the wasip1
 //! command through the `gpt2-guest` library.
 
-use gpt2_guest::generate::{Forward, Generation as TextGeneration, GenerationParams};
+use gpt2_guest::generate::{Forward, Generation as TextGeneration, GenerationParams, Prompt};
+use gpt2_guest::processing::{Processing, TokenLogprob as Logprob};
 use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
 use std::cell::RefCell;
@@ -15,7 +16,8 @@ wit_bindgen::generate!({
 });
 
 use exports::gpt2::text::generate::{
-    Completion, Guest as GenerateGuest, GuestGeneration, Sampling, Score,
+    Completion, Guest as GenerateGuest, GuestGeneration, Piece, Prompt as WitPrompt, Sampling,
+    Score, TokenLogprob, TopLogprob,
 };
 use wasi::nn::{graph, inference, tensor};
 
@@ -192,20 +194,66 @@ struct Generation {
     state: RefCell<Result<(Option<WitModel>, TextGeneration), String>>,
 }
 
+fn generation_params(params: Sampling) -> GenerationParams {
+    GenerationParams {
+        max_tokens: params.max_tokens as usize,
+        sampling: SamplingParams {
+            temperature: params.temperature,
+            top_k: params.top_k as usize,
+            top_p: params.top_p,
+            seed: params.seed,
+        },
+        stops: params.stop,
+        stop_ids: params.stop_token_ids,
+        processing: Processing {
+            logit_bias: params.logit_bias,
+            presence_penalty: params.presence_penalty,
+            frequency_penalty: params.frequency_penalty,
+            repetition_penalty: params.repetition_penalty,
+            min_p: params.min_p,
+        },
+        logprobs: params.logprobs.map(|n| n as usize),
+        echo: params.echo,
+        context: (params.context_length > 0).then_some(params.context_length as usize),
+    }
+}
+
+/// A token's bytes as text.
+fn token_text(tokenizer: &gpt2_guest::tokenizer::Gpt2Tokenizer, id: u32) -> String {
+    String::from_utf8_lossy(tokenizer.token_bytes().get(id)).into_owned()
+}
+
+fn wit_logprobs(
+    tokenizer: &gpt2_guest::tokenizer::Gpt2Tokenizer,
+    entries: &[Logprob],
+) -> Vec<TokenLogprob> {
+    entries
+        .iter()
+        .map(|e| TokenLogprob {
+            id: e.id,
+            token: token_text(tokenizer, e.id),
+            logprob: e.logprob,
+            top: e
+                .top
+                .iter()
+                .map(|&(id, logprob)| TopLogprob {
+                    id,
+                    token: token_text(tokenizer, id),
+                    logprob,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 impl GuestGeneration for Generation {
-    fn new(graph: String, prompt: String, params: Sampling) -> Self {
-        let params = GenerationParams {
-            max_tokens: params.max_tokens as usize,
-            sampling: SamplingParams {
-                temperature: params.temperature,
-                top_k: params.top_k as usize,
-                top_p: params.top_p,
-                seed: params.seed,
-            },
-            stops: params.stop,
-        };
+    fn new(graph: String, prompt: WitPrompt, params: Sampling) -> Self {
+        let params = generation_params(params);
         let state = tokenizer()
-            .and_then(|t| TextGeneration::new(t, &prompt, params))
+            .and_then(|t| match &prompt {
+                WitPrompt::Text(text) => TextGeneration::new(t, text, params),
+                WitPrompt::Ids(ids) => TextGeneration::with_prompt(t, Prompt::Ids(ids), params),
+            })
             .map(|g| (None, g));
         Self {
             graph,
@@ -213,7 +261,13 @@ impl GuestGeneration for Generation {
         }
     }
 
-    fn next(&self) -> Result<Option<String>, String> {
+    fn prompt_tokens(&self) -> Result<u32, String> {
+        let state = self.state.borrow();
+        let (_, generation) = state.as_ref().map_err(|e| e.clone())?;
+        Ok(generation.prompt_ids().len() as u32)
+    }
+
+    fn next(&self) -> Result<Option<Piece>, String> {
         let tokenizer = tokenizer()?;
         let mut state = self.state.borrow_mut();
         let (model, generation) = state.as_mut().map_err(|e| e.clone())?;
@@ -221,23 +275,31 @@ impl GuestGeneration for Generation {
             *model = Some(WitModel::load(&self.graph)?);
         }
         let model = model.as_mut().ok_or("no model")?;
-        generation.next(model, tokenizer)
+        let Some(text) = generation.next(model, tokenizer)? else {
+            return Ok(None);
+        };
+        let logprobs = wit_logprobs(tokenizer, generation.take_fresh_logprobs());
+        Ok(Some(Piece { text, logprobs }))
     }
 
     fn finish(&self) -> Completion {
         let state = self.state.borrow();
-        match state.as_ref() {
-            Ok((_, g)) => Completion {
+        match (state.as_ref(), tokenizer()) {
+            (Ok((_, g)), Ok(tokenizer)) => Completion {
                 prompt_ids: g.prompt_ids().to_vec(),
                 ids: g.ids().to_vec(),
-                text: g.text().to_owned(),
+                text: format!("{}{}", g.echo_text(), g.text()),
                 finish_reason: g.finish_reason().unwrap_or("length").to_owned(),
+                prompt_logprobs: wit_logprobs(tokenizer, g.prompt_logprobs()),
+                logprobs: wit_logprobs(tokenizer, g.logprobs()),
             },
-            Err(_) => Completion {
+            _ => Completion {
                 prompt_ids: Vec::new(),
                 ids: Vec::new(),
                 text: String::new(),
                 finish_reason: "error".to_owned(),
+                prompt_logprobs: Vec::new(),
+                logprobs: Vec::new(),
             },
         }
     }
@@ -245,6 +307,21 @@ impl GuestGeneration for Generation {
 
 impl GenerateGuest for Component {
     type Generation = Generation;
+
+    fn tokenize(text: String) -> Result<Vec<u32>, String> {
+        tokenizer()?.encode(&text).map_err(|e| e.to_string())
+    }
+
+    fn detokenize(ids: Vec<u32>) -> Result<String, String> {
+        let tokenizer = tokenizer()?;
+        let vocab = tokenizer.vocab_size();
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(format!(
+                "token id {id} at position {i} is outside the vocabulary (0..{vocab})"
+            ));
+        }
+        Ok(String::from_utf8_lossy(&tokenizer.token_bytes().concat(&ids)).into_owned())
+    }
 
     fn perplexity(
         graph: String,

@@ -21,7 +21,79 @@ mod bindings {
     });
 }
 
-pub use bindings::exports::gpt2::text::generate::{Completion, Sampling, Score};
+pub use bindings::exports::gpt2::text::generate::{
+    Completion, Piece, Prompt, Sampling, Score, TokenLogprob, TopLogprob,
+};
+
+impl Default for Sampling {
+    /// OpenAI's defaults: 16 tokens at temperature 1, nothing else changed.
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            logit_bias: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logprobs: None,
+            echo: false,
+            context_length: 0,
+        }
+    }
+}
+
+/// A generation running in a fresh instance of a component ([`Host::start_generation`]):
+/// ask for its prompt's size, pull its pieces, then finish it. Dropping it drops the
+/// instance (and its wasi-nn contexts).
+pub struct ComponentGeneration<'h> {
+    store: Store<ComponentState>,
+    instance: bindings::Generator,
+    generation: wasmtime::component::ResourceAny,
+    options: RunOptions,
+    // dropped after the store
+    _slot: InstanceSlot<'h>,
+}
+
+impl ComponentGeneration<'_> {
+    /// The prompt's token count, or the guest's reason the request cannot run (checked
+    /// before any forward pass).
+    pub fn prompt_tokens(&mut self) -> Result<Result<u32, String>, HostError> {
+        self.instance
+            .gpt2_text_generate()
+            .generation()
+            .call_prompt_tokens(&mut self.store, self.generation)
+            .map_err(|e| run_error(&self.options, e))
+    }
+
+    /// The next piece; `Ok(None)` once the generation has ended.
+    pub fn next_piece(&mut self) -> Result<Result<Option<Piece>, String>, HostError> {
+        self.instance
+            .gpt2_text_generate()
+            .generation()
+            .call_next(&mut self.store, self.generation)
+            .map_err(|e| run_error(&self.options, e))
+    }
+
+    /// The completion (what was made so far, if the generation has not ended).
+    pub fn finish(mut self) -> Result<Completion, HostError> {
+        let completion = self
+            .instance
+            .gpt2_text_generate()
+            .generation()
+            .call_finish(&mut self.store, self.generation)
+            .map_err(|e| run_error(&self.options, e))?;
+        self.generation
+            .resource_drop(&mut self.store)
+            .map_err(|e| run_error(&self.options, e))?;
+        Ok(completion)
+    }
+}
 
 /// A guest component compiled and linked once ([`Host::load_component`]): each call only
 /// instantiates it. Cheap to clone (shared).
@@ -114,8 +186,34 @@ impl Host {
         store
     }
 
-    /// Generate with a fresh instance of `component` on graph `graph`, handing each piece of
-    /// text to `on_piece` as it is made. `options` gives the limits (its `args` are unused).
+    /// Start a generation in a fresh instance of `component` on graph `graph`, with
+    /// `options`' limits (its `args` are unused).
+    pub fn start_generation(
+        &self,
+        component: &GuestComponent,
+        graph: &str,
+        prompt: &Prompt,
+        params: &Sampling,
+        options: &RunOptions,
+    ) -> Result<ComponentGeneration<'_>, HostError> {
+        let (slot, mut store, instance) = self.component_instance(component, options)?;
+        let generation = instance
+            .gpt2_text_generate()
+            .generation()
+            .call_constructor(&mut store, graph, prompt, params)
+            .map_err(|e| run_error(options, e))?;
+        Ok(ComponentGeneration {
+            store,
+            instance,
+            generation,
+            options: options.clone(),
+            _slot: slot,
+        })
+    }
+
+    /// Generate from `prompt` with a fresh instance of `component` on graph `graph`,
+    /// handing each piece to `on_piece` as it is made. `options` gives the limits (its
+    /// `args` are unused). The inner error is the guest's.
     pub fn generate_with_component(
         &self,
         component: &GuestComponent,
@@ -123,33 +221,46 @@ impl Host {
         prompt: &str,
         params: &Sampling,
         options: &RunOptions,
-        mut on_piece: impl FnMut(&str),
+        mut on_piece: impl FnMut(&Piece),
     ) -> Result<Result<Completion, String>, HostError> {
-        let (_slot, mut store, instance) = self.component_instance(component, options)?;
-        let generate = instance.gpt2_text_generate();
-        let generation = generate
-            .generation()
-            .call_constructor(&mut store, graph, prompt, params)
-            .map_err(|e| run_error(options, e))?;
+        let prompt = Prompt::Text(prompt.to_owned());
+        let mut generation = self.start_generation(component, graph, &prompt, params, options)?;
         loop {
-            match generate
-                .generation()
-                .call_next(&mut store, generation)
-                .map_err(|e| run_error(options, e))?
-            {
+            match generation.next_piece()? {
                 Ok(Some(piece)) => on_piece(&piece),
                 Ok(None) => break,
                 Err(message) => return Ok(Err(message)),
             }
         }
-        let completion = generate
-            .generation()
-            .call_finish(&mut store, generation)
-            .map_err(|e| run_error(options, e))?;
-        generation
-            .resource_drop(&mut store)
-            .map_err(|e| run_error(options, e))?;
-        Ok(Ok(completion))
+        generation.finish().map(Ok)
+    }
+
+    /// The embedded tokenizer's ids of `text`, from a fresh instance of `component`.
+    pub fn tokenize_with_component(
+        &self,
+        component: &GuestComponent,
+        text: &str,
+        options: &RunOptions,
+    ) -> Result<Result<Vec<u32>, String>, HostError> {
+        let (_slot, mut store, instance) = self.component_instance(component, options)?;
+        instance
+            .gpt2_text_generate()
+            .call_tokenize(&mut store, text)
+            .map_err(|e| run_error(options, e))
+    }
+
+    /// The text of `ids`, from a fresh instance of `component`.
+    pub fn detokenize_with_component(
+        &self,
+        component: &GuestComponent,
+        ids: &[u32],
+        options: &RunOptions,
+    ) -> Result<Result<String, String>, HostError> {
+        let (_slot, mut store, instance) = self.component_instance(component, options)?;
+        instance
+            .gpt2_text_generate()
+            .call_detokenize(&mut store, ids)
+            .map_err(|e| run_error(options, e))
     }
 
     /// Score `text` with a fresh instance of `component` (see the WIT `perplexity`).

@@ -16,13 +16,17 @@ mod module;
 mod preinit;
 mod preinit_component;
 
-pub use component::{Completion, ComponentState, GuestComponent, Sampling, Score};
+pub use component::{
+    Completion, ComponentGeneration, ComponentState, GuestComponent, Piece, Prompt, Sampling,
+    Score, TokenLogprob, TopLogprob,
+};
 pub use module::{GuestModule, GuestState};
 pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
 pub use preinit_component::{is_component, preinitialize_component};
 
 use crate::engine::{Device, EngineOptions, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -171,6 +175,7 @@ pub struct HostBuilder {
     kv_pool_bytes: Option<usize>,
     warm_contexts: usize,
     graphs: GraphSet,
+    contexts: HashMap<String, usize>,
     pool: Option<InstancePool>,
 }
 
@@ -197,6 +202,7 @@ impl HostBuilder {
             kv_pool_bytes: None,
             warm_contexts: 0,
             graphs: GraphSet::default(),
+            contexts: HashMap::new(),
             pool: Some(InstancePool::default()),
         }
     }
@@ -252,16 +258,20 @@ impl HostBuilder {
 
     /// Load the model at `path` (HF folder or llm.c file) and register it as `name`.
     pub fn graph(self, name: &str, path: &Path) -> Result<Self, HostError> {
-        let graph = self.backend().load_path(path);
-        self.register(name, graph)
+        let weights = crate::model::load_path(path).map_err(|e| HostError::Graph {
+            name: name.to_owned(),
+            source: Box::new(Gpt2Error::from(e)),
+        })?;
+        self.graph_from_weights(name, weights)
     }
 
     /// Register already-loaded weights as `name`.
     pub fn graph_from_weights(
-        self,
+        mut self,
         name: &str,
         weights: crate::model::Gpt2Weights,
     ) -> Result<Self, HostError> {
+        self.contexts.insert(name.to_owned(), weights.config.n_ctx);
         let graph = self.backend().graph_from(weights);
         self.register(name, graph)
     }
@@ -327,6 +337,7 @@ impl HostBuilder {
             linker,
             component_linker,
             graphs: self.graphs,
+            contexts: self.contexts,
             pool: self.pool,
             slots: InstanceSlots {
                 live: AtomicUsize::new(0),
@@ -402,6 +413,8 @@ pub struct Host {
     linker: Linker<GuestState>,
     component_linker: wasmtime::component::Linker<ComponentState>,
     graphs: GraphSet,
+    /// Each preloaded graph's context length.
+    contexts: HashMap<String, usize>,
     pool: Option<InstancePool>,
     slots: InstanceSlots,
 }
@@ -443,6 +456,11 @@ impl Host {
         let mut names: Vec<String> = self.graphs.names().map(str::to_owned).collect();
         names.sort();
         names
+    }
+
+    /// The context length (positions) of the preloaded graph `name`.
+    pub fn graph_context(&self, name: &str) -> Option<usize> {
+        self.contexts.get(name).copied()
     }
 
     /// The device of the preloaded graphs: the override, else the CPU.

@@ -1,10 +1,11 @@
 //! `wasi-nn-host serve`: its command-line arguments and the blocking entry point that runs
-//! the service until Ctrl-C. Building the [`Host`] from `--graph` (or the default model) is
-//! left to the binary, which loads models for `run` the same way.
+//! the service until Ctrl-C or SIGTERM. Building the [`Host`] from `--graph` (or the default
+//! model) is left to the binary, which loads models for `run` the same way.
 
-use super::{serve, ServeError, Service, ServiceConfig};
+use super::{serve, ChatTemplate, ServeError, Service, ServiceConfig};
 use crate::engine::{Device, GpuDtype};
 use crate::runtime::Host;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +35,26 @@ pub struct ServeArgs {
     /// Seconds one request may run.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
+    /// Require `Authorization: Bearer KEY` on the /v1 routes, /tokenize and /detokenize.
+    #[arg(long, env = "WASI_NN_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Guests that may generate at once (each choice of a request is one); more requests
+    /// wait in the queue. Default: --max-instances.
+    #[arg(long)]
+    pub max_concurrent: Option<usize>,
+    /// Requests that may wait for guests; beyond them the answer is 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// A Jinja chat template for /v1/chat/completions, for every model (without it, a
+    /// model's own comes from `chat_template` in its folder's tokenizer_config.json).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Seconds the streams in flight get to finish after Ctrl-C or SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace: u64,
     /// Requests that may run at once: the size of the host's instance pool (each reserves
     /// about 4 GiB of address space, not memory); more get 503 until one finishes.
     #[arg(long, default_value_t = crate::runtime::InstancePool::default().max_instances)]
@@ -74,15 +95,52 @@ impl ServeArgs {
             .map_or("gpt2", |(name, _)| name)
             .to_owned())
     }
+
+    /// The chat template of each model: `--chat-template` for all, else each model
+    /// folder's own (`--graph NAME=DIR`, or the default model's folder).
+    fn chat_templates(
+        &self,
+        models: &[String],
+    ) -> Result<HashMap<String, ChatTemplate>, ServeError> {
+        if let Some(path) = &self.chat_template {
+            let template = ChatTemplate::from_file(path)?;
+            return Ok(models
+                .iter()
+                .map(|m| (m.clone(), template.clone()))
+                .collect());
+        }
+        let mut dirs: Vec<(String, PathBuf)> = self
+            .graph_specs()?
+            .into_iter()
+            .map(|(name, path)| (name.to_owned(), PathBuf::from(path)))
+            .filter(|(_, path)| path.is_dir())
+            .collect();
+        if self.graphs.is_empty() {
+            dirs.extend(crate::find_default_model().map(|dir| ("gpt2".to_owned(), dir)));
+        }
+        let mut templates = HashMap::new();
+        for (name, dir) in dirs {
+            if let Some(template) = ChatTemplate::from_model_dir(&dir)? {
+                templates.insert(name, template);
+            }
+        }
+        Ok(templates)
+    }
 }
 
-/// Serve `host`'s graphs as `args` says until Ctrl-C, on a multi-threaded runtime of its own.
-/// Build `host` with [`ServeArgs::instance_pool`].
+/// Serve `host`'s graphs as `args` says until Ctrl-C or SIGTERM, on a multi-threaded runtime
+/// of its own. Build `host` with [`ServeArgs::instance_pool`].
 pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
     let component = host.load_component(&args.component)?;
     let config = ServiceConfig {
         default_model: args.default_model()?,
         timeout: Duration::from_secs(args.timeout),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_concurrent: args.max_concurrent,
+        max_queue: args.max_queue,
+        max_body_bytes: args.max_body_bytes,
+        chat_templates: args.chat_templates(&host.graph_names())?,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };
     let service = Service::new(Arc::new(host), component, config)?;
@@ -101,12 +159,33 @@ pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
             .map_err(bind)?;
         let local = listener.local_addr().map_err(bind)?;
         eprintln!("listening on http://{local}");
-        serve(listener, service, async {
-            // Without a signal handler the service runs until it is killed.
-            if tokio::signal::ctrl_c().await.is_err() {
-                std::future::pending::<()>().await;
+        serve(listener, service, shutdown_signal()).await
+    })?;
+    // guests cancelled at the deadline stop at their next token; don't wait on stragglers
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM (without signal handlers the service runs until it is killed).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
             }
-        })
-        .await
-    })
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => eprintln!("Ctrl-C: finishing the requests in flight"),
+        () = term => eprintln!("SIGTERM: finishing the requests in flight"),
+    }
 }

@@ -1,42 +1,58 @@
-//! The OpenAI-style completions service (cargo feature `serve`, the CLI's `wasi-nn-host serve`):
-//! an HTTP front end over the guest component (`gpt2:text`, see [`crate::component`]).
+//! The OpenAI-compatible service (cargo feature `serve`, the CLI's `wasi-nn-host serve`): an
+//! HTTP front end over the guest component (`gpt2:text`, see [`crate::runtime`]).
 //!
-//! Every request runs in a fresh sandboxed instance of one compiled component over one shared
-//! [`Host`] (weights loaded once; each instance has its own wasi-nn contexts and KV caches), on
-//! a blocking thread, so concurrent requests run side by side with no lock around the forward
-//! pass. The instance streams typed pieces of text through [`Host::generate_with_component`];
-//! they reach the handler through a channel, and a client that goes away (the channel's
-//! receiver is dropped) sets the run's cancel flag, which stops the instance at its next epoch
-//! check.
+//! Every completion runs in a fresh sandboxed instance of one compiled component over one
+//! shared [`Host`] (weights loaded once; each instance has its own wasi-nn contexts and KV
+//! caches, and instances that step together share the backend's batched steps), on a
+//! blocking thread. The guest tokenizes, applies penalties and biases, samples and computes
+//! log probabilities; the service validates, admits, and speaks the API. A request with
+//! several prompts or `n` > 1 runs one instance per choice. Each instance reports its
+//! prompt's size first, so a prompt too long for the model is a 400 before any forward pass;
+//! then its pieces reach the handler through a channel, and a client that goes away (the
+//! receiver is dropped) sets the instance's cancel flag.
 //!
-//! - `POST /v1/completions`: `model`, `prompt`, `max_tokens`, `temperature`, `top_p`, `seed`,
-//!   `stop`, `stream` (Server-Sent Events of text pieces, the last chunk with `finish_reason`
-//!   and `usage`, then `[DONE]`). Unknown fields and bad values are 400s, unknown models 404s.
-//!   A non-streamed answer also carries `timings` ([`Timings`]), measured by the service.
-//! - `GET /v1/models`: every graph of the host is a model of the same name.
-//! - `GET /health`: the device, the graphs, instances running and requests served.
+//! Routes (see the README for every field):
+//! - `POST /v1/completions`, `POST /v1/chat/completions` (with the model's chat template),
+//!   streamed as Server-Sent Events or not.
+//! - `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /v1/models`.
+//! - `GET /health`, `GET /metrics` (Prometheus text), `GET /` (the demo page).
+//!
+//! Operating: an optional API key (bearer token) on the `/v1` routes and the tokenizer's; a
+//! cap on guests running at once with a bounded queue (429 with `Retry-After` beyond it); a
+//! request body limit; a request id (`x-request-id`, taken from the request or made) on
+//! every answer and on the `tracing` span of the request; graceful shutdown with a deadline.
 
+mod chat;
 mod cli;
+mod metrics;
 mod openai;
+mod reply;
 
+pub use chat::{ChatTemplate, ChatTemplateError};
 pub use cli::{run, ServeArgs};
 pub use openai::Timings;
 
-use crate::runtime::{Completion, Sampling};
+use crate::runtime::{Completion, Piece, Prompt, Sampling};
 use crate::runtime::{GuestComponent, Host, HostError, RunOptions};
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use openai::{ApiError, Choice, CompletionRequest, ErrorBody, Limits, Model, ModelList};
-use openai::{TextCompletion, Usage};
+use axum::{Extension, Json, Router};
+use futures_util::StreamExt;
+use openai::{ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorBody, Limits};
+use openai::{Plan, TokenizeRequest};
+use reply::{Kind, Reply, Usage};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 
 /// Errors of setting up or running the service.
 #[derive(Debug, thiserror::Error)]
@@ -45,8 +61,12 @@ pub enum ServeError {
     Host(#[from] HostError),
     #[error("the default model `{model}` is not a graph of the host (its graphs: {graphs:?})")]
     UnknownDefaultModel { model: String, graphs: Vec<String> },
+    #[error("a chat template for `{0}`, which is not a graph of the host")]
+    UnknownTemplateModel(String),
     #[error("--graph {0}: expected NAME=PATH")]
     GraphSpec(String),
+    #[error(transparent)]
+    ChatTemplate(#[from] ChatTemplateError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
     #[error("cannot listen on {address}: {source}")]
@@ -70,6 +90,25 @@ pub struct ServiceConfig {
     pub timeout: Duration,
     /// Linear-memory cap of one guest instance.
     pub max_memory_bytes: usize,
+    /// Guests that may generate at once (every choice of a request is one); `None`: the
+    /// host's instance pool, else 64.
+    pub max_concurrent: Option<usize>,
+    /// Requests that may wait for guests; beyond them a request gets 429.
+    pub max_queue: usize,
+    /// The longest a request waits in the queue before a 429.
+    pub queue_timeout: Duration,
+    /// Most choices (`n` times prompts) one request may ask for.
+    pub max_choices: usize,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Requests to the `/v1` routes and the tokenizer's must carry `Authorization: Bearer
+    /// KEY`.
+    pub api_key: Option<String>,
+    /// Chat templates by model; a model without one answers chat requests with a 400.
+    pub chat_templates: HashMap<String, ChatTemplate>,
+    /// After a shutdown signal, streams in flight get this long to finish; then they are
+    /// cancelled.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServiceConfig {
@@ -79,6 +118,14 @@ impl Default for ServiceConfig {
             max_tokens_limit: 1024,
             timeout: Duration::from_secs(120),
             max_memory_bytes: 1 << 30,
+            max_concurrent: None,
+            max_queue: 256,
+            queue_timeout: Duration::from_secs(60),
+            max_choices: 16,
+            max_body_bytes: 1 << 20,
+            api_key: None,
+            chat_templates: HashMap::new(),
+            shutdown_grace: Duration::from_secs(30),
         }
     }
 }
@@ -90,8 +137,14 @@ pub struct Service {
     config: ServiceConfig,
     /// The host's graph names: the models served.
     models: Vec<String>,
+    /// Guests that may generate at once.
+    guests: Arc<Semaphore>,
+    max_concurrent: usize,
+    queued: AtomicUsize,
     active: AtomicUsize,
     served: AtomicUsize,
+    /// Set when the shutdown deadline has passed: instances stop at their next token.
+    stopping: AtomicBool,
 }
 
 impl Service {
@@ -109,13 +162,27 @@ impl Service {
                 graphs: models,
             });
         }
+        if let Some(model) = config.chat_templates.keys().find(|m| !models.contains(m)) {
+            return Err(ServeError::UnknownTemplateModel(model.clone()));
+        }
+        let max_concurrent = config
+            .max_concurrent
+            .or_else(|| host.instance_pool().map(|p| p.max_instances as usize))
+            .unwrap_or(64)
+            .max(1);
+        // the recorder exists before the first request counts anything
+        metrics::handle();
         Ok(Arc::new(Self {
             host,
             component,
             config,
             models,
+            guests: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
+            queued: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             served: AtomicUsize::new(0),
+            stopping: AtomicBool::new(false),
         }))
     }
 
@@ -128,36 +195,202 @@ impl Service {
     pub fn served(&self) -> usize {
         self.served.load(Ordering::Relaxed)
     }
+
+    /// Requests waiting for guests now.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    fn limits(&self) -> Limits<'_> {
+        Limits {
+            default_model: &self.config.default_model,
+            models: &self.models,
+            max_tokens: self.config.max_tokens_limit,
+            max_choices: self.config.max_choices.min(self.max_concurrent),
+        }
+    }
+
+    fn run_options(&self, cancel: Option<Arc<AtomicBool>>) -> RunOptions {
+        RunOptions {
+            max_memory_bytes: Some(self.config.max_memory_bytes),
+            timeout: Some(self.config.timeout),
+            cancel,
+            ..Default::default()
+        }
+    }
 }
 
 /// The service's routes.
 pub fn router(service: Arc<Service>) -> Router {
-    Router::new()
+    let guarded = Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(service.clone(), api_key));
+    Router::new()
+        .route("/", get(page))
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .merge(guarded)
+        .layer(DefaultBodyLimit::max(service.config.max_body_bytes))
+        .layer(middleware::from_fn(request_context))
         .with_state(service)
 }
 
-/// Serve `service` on `listener` until `shutdown` completes (then finish the requests under
-/// way).
+/// Serve `service` on `listener` until `shutdown` completes; then stop accepting, let the
+/// requests in flight finish for up to [`ServiceConfig::shutdown_grace`], and cancel the
+/// rest.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: Arc<Service>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    axum::serve(listener, router(service))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServeError::Http)
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let notify = signalled.clone();
+    let server =
+        axum::serve(listener, router(service.clone())).with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new connections; finishing the requests in flight");
+            notify.notify_one();
+        });
+    let grace = service.config.shutdown_grace;
+    tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => served.map_err(ServeError::Http),
+        () = async { signalled.notified().await; tokio::time::sleep(grace).await } => {
+            tracing::warn!(
+                "shutdown deadline of {grace:?} passed: cancelling {} guests",
+                service.active()
+            );
+            service.stopping.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+}
+
+/// The request id of a request (`x-request-id`, the client's or made here).
+#[derive(Clone)]
+struct RequestId(String);
+
+fn new_request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!("{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Every request: its id (echoed in `x-request-id`), a `tracing` span, a log line and the
+/// request counter.
+async fn request_context(mut request: Request, next: Next) -> Response {
+    let id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map_or_else(new_request_id, str::to_owned);
+    let route = request.uri().path().to_owned();
+    let span = tracing::info_span!("request", id = %id, method = %request.method(), route = %route);
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let started = Instant::now();
+    let mut response = next.run(request).instrument(span.clone()).await;
+    let status = response.status().as_u16();
+    span.in_scope(|| {
+        tracing::info!(
+            status,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "answered"
+        )
+    });
+    metrics::request(&route, status);
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+/// The API key check of the guarded routes.
+async fn api_key(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &service.config.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Equal, in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// The JSON body, or the rejection as an OpenAI-style error (413 for a body over the limit).
+fn body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    request.map(|Json(r)| r).map_err(|rejection| {
+        let status = rejection.status();
+        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "request_too_large"
+        } else {
+            "invalid_request_error"
+        };
+        ApiError::new(status, kind, rejection.body_text())
+    })
+}
+
+/// Places for `n` guests: at once, or after a wait in the bounded queue.
+async fn admit(service: &Arc<Service>, n: usize) -> Result<OwnedSemaphorePermit, ApiError> {
+    let n = n as u32;
+    if let Ok(permit) = service.guests.clone().try_acquire_many_owned(n) {
+        return Ok(permit);
+    }
+    /// Counts a request as queued while it waits (also when its client goes away).
+    struct Waiting<'a>(&'a Service);
+    impl Drop for Waiting<'_> {
+        fn drop(&mut self) {
+            let left = self.0.queued.fetch_sub(1, Ordering::Relaxed) - 1;
+            metrics::queued(left);
+        }
+    }
+    let before = service.queued.fetch_add(1, Ordering::Relaxed);
+    let waiting = Waiting(service);
+    if before >= service.config.max_queue {
+        drop(waiting);
+        return Err(ApiError::too_many(format!(
+            "the service is at capacity: {} guests running and {before} requests queued; \
+             retry later",
+            service.max_concurrent
+        )));
+    }
+    metrics::queued(before + 1);
+    let wait = service.config.queue_timeout;
+    let permit = tokio::time::timeout(wait, service.guests.clone().acquire_many_owned(n)).await;
+    drop(waiting);
+    match permit {
+        Ok(Ok(permit)) => Ok(permit),
+        Ok(Err(_closed)) => Err(ApiError::busy("the service is shutting down")),
+        Err(_) => Err(ApiError::too_many(format!(
+            "no guest became free within {wait:?}; retry later"
+        ))),
+    }
 }
 
 /// What a running instance sends to its request's handler.
 enum Message {
-    /// A non-empty piece of text.
-    Piece(String),
+    /// The prompt fits: its token count. Always the first message of a started instance.
+    Ready(u32),
+    /// The request cannot run (a bad token id, a prompt too long): a 400, before any
+    /// forward pass.
+    Rejected(ApiError),
+    /// A piece of text (maybe empty) and its tokens' log probabilities.
+    Piece(Piece),
     /// The completion, once finished.
-    Done(Completion, openai::Timings),
+    Done(Completion, Timings),
     /// The guest's error value, or why the instance stopped.
     Failed(String),
     /// No instance could be started: the host's instance pool is full.
@@ -170,89 +403,133 @@ struct Running(Arc<Service>);
 
 impl Running {
     fn start(service: Arc<Service>) -> Self {
-        service.active.fetch_add(1, Ordering::Relaxed);
+        let n = service.active.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::guests_running(n);
         Self(service)
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::Relaxed);
+        let n = self.0.active.fetch_sub(1, Ordering::Relaxed) - 1;
+        metrics::guests_running(n);
         self.0.served.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Run a fresh instance of the component on a blocking thread, sending its pieces as they
-/// are made and then its completion or failure. Dropping the receiver cancels the instance.
-/// `accepted` is when the request came in: the timings count from there.
-fn spawn_instance(
-    service: Arc<Service>,
-    graph: String,
-    prompt: String,
+/// One choice of a request: which prompt, how to sample.
+struct Task {
+    prompt: Prompt,
     sampling: Sampling,
+}
+
+/// Why a prompt cannot run on a model of `context` positions, if it cannot.
+fn context_error(prompt: u32, max_tokens: u32, explicit: bool, context: u32) -> Option<ApiError> {
+    let message = if prompt > context {
+        format!("this model's maximum context length is {context} tokens; the prompt has {prompt}")
+    } else if explicit && prompt + max_tokens > context {
+        format!(
+            "this model's maximum context length is {context} tokens; the request needs {}: \
+             {prompt} in the prompt, {max_tokens} to generate",
+            prompt + max_tokens
+        )
+    } else {
+        return None;
+    };
+    Some(ApiError::bad_request(message))
+}
+
+/// Run one choice in a fresh instance on a blocking thread. Dropping the receiver cancels
+/// the instance. `accepted` is when the request came in: the timings count from there.
+fn spawn_task(
+    service: Arc<Service>,
+    model: String,
+    task: Task,
+    explicit_max_tokens: bool,
     accepted: Instant,
+    permit: Arc<OwnedSemaphorePermit>,
 ) -> mpsc::UnboundedReceiver<Message> {
     let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let options = RunOptions {
-        max_memory_bytes: Some(service.config.max_memory_bytes),
-        timeout: Some(service.config.timeout),
-        cancel: Some(cancel.clone()),
-        ..Default::default()
-    };
+    let options = service.run_options(Some(cancel.clone()));
     let running = Running::start(service);
+    let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || {
+        let _span = span.enter();
+        let _permit = permit;
         let service = &running.0;
-        let mut first_token = None;
-        let outcome = service.host.generate_with_component(
-            &service.component,
-            &graph,
-            &prompt,
-            &sampling,
-            &options,
-            |piece| {
-                first_token.get_or_insert_with(|| accepted.elapsed());
-                // Pieces may be empty while a character or a stop string is incomplete: the
-                // client only gets text, but every token checks that someone still listens.
-                let gone = if piece.is_empty() {
-                    tx.is_closed()
-                } else {
-                    tx.send(Message::Piece(piece.to_owned())).is_err()
+        let send = |message| {
+            // the receiver may be gone; then nobody needs the answer
+            let _ = tx.send(message);
+        };
+        let outcome = (|| {
+            let mut generation = service.host.start_generation(
+                &service.component,
+                &model,
+                &task.prompt,
+                &task.sampling,
+                &options,
+            )?;
+            let prompt_tokens = match generation.prompt_tokens()? {
+                Ok(n) => n,
+                Err(message) => return Ok(Some(Message::Rejected(ApiError::bad_request(message)))),
+            };
+            let sampling = &task.sampling;
+            if let Some(e) = context_error(
+                prompt_tokens,
+                sampling.max_tokens,
+                explicit_max_tokens,
+                sampling.context_length,
+            ) {
+                return Ok(Some(Message::Rejected(e)));
+            }
+            send(Message::Ready(prompt_tokens));
+            let (mut first, mut last) = (None, Instant::now());
+            loop {
+                let piece = match generation.next_piece()? {
+                    Ok(Some(piece)) => piece,
+                    Ok(None) => break,
+                    Err(message) => return Ok(Some(Message::Failed(message))),
                 };
-                if gone {
+                let now = Instant::now();
+                match first {
+                    None => {
+                        first = Some(accepted.elapsed());
+                        metrics::ttft(now - accepted);
+                    }
+                    Some(_) => metrics::inter_token(now - last),
+                }
+                last = now;
+                if tx.send(Message::Piece(piece)).is_err()
+                    || service.stopping.load(Ordering::Relaxed)
+                {
                     cancel.store(true, Ordering::Relaxed);
                 }
-            },
-        );
-        let message = match outcome {
-            Ok(Ok(completion)) => {
-                let total = accepted.elapsed();
-                let ttft = first_token.unwrap_or(total);
-                let timings = openai::Timings::new(
-                    ttft.as_secs_f64() * 1e3,
-                    total.as_secs_f64() * 1e3,
-                    completion.ids.len(),
-                );
-                Message::Done(completion, timings)
             }
-            Ok(Err(message)) => Message::Failed(message),
-            Err(HostError::Cancelled) => return,
-            Err(e @ HostError::Busy { .. }) => Message::Busy(e.to_string()),
-            Err(e) => Message::Failed(e.to_string()),
+            let completion = generation.finish()?;
+            let total = accepted.elapsed();
+            let ttft = first.unwrap_or(total);
+            metrics::tokens(prompt_tokens, completion.ids.len());
+            let timings = Timings::new(
+                ttft.as_secs_f64() * 1e3,
+                total.as_secs_f64() * 1e3,
+                completion.ids.len(),
+            );
+            Ok::<_, HostError>(Some(Message::Done(completion, timings)))
+        })();
+        let message = match outcome {
+            Ok(message) => message,
+            Err(HostError::Cancelled) => None,
+            Err(e @ HostError::Busy { .. }) => Some(Message::Busy(e.to_string())),
+            Err(e) => Some(Message::Failed(e.to_string())),
         };
         // Counted as finished before the client can see the answer.
         drop(running);
-        // The receiver may be gone by now; then nobody needs the answer.
-        let _ = tx.send(message);
+        if let Some(message) = message {
+            send(message);
+        }
     });
     rx
-}
-
-fn completion_id() -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("cmpl-{nanos:x}")
 }
 
 fn unix_seconds() -> u64 {
@@ -261,152 +538,358 @@ fn unix_seconds() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The fields every completion object and chunk of one request shares.
-struct Reply {
-    id: String,
-    created: u64,
-    model: String,
-}
-
-impl Reply {
-    fn object<'a>(&'a self, text: &'a str, finish_reason: Option<&'a str>) -> TextCompletion<'a> {
-        TextCompletion {
-            id: &self.id,
-            object: "text_completion",
-            created: self.created,
-            model: &self.model,
-            choices: [Choice {
-                text,
-                index: 0,
-                logprobs: None,
-                finish_reason,
-            }],
-            usage: None,
-            timings: None,
-        }
-    }
-}
-
-fn usage(completion: &Completion) -> Usage {
-    Usage::new(completion.prompt_ids.len(), completion.ids.len())
-}
-
 /// One Server-Sent Event with a JSON body.
-fn json_event(value: &impl serde::Serialize) -> Event {
-    match serde_json::to_string(value) {
-        Ok(data) => Event::default().data(data),
-        Err(e) => error_event(&format!("cannot encode the chunk: {e}")),
-    }
+fn json_event(value: &serde_json::Value) -> Event {
+    Event::default().data(value.to_string())
 }
 
 fn error_event(message: &str) -> Event {
-    let body = ErrorBody::new("server_error", message);
+    let body = ErrorBody::new("server_error", message, StatusCode::INTERNAL_SERVER_ERROR);
     let data = serde_json::to_string(&body).unwrap_or_else(|_| "{}".into());
     Event::default().event("error").data(data)
 }
 
+/// The answer to a failed first message of an instance.
+fn first_error(message: Option<Message>) -> ApiError {
+    match message {
+        Some(Message::Rejected(e)) => e,
+        Some(Message::Busy(m)) => ApiError::busy(m),
+        Some(Message::Failed(m)) => ApiError::server_error(m),
+        _ => ApiError::server_error("the guest ended without a result"),
+    }
+}
+
 async fn completions(
     State(service): State<Arc<Service>>,
+    Extension(id): Extension<RequestId>,
     request: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Response {
     let accepted = Instant::now();
-    let request = match request {
-        Ok(Json(r)) => r,
-        Err(rejection) => return ApiError::bad_request(rejection.body_text()).into_response(),
-    };
-    let limits = Limits {
-        default_model: &service.config.default_model,
-        models: &service.models,
-        max_tokens: service.config.max_tokens_limit,
-    };
-    let job = match request.validate(&limits) {
-        Ok(job) => job,
+    let plan = body(request).and_then(|r| r.validate(&service.limits()));
+    match plan {
+        Ok(plan) => run_plan(service, plan, Kind::Text, &id, accepted).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(
+    State(service): State<Arc<Service>>,
+    Extension(id): Extension<RequestId>,
+    request: Result<Json<ChatRequest>, JsonRejection>,
+) -> Response {
+    let accepted = Instant::now();
+    let plan = body(request).and_then(|r| {
+        let limits = service.limits();
+        let model = r.model(&limits).to_owned();
+        if !service.models.contains(&model) {
+            // the same 404 as completions
+            return r.validate(String::new(), &limits);
+        }
+        let template = service.config.chat_templates.get(&model).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "model `{model}` has no chat template (none in its tokenizer_config.json); \
+                 use /v1/completions, or start the service with --chat-template FILE"
+            ))
+        })?;
+        let prompt = template.render(&r.messages)?;
+        r.validate(prompt, &limits)
+    });
+    match plan {
+        Ok(plan) => run_plan(service, plan, Kind::Chat, &id, accepted).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Admit a plan, start one instance per choice, wait until every prompt is known to fit,
+/// then answer: streamed or whole.
+async fn run_plan(
+    service: Arc<Service>,
+    mut plan: Plan,
+    kind: Kind,
+    id: &RequestId,
+    accepted: Instant,
+) -> Response {
+    let choices = plan.prompts.len() * plan.n as usize;
+    let permit = match admit(&service, choices).await {
+        Ok(permit) => Arc::new(permit),
         Err(e) => return e.into_response(),
     };
-    let reply = Reply {
-        id: completion_id(),
-        created: unix_seconds(),
-        model: job.model.clone(),
-    };
-    // A full pool is answered before a stream starts (a race with another request can still
-    // fill it; the stream then carries the error).
-    if let Some(pool) = service.host.instance_pool() {
-        if service.host.live_instances() >= pool.max_instances as usize {
-            let busy = HostError::Busy {
-                max_instances: pool.max_instances,
+    plan.sampling.context_length = service
+        .host
+        .graph_context(&plan.model)
+        .map_or(0, |c| c as u32);
+    let want_logprobs = plan.sampling.logprobs.is_some();
+    let mut receivers = Vec::with_capacity(choices);
+    let mut prompt_of = Vec::with_capacity(choices);
+    for (p, prompt) in plan.prompts.iter().enumerate() {
+        for j in 0..plan.n {
+            let mut sampling = plan.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(j as u64);
+            let task = Task {
+                prompt: prompt.clone(),
+                sampling,
             };
-            return ApiError::busy(busy.to_string()).into_response();
+            receivers.push(spawn_task(
+                service.clone(),
+                plan.model.clone(),
+                task,
+                plan.max_tokens_explicit,
+                accepted,
+                permit.clone(),
+            ));
+            prompt_of.push(p);
         }
     }
-    let mut rx = spawn_instance(service, job.model, job.prompt, job.sampling, accepted);
-    if job.stream {
-        let events = futures_util::stream::unfold((rx, reply), |(mut rx, reply)| async move {
-            let event = match rx.recv().await? {
-                Message::Piece(text) => json_event(&reply.object(&text, None)),
-                Message::Done(completion, _) => {
-                    let mut last = reply.object("", Some(&completion.finish_reason));
-                    last.usage = Some(usage(&completion));
-                    json_event(&last)
+    drop(permit);
+    let mut usage = Usage::default();
+    for (i, rx) in receivers.iter_mut().enumerate() {
+        match rx.recv().await {
+            Some(Message::Ready(n)) => {
+                // each prompt counts once, however many choices it has
+                if i % plan.n as usize == 0 {
+                    usage.prompt_tokens += n as usize;
                 }
-                Message::Failed(message) | Message::Busy(message) => error_event(&message),
-            };
-            Some((Ok::<_, std::convert::Infallible>(event), (rx, reply)))
-        });
-        let done = futures_util::stream::once(async { Ok(Event::default().data("[DONE]")) });
-        use futures_util::StreamExt;
-        return Sse::new(events.chain(done))
-            .keep_alive(KeepAlive::default())
-            .into_response();
-    }
-    while let Some(message) = rx.recv().await {
-        match message {
-            Message::Piece(_) => {}
-            Message::Done(completion, timings) => {
-                let mut object = reply.object(&completion.text, Some(&completion.finish_reason));
-                object.usage = Some(usage(&completion));
-                object.timings = Some(timings);
-                return Json(object).into_response();
             }
-            Message::Failed(message) => return ApiError::server_error(message).into_response(),
-            Message::Busy(message) => return ApiError::busy(message).into_response(),
+            other => return first_error(other).into_response(),
         }
     }
-    ApiError::server_error("the guest ended without a result").into_response()
+    let prefix = match kind {
+        Kind::Text => "cmpl",
+        Kind::Chat => "chatcmpl",
+    };
+    let reply = Reply::new(
+        kind,
+        format!("{prefix}-{}", id.0),
+        unix_seconds(),
+        plan.model.clone(),
+        choices,
+    );
+    if plan.stream {
+        return stream(receivers, reply, usage, want_logprobs, plan.include_usage);
+    }
+    let mut finished = Vec::with_capacity(choices);
+    for mut rx in receivers {
+        let done = loop {
+            match rx.recv().await {
+                Some(Message::Piece(_)) => {}
+                Some(Message::Done(completion, timings)) => break (completion, timings),
+                other => return first_error(other).into_response(),
+            }
+        };
+        usage.completion_tokens += done.0.ids.len();
+        finished.push(done);
+    }
+    let mut reply = reply;
+    Json(reply.complete(&finished, usage, want_logprobs)).into_response()
+}
+
+/// The streamed answer: every choice's chunks as they come (each tagged with its index),
+/// its finish chunk, the usage chunk if asked, then `[DONE]`.
+fn stream(
+    receivers: Vec<mpsc::UnboundedReceiver<Message>>,
+    reply: Reply,
+    usage: Usage,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> Response {
+    let merged =
+        futures_util::stream::select_all(receivers.into_iter().enumerate().map(|(index, rx)| {
+            futures_util::stream::unfold(rx, move |mut rx| async move {
+                rx.recv().await.map(|m| ((index, m), rx))
+            })
+            .boxed()
+        }));
+    struct State<S> {
+        merged: S,
+        reply: Reply,
+        usage: Usage,
+        queue: VecDeque<Event>,
+        ended: bool,
+    }
+    let mut queue = VecDeque::new();
+    if reply.kind == Kind::Chat {
+        for index in 0..reply.choices() {
+            queue.push_back(json_event(&reply.role_chunk(index)));
+        }
+    }
+    let state = State {
+        merged,
+        reply,
+        usage,
+        queue,
+        ended: false,
+    };
+    let events = futures_util::stream::unfold(state, move |mut st| async move {
+        loop {
+            if let Some(event) = st.queue.pop_front() {
+                return Some((Ok::<_, std::convert::Infallible>(event), st));
+            }
+            if st.ended {
+                return None;
+            }
+            match st.merged.next().await {
+                Some((index, Message::Piece(piece))) => {
+                    if !piece.text.is_empty() || !piece.logprobs.is_empty() {
+                        let chunk = st.reply.piece_chunk(
+                            index,
+                            &piece.text,
+                            &piece.logprobs,
+                            want_logprobs,
+                        );
+                        st.queue.push_back(json_event(&chunk));
+                    }
+                }
+                Some((index, Message::Done(completion, _))) => {
+                    st.usage.completion_tokens += completion.ids.len();
+                    let chunk = st.reply.finish_chunk(index, &completion.finish_reason);
+                    st.queue.push_back(json_event(&chunk));
+                }
+                Some((_, Message::Failed(m) | Message::Busy(m))) => {
+                    st.queue.push_back(error_event(&m));
+                }
+                Some((_, Message::Rejected(e))) => st.queue.push_back(error_event(&e.message)),
+                Some((_, Message::Ready(_))) => {}
+                None => {
+                    if include_usage {
+                        st.queue
+                            .push_back(json_event(&st.reply.usage_chunk(st.usage)));
+                    }
+                    st.queue.push_back(Event::default().data("[DONE]"));
+                    st.ended = true;
+                }
+            }
+        }
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// Run `f` with a fresh instance on a blocking thread (the tokenizer routes).
+async fn with_instance<T: Send + 'static>(
+    service: &Arc<Service>,
+    f: impl FnOnce(&Service, &RunOptions) -> Result<Result<T, String>, HostError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let service = service.clone();
+    let joined = tokio::task::spawn_blocking(move || {
+        let options = service.run_options(None);
+        f(&service, &options)
+    })
+    .await;
+    match joined {
+        Ok(Ok(Ok(value))) => Ok(value),
+        Ok(Ok(Err(message))) => Err(ApiError::bad_request(message)),
+        Ok(Err(e @ HostError::Busy { .. })) => Err(ApiError::busy(e.to_string())),
+        Ok(Err(e)) => Err(ApiError::server_error(e.to_string())),
+        Err(e) => Err(ApiError::server_error(format!("the guest's thread: {e}"))),
+    }
+}
+
+/// The model a tokenizer request names, checked.
+fn known_model(service: &Service, model: Option<String>) -> Result<String, ApiError> {
+    let model = model.unwrap_or_else(|| service.config.default_model.clone());
+    if service.models.contains(&model) {
+        Ok(model)
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("model `{model}` does not exist"),
+        ))
+    }
+}
+
+async fn tokenize(
+    State(service): State<Arc<Service>>,
+    request: Result<Json<TokenizeRequest>, JsonRejection>,
+) -> Response {
+    let answer = async {
+        let request = body(request)?;
+        let model = known_model(&service, request.model)?;
+        let text = request.prompt;
+        let tokens = with_instance(&service, move |s, options| {
+            s.host.tokenize_with_component(&s.component, &text, options)
+        })
+        .await?;
+        Ok::<_, ApiError>(serde_json::json!({
+            "count": tokens.len(),
+            "max_model_len": service.host.graph_context(&model),
+            "tokens": tokens,
+        }))
+    };
+    match answer.await {
+        Ok(value) => Json(value).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(
+    State(service): State<Arc<Service>>,
+    request: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Response {
+    let answer = async {
+        let request = body(request)?;
+        known_model(&service, request.model)?;
+        let ids = request.tokens;
+        let text = with_instance(&service, move |s, options| {
+            s.host
+                .detokenize_with_component(&s.component, &ids, options)
+        })
+        .await?;
+        Ok::<_, ApiError>(serde_json::json!({ "prompt": text }))
+    };
+    match answer.await {
+        Ok(value) => Json(value).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn models(State(service): State<Arc<Service>>) -> Response {
-    let data = service
+    let created = unix_seconds();
+    let data: Vec<serde_json::Value> = service
         .models
         .iter()
-        .map(|id| Model {
-            id,
-            object: "model",
-            owned_by: "wasi-nn-host",
+        .map(|id| {
+            serde_json::json!({
+                "id": id,
+                "object": "model",
+                "created": created,
+                "owned_by": "wasi-nn-host",
+                "max_model_len": service.host.graph_context(id),
+                "chat_template": service.config.chat_templates.contains_key(id),
+            })
         })
         .collect();
-    Json(ModelList {
-        object: "list",
-        data,
-    })
-    .into_response()
-}
-
-#[derive(serde::Serialize)]
-struct Health<'a> {
-    status: &'static str,
-    device: String,
-    graphs: &'a [String],
-    active: usize,
-    served: usize,
+    Json(serde_json::json!({ "object": "list", "data": data })).into_response()
 }
 
 async fn health(State(service): State<Arc<Service>>) -> Response {
-    Json(Health {
-        status: "ok",
-        device: format!("{:?}", service.host.device()).to_lowercase(),
-        graphs: &service.models,
-        active: service.active(),
-        served: service.served(),
-    })
+    Json(serde_json::json!({
+        "status": "ok",
+        "device": format!("{:?}", service.host.device()).to_lowercase(),
+        "graphs": service.models,
+        "active": service.active(),
+        "queued": service.queued(),
+        "served": service.served(),
+    }))
     .into_response()
+}
+
+async fn metrics_text() -> Response {
+    match metrics::render() {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            )],
+            text,
+        )
+            .into_response(),
+        Err(message) => ApiError::new(StatusCode::NOT_FOUND, "not_found", message).into_response(),
+    }
+}
+
+/// The demo page: plain HTML and JS, no build step.
+async fn page() -> Html<&'static str> {
+    Html(include_str!("page.html"))
 }

@@ -1,11 +1,13 @@
-//! The service's wire format: OpenAI-style completion requests and responses, their
-//! validation, and the JSON error body every 4xx and 5xx answer carries.
+//! The service's wire format: OpenAI-style completion and chat requests as vLLM and the
+//! llama.cpp server accept them, their validation into a [`Plan`], and the JSON error body
+//! every 4xx and 5xx answer carries.
 
-use crate::runtime::Sampling;
-use axum::http::StatusCode;
+use crate::runtime::{Prompt, Sampling};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// `stop` may be one string or several.
 #[derive(Deserialize)]
@@ -15,23 +17,84 @@ pub(crate) enum Stop {
     Many(Vec<String>),
 }
 
-/// The body of `POST /v1/completions`. Unknown fields are an error (clients learn that
-/// `best_of` or `n` are not offered instead of having them ignored).
+#[derive(Deserialize, Default)]
+pub(crate) struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+    /// vLLM's: usage on every chunk (accepted; only the final chunk carries it here).
+    #[serde(default, rename = "continuous_usage_stats")]
+    _continuous_usage_stats: Option<bool>,
+}
+
+/// The body of `POST /v1/completions`. Unknown fields are a 400 that names them; fields we
+/// don't implement (`suffix`, `best_of` above `n`) are accepted only with their neutral
+/// values.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CompletionRequest {
     model: Option<String>,
-    /// Any JSON value, so that a non-string is a clear 400 rather than a parse error.
-    prompt: serde_json::Value,
+    /// Any JSON value, so that a wrong shape is a clear 400 rather than a parse error.
+    prompt: Option<serde_json::Value>,
+    suffix: Option<String>,
     max_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    seed: Option<u64>,
-    stop: Option<Stop>,
+    n: Option<u32>,
     stream: Option<bool>,
-    /// Accepted and ignored, as OpenAI clients send it.
-    #[serde(default, rename = "user")]
+    stream_options: Option<StreamOptions>,
+    logprobs: Option<u32>,
+    echo: Option<bool>,
+    stop: Option<Stop>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    best_of: Option<u32>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    #[serde(rename = "user")]
     _user: Option<String>,
+    seed: Option<i64>,
+    // vLLM's extras
+    top_k: Option<i32>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    stop_token_ids: Option<Vec<u32>>,
+}
+
+/// A chat message; `content` is a string or a list of text parts.
+#[derive(Deserialize)]
+pub(crate) struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<serde_json::Value>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// The body of `POST /v1/chat/completions`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ChatRequest {
+    model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    n: Option<u32>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    stop: Option<Stop>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u32>,
+    #[serde(rename = "user")]
+    _user: Option<String>,
+    seed: Option<i64>,
+    top_k: Option<i32>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    stop_token_ids: Option<Vec<u32>>,
 }
 
 /// What the service accepts of a request, with its defaults.
@@ -42,20 +105,67 @@ pub(crate) struct Limits<'a> {
     pub models: &'a [String],
     /// Largest `max_tokens`.
     pub max_tokens: u32,
+    /// Most guests one request may run (`n` times the prompts).
+    pub max_choices: usize,
 }
 
-/// A validated request: which graph, what prompt, how to sample, how to answer.
-pub(crate) struct Job {
+/// The most alternatives `logprobs` may ask for.
+pub(crate) const MAX_LOGPROBS: u32 = 20;
+
+/// A validated request: which graph, what prompts, how to sample, how to answer.
+pub(crate) struct Plan {
     pub model: String,
-    pub prompt: String,
+    pub prompts: Vec<Prompt>,
+    /// Choices per prompt; choice `j` of prompt `i` has index `i * n + j` and seed `seed + j`.
+    pub n: u32,
     pub sampling: Sampling,
+    /// Whether the client set `max_tokens` (else it is 16, or less where the context ends
+    /// first).
+    pub max_tokens_explicit: bool,
     pub stream: bool,
+    pub include_usage: bool,
 }
 
-impl CompletionRequest {
-    /// Check every field and fill in the defaults (`max_tokens` 16, `temperature` 1,
-    /// `top_p` 1, `seed` 0, no stop strings, not streamed).
-    pub(crate) fn validate(self, limits: &Limits<'_>) -> Result<Job, ApiError> {
+/// The sampling fields completions and chat share.
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    n: Option<u32>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    stop: Option<Stop>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    seed: Option<i64>,
+    top_k: Option<i32>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    stop_token_ids: Option<Vec<u32>>,
+    logprobs: Option<u32>,
+    echo: bool,
+}
+
+fn in_range(
+    name: &str,
+    value: Option<f32>,
+    default: f32,
+    range: &str,
+    ok: bool,
+) -> Result<f32, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) if v.is_finite() && ok => Ok(v),
+        Some(v) => Err(ApiError::bad_request(format!(
+            "`{name}` must be {range}, got {v}"
+        ))),
+    }
+}
+
+impl Common {
+    fn plan(self, prompts: Vec<Prompt>, limits: &Limits<'_>) -> Result<Plan, ApiError> {
         let model = self
             .model
             .unwrap_or_else(|| limits.default_model.to_owned());
@@ -70,26 +180,65 @@ impl CompletionRequest {
                 ),
             ));
         }
-        let serde_json::Value::String(prompt) = self.prompt else {
-            return Err(ApiError::bad_request("`prompt` must be a string"));
-        };
         let max_tokens = self.max_tokens.unwrap_or(16);
-        if max_tokens == 0 || max_tokens > limits.max_tokens {
+        if max_tokens > limits.max_tokens || (max_tokens == 0 && !self.echo) {
             return Err(ApiError::bad_request(format!(
-                "`max_tokens` must be between 1 and {}",
+                "`max_tokens` must be between 1 and {} (0 only with `echo`)",
                 limits.max_tokens
             )));
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
-            return Err(ApiError::bad_request(
-                "`temperature` must be between 0 and 2",
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::bad_request("`top_p` must be in (0, 1]"));
-        }
+        let t = self.temperature;
+        let temperature = in_range(
+            "temperature",
+            t,
+            1.0,
+            "between 0 and 2",
+            t.is_some_and(|t| (0.0..=2.0).contains(&t)),
+        )?;
+        let p = self.top_p;
+        let top_p = in_range(
+            "top_p",
+            p,
+            1.0,
+            "in (0, 1]",
+            p.is_some_and(|p| p > 0.0 && p <= 1.0),
+        )?;
+        let m = self.min_p;
+        let min_p = in_range(
+            "min_p",
+            m,
+            0.0,
+            "in [0, 1]",
+            m.is_some_and(|m| (0.0..=1.0).contains(&m)),
+        )?;
+        let penalty = |name, v: Option<f32>| {
+            in_range(
+                name,
+                v,
+                0.0,
+                "between -2 and 2",
+                v.is_some_and(|v| (-2.0..=2.0).contains(&v)),
+            )
+        };
+        let presence_penalty = penalty("presence_penalty", self.presence_penalty)?;
+        let frequency_penalty = penalty("frequency_penalty", self.frequency_penalty)?;
+        let r = self.repetition_penalty;
+        let repetition_penalty = in_range(
+            "repetition_penalty",
+            r,
+            1.0,
+            "in (0, 10]",
+            r.is_some_and(|r| r > 0.0 && r <= 10.0),
+        )?;
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k >= 0 => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad_request(format!(
+                    "`top_k` must be -1 (off), 0 (off) or positive, got {k}"
+                )))
+            }
+        };
         let stop = match self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s],
@@ -100,65 +249,220 @@ impl CompletionRequest {
                 "`stop` takes up to 4 non-empty strings",
             ));
         }
-        Ok(Job {
+        let mut logit_bias = Vec::new();
+        for (key, bias) in self.logit_bias.unwrap_or_default() {
+            let id = key.parse::<u32>().map_err(|_| {
+                ApiError::bad_request(format!("`logit_bias`: `{key}` is not a token id"))
+            })?;
+            if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+                return Err(ApiError::bad_request(format!(
+                    "`logit_bias`: the bias of token {id} must be between -100 and 100, got {bias}"
+                )));
+            }
+            logit_bias.push((id, bias));
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return Err(ApiError::bad_request(format!(
+                "`logprobs` must be at most {MAX_LOGPROBS}, got {n}"
+            )));
+        }
+        let n = self.n.unwrap_or(1);
+        if n == 0 {
+            return Err(ApiError::bad_request("`n` must be at least 1"));
+        }
+        if prompts.is_empty() {
+            return Err(ApiError::bad_request("`prompt` is an empty list"));
+        }
+        let choices = prompts.len() * n as usize;
+        if choices > limits.max_choices {
+            return Err(ApiError::bad_request(format!(
+                "the request asks for {choices} completions (`n` {n} x {} prompts); this \
+                 service runs at most {} for one request",
+                prompts.len(),
+                limits.max_choices
+            )));
+        }
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        Ok(Plan {
             model,
-            prompt,
+            prompts,
+            n,
             sampling: Sampling {
                 max_tokens,
                 temperature,
-                top_k: 0,
+                top_k,
                 top_p,
-                seed: self.seed.unwrap_or(0),
+                // a negative seed keeps its bits
+                seed: self.seed.unwrap_or(0) as u64,
                 stop,
+                stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+                logit_bias,
+                presence_penalty,
+                frequency_penalty,
+                repetition_penalty,
+                min_p,
+                logprobs: self.logprobs,
+                echo: self.echo,
+                context_length: 0,
             },
-            stream: self.stream.unwrap_or(false),
+            max_tokens_explicit: self.max_tokens.is_some(),
+            stream,
+            include_usage,
         })
     }
 }
 
-/// A completion (`stream: false`) or one chunk of a streamed completion: OpenAI's
-/// `text_completion` object.
-#[derive(Serialize)]
-pub(crate) struct TextCompletion<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: &'a str,
-    pub choices: [Choice<'a>; 1],
-    /// On a completion and on the last chunk of a stream.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-    /// On a completion (not part of OpenAI's format).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub timings: Option<Timings>,
-}
-
-#[derive(Serialize)]
-pub(crate) struct Choice<'a> {
-    pub text: &'a str,
-    pub index: u32,
-    /// Always null: log probabilities are not offered.
-    pub logprobs: Option<()>,
-    /// `length`, `eos` or `stop` once finished; null on the chunks before.
-    pub finish_reason: Option<&'a str>,
-}
-
-/// Token counts, from the ids of the guest's completion.
-#[derive(Serialize)]
-pub(crate) struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub total_tokens: usize,
-}
-
-impl Usage {
-    pub(crate) fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
+/// The prompts of a completion request: a string, a list of strings, a list of token ids,
+/// or a list of such lists.
+fn prompts(prompt: Option<serde_json::Value>) -> Result<Vec<Prompt>, ApiError> {
+    use serde_json::Value;
+    let shape = "`prompt` must be a string, a list of strings, a list of token ids or a list \
+                 of lists of token ids";
+    let ids = |items: &[Value]| -> Option<Vec<u32>> {
+        items
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+            .collect()
+    };
+    match prompt {
+        None => Err(ApiError::bad_request("`prompt` is required")),
+        Some(Value::String(text)) => Ok(vec![Prompt::Text(text)]),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(ApiError::bad_request("`prompt` is an empty list"))
         }
+        Some(Value::Array(items)) => match &items[0] {
+            Value::String(_) => items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(text) => Ok(Prompt::Text(text)),
+                    _ => Err(ApiError::bad_request(shape)),
+                })
+                .collect(),
+            Value::Number(_) => ids(&items)
+                .map(|ids| vec![Prompt::Ids(ids)])
+                .ok_or_else(|| ApiError::bad_request(shape)),
+            Value::Array(_) => items
+                .iter()
+                .map(|v| {
+                    v.as_array()
+                        .and_then(|a| ids(a))
+                        .map(Prompt::Ids)
+                        .ok_or_else(|| ApiError::bad_request(shape))
+                })
+                .collect(),
+            _ => Err(ApiError::bad_request(shape)),
+        },
+        Some(_) => Err(ApiError::bad_request(shape)),
     }
+}
+
+impl CompletionRequest {
+    /// Check every field and fill in the defaults (OpenAI's: `max_tokens` 16, `temperature`
+    /// 1, `top_p` 1, `n` 1; `seed` 0; not streamed).
+    pub(crate) fn validate(self, limits: &Limits<'_>) -> Result<Plan, ApiError> {
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::bad_request(
+                "`suffix` is not supported: GPT-2 only continues text",
+            ));
+        }
+        let n = self.n.unwrap_or(1);
+        if self.best_of.is_some_and(|b| b != n) {
+            return Err(ApiError::bad_request(
+                "`best_of` is not supported (only `best_of` equal to `n`)",
+            ));
+        }
+        let prompts = prompts(self.prompt)?;
+        Common {
+            model: self.model,
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            n: self.n,
+            stream: self.stream,
+            stream_options: self.stream_options,
+            stop: self.stop,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias,
+            seed: self.seed,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            stop_token_ids: self.stop_token_ids,
+            logprobs: self.logprobs,
+            echo: self.echo.unwrap_or(false),
+        }
+        .plan(prompts, limits)
+    }
+}
+
+impl ChatRequest {
+    /// The model the request names (its template renders the prompt).
+    pub(crate) fn model<'a>(&'a self, limits: &'a Limits<'_>) -> &'a str {
+        self.model.as_deref().unwrap_or(limits.default_model)
+    }
+
+    /// Validate with `prompt`, the rendered conversation.
+    pub(crate) fn validate(self, prompt: String, limits: &Limits<'_>) -> Result<Plan, ApiError> {
+        if self.max_tokens.is_some() && self.max_completion_tokens.is_some() {
+            return Err(ApiError::bad_request(
+                "set `max_completion_tokens` or `max_tokens`, not both",
+            ));
+        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (true, n) => Some(n.unwrap_or(0)),
+            (false, None | Some(0)) => None,
+            (false, Some(_)) => {
+                return Err(ApiError::bad_request(
+                    "`top_logprobs` needs `logprobs: true`",
+                ))
+            }
+        };
+        Common {
+            model: self.model,
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            temperature: self.temperature,
+            top_p: self.top_p,
+            n: self.n,
+            stream: self.stream,
+            stream_options: self.stream_options,
+            stop: self.stop,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias,
+            seed: self.seed,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            stop_token_ids: self.stop_token_ids,
+            logprobs,
+            echo: false,
+        }
+        .plan(vec![Prompt::Text(prompt)], limits)
+    }
+}
+
+/// `POST /tokenize` (vLLM's shape).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: String,
+    /// Accepted: GPT-2 adds no special tokens.
+    #[serde(rename = "add_special_tokens")]
+    pub _add_special_tokens: Option<bool>,
+}
+
+/// `POST /detokenize` (vLLM's shape).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
 }
 
 /// How long a completion took, measured by the service (the component's completion carries
@@ -191,26 +495,15 @@ impl Timings {
     }
 }
 
-/// `GET /v1/models`.
-#[derive(Serialize)]
-pub(crate) struct ModelList<'a> {
-    pub object: &'static str,
-    pub data: Vec<Model<'a>>,
-}
-
-#[derive(Serialize)]
-pub(crate) struct Model<'a> {
-    pub id: &'a str,
-    pub object: &'static str,
-    pub owned_by: &'static str,
-}
-
-/// An OpenAI-style error answer: `{"error": {"message": ..., "type": ...}}` with a status.
+/// An OpenAI-style error answer: `{"error": {"message": ..., "type": ..., "code": ...}}`
+/// with a status.
 #[derive(Debug)]
 pub(crate) struct ApiError {
-    status: StatusCode,
+    pub status: StatusCode,
     kind: &'static str,
-    message: String,
+    pub message: String,
+    /// Seconds after which the client may retry (429 and 503).
+    retry_after: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -223,12 +516,17 @@ struct ErrorDetail<'a> {
     message: &'a str,
     #[serde(rename = "type")]
     kind: &'a str,
+    code: u16,
 }
 
 impl<'a> ErrorBody<'a> {
-    pub(crate) fn new(kind: &'a str, message: &'a str) -> Self {
+    pub(crate) fn new(kind: &'a str, message: &'a str, status: StatusCode) -> Self {
         Self {
-            error: ErrorDetail { message, kind },
+            error: ErrorDetail {
+                message,
+                kind,
+                code: status.as_u16(),
+            },
         }
     }
 }
@@ -239,6 +537,7 @@ impl ApiError {
             status,
             kind,
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -252,13 +551,41 @@ impl ApiError {
 
     /// 503: every instance slot is taken; the client may retry.
     pub(crate) fn busy(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message)
+        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message);
+        e.retry_after = Some(1);
+        e
+    }
+
+    /// 429: the queue is full.
+    pub(crate) fn too_many(message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message);
+        e.retry_after = Some(1);
+        e
+    }
+
+    pub(crate) fn unauthorized() -> Self {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong API key: send `Authorization: Bearer KEY`",
+        )
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody::new(self.kind, &self.message);
-        (self.status, Json(body)).into_response()
+        let body = ErrorBody::new(self.kind, &self.message, self.status);
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
     }
 }

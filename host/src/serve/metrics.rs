@@ -1,0 +1,100 @@
+//! `/metrics`: the service's counters, gauges and histograms through the `metrics` crate,
+//! rendered in Prometheus text format by `metrics-exporter-prometheus`.
+//!
+//! The recorder is process-wide: the first service installs it. An embedder that installed
+//! a recorder of its own gets the same metrics in it, and `/metrics` says so.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// HTTP requests answered, by route and status.
+pub(crate) const REQUESTS: &str = "wasi_nn_http_requests_total";
+/// Prompt tokens of the completions started.
+pub(crate) const PROMPT_TOKENS: &str = "wasi_nn_prompt_tokens_total";
+/// Tokens generated.
+pub(crate) const GENERATED_TOKENS: &str = "wasi_nn_generation_tokens_total";
+/// From a request's arrival to its first generated token.
+pub(crate) const TTFT: &str = "wasi_nn_time_to_first_token_seconds";
+/// Between consecutive tokens of one completion.
+pub(crate) const INTER_TOKEN: &str = "wasi_nn_inter_token_seconds";
+/// Guest instances generating now.
+pub(crate) const GUESTS_RUNNING: &str = "wasi_nn_guests_running";
+/// Requests waiting for guests.
+pub(crate) const QUEUED: &str = "wasi_nn_requests_queued";
+
+/// Seconds: 1 ms to 60 s.
+const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+];
+
+/// The handle of the recorder this process's services installed; `None` when another
+/// recorder was installed first.
+pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &BUCKETS)
+                .ok()?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            describe();
+            Some(handle)
+        })
+        .as_ref()
+}
+
+fn describe() {
+    metrics::describe_counter!(REQUESTS, "HTTP requests answered, by route and status");
+    metrics::describe_counter!(PROMPT_TOKENS, "prompt tokens of the completions started");
+    metrics::describe_counter!(GENERATED_TOKENS, "tokens generated");
+    metrics::describe_histogram!(
+        TTFT,
+        metrics::Unit::Seconds,
+        "from a request's arrival to its first generated token"
+    );
+    metrics::describe_histogram!(
+        INTER_TOKEN,
+        metrics::Unit::Seconds,
+        "between consecutive tokens of one completion"
+    );
+    metrics::describe_gauge!(GUESTS_RUNNING, "guest instances generating now");
+    metrics::describe_gauge!(QUEUED, "requests waiting for guests");
+}
+
+pub(crate) fn ttft(d: Duration) {
+    metrics::histogram!(TTFT).record(d.as_secs_f64());
+}
+
+pub(crate) fn inter_token(d: Duration) {
+    metrics::histogram!(INTER_TOKEN).record(d.as_secs_f64());
+}
+
+pub(crate) fn tokens(prompt: u32, generated: usize) {
+    metrics::counter!(PROMPT_TOKENS).increment(prompt as u64);
+    metrics::counter!(GENERATED_TOKENS).increment(generated as u64);
+}
+
+pub(crate) fn request(route: &str, status: u16) {
+    metrics::counter!(REQUESTS, "route" => route.to_owned(), "status" => status.to_string())
+        .increment(1);
+}
+
+pub(crate) fn guests_running(n: usize) {
+    metrics::gauge!(GUESTS_RUNNING).set(n as f64);
+}
+
+pub(crate) fn queued(n: usize) {
+    metrics::gauge!(QUEUED).set(n as f64);
+}
+
+/// The Prometheus text, or why there is none.
+pub(crate) fn render() -> Result<String, &'static str> {
+    let handle = handle().ok_or(
+        "another metrics recorder was installed in this process: the service's metrics go there",
+    )?;
+    handle.run_upkeep();
+    Ok(handle.render())
+}
