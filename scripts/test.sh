@@ -22,3 +22,5 @@ for line in sys.stdin:
         print(m["executable"])')
 target/release/wasi-nn-host run "$guest_tests"
 scripts/check-kernels.sh
+# the service through the official `openai` Python client, and the demo page in headless Chromium
+scripts/test-python.sh

@@ -227,6 +227,25 @@ fn bad_requests_get_clear_4xx_errors() {
             404,
             "gpt-4",
         ),
+        (serde_json::json!({ "prompt": "x", "foo": 1 }), 400, "foo"),
+        (
+            serde_json::json!({ "prompt": "x", "suffix": "y" }),
+            400,
+            "suffix",
+        ),
+        (
+            serde_json::json!({ "prompt": "x", "logprobs": 21 }),
+            400,
+            "logprobs",
+        ),
+        (serde_json::json!({ "prompt": "x", "n": 40 }), 400, "n"),
+        (
+            serde_json::json!({ "prompt": "x", "logit_bias": { "a": 1 } }),
+            400,
+            "logit_bias",
+        ),
+        (serde_json::json!({ "prompt": [] }), 400, "prompt"),
+        (serde_json::json!({ "prompt": [[1], "x"] }), 400, "prompt"),
     ];
     for (body, status, mention) in cases {
         let (got_status, got) = post(body.clone());

@@ -170,8 +170,11 @@ impl Service {
             .or_else(|| host.instance_pool().map(|p| p.max_instances as usize))
             .unwrap_or(64)
             .max(1);
-        // the recorder exists before the first request counts anything
+        // the recorder exists before the first request counts anything, and the gauges
+        // from the start
         metrics::handle();
+        metrics::guests_running(0);
+        metrics::queued(0);
         Ok(Arc::new(Self {
             host,
             component,
@@ -333,11 +336,14 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 /// The JSON body, or the rejection as an OpenAI-style error (413 for a body over the limit).
 fn body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     request.map(|Json(r)| r).map_err(|rejection| {
+        // a body over the limit stays a 413 and a wrong content type a 415; a body that is
+        // not JSON or does not fit the request (axum says 422 for that) is a 400, as OpenAI
+        // and vLLM answer it
         let status = rejection.status();
-        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "request_too_large"
-        } else {
-            "invalid_request_error"
+        let (status, kind) = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => (status, "request_too_large"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => (status, "invalid_request_error"),
+            _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
         };
         ApiError::new(status, kind, rejection.body_text())
     })
