@@ -29,6 +29,8 @@ options:
   --top-p P            nucleus sampling mass (default: 1.0)
   --seed S             sampling seed (default: 0)
   --stop TEXT          stop when TEXT appears (repeatable); <|endoftext|> always stops
+  --context N          the model's context in tokens (default: what the backend's output 3
+                       says; a generation that reaches it ends with `length`)
   --json               print one JSON line with ids, text and timings instead of streaming
   --stream-json        print each piece of text as a JSON line {\"text\": ...} as it is made,
                        then the --json line (for programs that stream to their callers)
@@ -46,6 +48,7 @@ struct Options {
     model: Option<String>,
     target: ExecutionTarget,
     max_tokens: usize,
+    context: Option<usize>,
     sampling: SamplingParams,
     stops: Vec<String>,
     json: bool,
@@ -65,6 +68,7 @@ fn parse_args() -> Result<Options, Error> {
         model: None,
         target: ExecutionTarget::CPU,
         max_tokens: 100,
+        context: None,
         sampling: SamplingParams::default(),
         stops: Vec::new(),
         json: false,
@@ -92,6 +96,7 @@ fn parse_args() -> Result<Options, Error> {
                 }
             }
             Long("max-tokens") => o.max_tokens = parser.value()?.parse()?,
+            Long("context") => o.context = Some(parser.value()?.parse()?),
             Long("temperature") => o.sampling.temperature = parser.value()?.parse()?,
             Long("top-k") => o.sampling.top_k = parser.value()?.parse()?,
             Long("top-p") => o.sampling.top_p = parser.value()?.parse()?,
@@ -241,6 +246,15 @@ impl<'g> Model<'g> {
         })
     }
 
+    /// The context length the backend reports (output 3), if it does.
+    fn context_length(&mut self) -> Option<usize> {
+        let mut n = [0i32; 1];
+        match self.context.get_output(3, &mut n) {
+            Ok(4) if n[0] > 0 => Some(n[0] as usize),
+            _ => None,
+        }
+    }
+
     fn set_tokens(&mut self, tokens: &[u32]) -> Result<(), String> {
         self.context
             .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
@@ -313,15 +327,17 @@ impl Forward for Model<'_> {
 
 fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     let prompt = options.prompt.as_deref().unwrap_or_default();
+    let graph = load_graph(options)?;
+    let mut model = Model::new(&graph, tokenizer.vocab_size())?;
     let params = GenerationParams {
         max_tokens: options.max_tokens,
         sampling: options.sampling,
         stops: options.stops.clone(),
+        // where the generation must end: told, or learned from the backend
+        context: options.context.or_else(|| model.context_length()),
         ..Default::default()
     };
     let mut generation = Generation::new(tokenizer, prompt, params)?;
-    let graph = load_graph(options)?;
-    let mut model = Model::new(&graph, tokenizer.vocab_size())?;
     if options.logits {
         let prompt_ids = generation.prompt_ids().to_vec();
         let logits = model.last_logits(&prompt_ids)?;

@@ -10,7 +10,9 @@
 //! - output 1 (only after input 1 was set): the logits of positions `logits_from..T`,
 //!   `F32 [1, T - logits_from, vocab]`, from one batched prefill;
 //! - output 2: the greedy next token, `I32 [1]`, the argmax of output 0 computed where the
-//!   logits are (on the GPU only 4 bytes come back).
+//!   logits are (on the GPU only 4 bytes come back);
+//! - output 3: the model's context length `n_ctx`, `I32 [1]`, at any time (a guest learns
+//!   where its generation must end).
 //!
 //! A graph holds the weights once (an [`Executor`], CPU or CUDA); every execution context
 //! holds its own KV cache (a [`Session`]); both devices share this contract. `compute` keeps
@@ -56,7 +58,7 @@ pub enum Gpt2Error {
     LogitsFromOutOfRange { from: i64, len: usize },
     #[error("no input {0}: this graph takes input 0 (token ids) and input 1 (logits_from)")]
     NoSuchInput(String),
-    #[error("no output {0}: this graph has outputs 0 (last logits), 1 (logits from logits_from) and 2 (argmax)")]
+    #[error("no output {0}: this graph has outputs 0 (last logits), 1 (logits from logits_from), 2 (argmax) and 3 (context length)")]
     NoSuchOutput(String),
     #[error("compute called before input 0 (token ids) was set")]
     NoInput,
@@ -448,6 +450,11 @@ impl Gpt2Context {
                     id.to_le_bytes().to_vec(),
                 ))
             }
+            3 => Ok(Tensor::new(
+                vec![1],
+                TensorType::I32,
+                (self.config.n_ctx as i32).to_le_bytes().to_vec(),
+            )),
             _ => Err(Gpt2Error::NoSuchOutput(index.to_string())),
         }
     }
@@ -512,6 +519,7 @@ fn output_index(id: &Id) -> Result<u32, Gpt2Error> {
             "logits" | "0" => Ok(0),
             "range_logits" | "1" => Ok(1),
             "next_token" | "2" => Ok(2),
+            "context_length" | "3" => Ok(3),
             other => Err(Gpt2Error::NoSuchOutput(other.to_owned())),
         },
     }

@@ -44,7 +44,7 @@
     (call $report (call $get_output (i32.load (i32.const 20)) (i32.const 0) (i32.const 1024) (i32.const 16) (i32.const 24))) ;; buffer too small
     (call $report (call $get_output (i32.load (i32.const 20)) (i32.const 0) (i32.const 1024) (i32.const 201028) (i32.const 24)))
     (call $report (i32.ne (i32.load (i32.const 24)) (i32.const 201028)))           ;; 0: all logits came back
-    (call $report (call $get_output (i32.load (i32.const 20)) (i32.const 3) (i32.const 1024) (i32.const 201028) (i32.const 24))) ;; no output 3
+    (call $report (call $get_output (i32.load (i32.const 20)) (i32.const 4) (i32.const 1024) (i32.const 201028) (i32.const 24))) ;; no output 4
     (call $report (call $load (i32.const 200) (i32.const 1) (i32.const 5) (i32.const 0) (i32.const 16))) ;; garbage model bytes
     (call $report (call $compute (i32.load (i32.const 20))))                        ;; still serving
     (i32.store8 (i32.add (i32.const 300) (global.get $n)) (i32.const 10))

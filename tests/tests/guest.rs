@@ -206,7 +206,11 @@ fn unknown_graph_and_bad_options_fail_cleanly_and_the_host_keeps_serving() {
     let long = "a ".repeat(200);
     let out = run(&["--graph", "tiny", "--max-tokens", "1", &long]);
     assert_eq!(out.exit_code, 1);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("set_input"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the prompt has 201 tokens; this model's context is 128"),
+        "{stderr}"
+    );
     let ok = run_json(&["--json", "--max-tokens", "2", "ROMEO:"]);
     assert_eq!(ids(&ok["ids"]).len(), 2);
 }
@@ -230,7 +234,7 @@ fn raw_witx_calls_with_bad_arguments_get_error_codes() {
     let codes = String::from_utf8(out.stdout).expect("ascii");
     // unknown name (unsupported-operation, as wasmtime maps it), load ok, init ok, compute
     // without input (runtime-error), F32 input, id >= vocab, id < 0 (runtime-error each),
-    // valid input, compute, too-small buffer (too-large), get_output, size check, no output 3,
+    // valid input, compute, too-small buffer (too-large), get_output, size check, no output 4,
     // garbage model bytes (runtime-error), compute again.
     assert_eq!(codes.trim_end(), "600555500700550");
 }
@@ -295,4 +299,30 @@ fn instance_limits_stop_runaway_guests() {
     // and the host still serves
     let ok = run_json(&["--json", "--max-tokens", "2", "ROMEO:"]);
     assert_eq!(ids(&ok["ids"]).len(), 2);
+}
+
+#[test]
+fn a_generation_that_reaches_the_context_ends_with_length_and_keeps_its_text() {
+    // " a" is one token: a 500-token prompt on a 512-token model
+    let prompt = " a".repeat(500);
+    let out = run_json(&["--json", "--max-tokens", "100", &prompt]);
+    assert_eq!(out["finish_reason"], "length");
+    assert_eq!(ids(&out["prompt_ids"]).len(), 500);
+    assert_eq!(
+        ids(&out["ids"]).len(),
+        12,
+        "up to the context learned from output 3"
+    );
+    assert!(!out["text"].as_str().unwrap_or_default().is_empty());
+    // a context given on the command line wins
+    let out = run_json(&["--json", "--context", "505", "--max-tokens", "100", &prompt]);
+    assert_eq!(ids(&out["ids"]).len(), 5);
+    // a prompt beyond the context: the message says it in user terms
+    let out = run(&["--json", &" a".repeat(600)]);
+    assert_ne!(out.exit_code, 0);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the prompt has 600 tokens; this model's context is 512"),
+        "{stderr}"
+    );
 }
