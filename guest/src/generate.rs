@@ -65,6 +65,8 @@ pub struct Generation {
     /// Whether the prompt's tokens are still to be scored (`echo` with `logprobs`).
     score_prompt: bool,
     prompt_logprobs: Vec<TokenLogprob>,
+    /// Whether [`Generation::take_fresh_logprobs`] has handed out the prompt's.
+    prompt_logprobs_taken: bool,
     /// Log probabilities of the generated tokens; `fresh` of them not yet taken.
     token_logprobs: Vec<TokenLogprob>,
     fresh: usize,
@@ -145,6 +147,7 @@ impl Generation {
             },
             score_prompt: params.echo && params.logprobs.is_some(),
             prompt_logprobs: Vec::new(),
+            prompt_logprobs_taken: false,
             token_logprobs: Vec::new(),
             fresh: 0,
             pending: None,
@@ -328,10 +331,17 @@ impl Generation {
     pub fn logprobs(&self) -> &[TokenLogprob] {
         &self.token_logprobs
     }
-    /// Log probabilities of the tokens generated since the last call.
-    pub fn take_fresh_logprobs(&mut self) -> &[TokenLogprob] {
+    /// Log probabilities of the tokens generated since the last call; the first call after
+    /// the prompt was scored (`echo` with `logprobs`) starts with the prompt's.
+    pub fn take_fresh_logprobs(&mut self) -> Vec<TokenLogprob> {
         let n = std::mem::take(&mut self.fresh);
-        &self.token_logprobs[self.token_logprobs.len() - n..]
+        let mut fresh = Vec::new();
+        if !self.prompt_logprobs_taken && !self.score_prompt {
+            self.prompt_logprobs_taken = true;
+            fresh.extend_from_slice(&self.prompt_logprobs);
+        }
+        fresh.extend_from_slice(&self.token_logprobs[self.token_logprobs.len() - n..]);
+        fresh
     }
     /// `length`, `eos` or `stop` once finished.
     pub fn finish_reason(&self) -> Option<&'static str> {

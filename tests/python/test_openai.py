@@ -91,6 +91,20 @@ class Completions(unittest.TestCase):
             extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [0]},
         )
         self.assertEqual([ch.text for ch in again.choices], [ch.text for ch in r.choices])
+        # streamed: every index's pieces and logprobs add up to the whole answer's
+        texts, tokens = ["", ""], [[], []]
+        for chunk in c.completions.create(
+            model="gpt2", prompt="JULIET:", max_tokens=12, temperature=0.8, top_p=0.95, n=2, seed=7,
+            stop=["\n\n"], presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"50256": -100},
+            logprobs=3, echo=True, stream=True, stream_options={"include_usage": True},
+            extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [0]},
+        ):
+            for ch in chunk.choices:
+                texts[ch.index] += ch.text
+                if ch.logprobs:
+                    tokens[ch.index] += ch.logprobs.tokens
+        self.assertEqual(texts, [ch.text for ch in r.choices])
+        self.assertEqual(tokens, [ch.logprobs.tokens for ch in r.choices])
 
     def test_prompt_lists_and_token_ids(self):
         c = client()

@@ -936,3 +936,47 @@ fn shutdown_lets_a_stream_in_flight_finish() {
         "no longer listening"
     );
 }
+
+#[test]
+fn streamed_logprobs_and_echo_equal_the_whole_answer() {
+    let body = serde_json::json!({ "prompt": ["ROMEO:", "JULIET:"], "n": 2, "max_tokens": 10,
+                                   "temperature": 0.7, "seed": 3, "logprobs": 2, "echo": true });
+    let (status, whole) = post(body.clone());
+    assert_eq!(status, 200, "{whole}");
+    let mut streamed = body;
+    streamed["stream"] = true.into();
+    let chunks = stream_chunks(server(), "/v1/completions", streamed);
+    for i in 0..4 {
+        let mut text = String::new();
+        let (mut tokens, mut values, mut offsets) = (Vec::new(), Vec::new(), Vec::new());
+        for c in &chunks {
+            let choice = &c["choices"][0];
+            if choice["index"] != i {
+                continue;
+            }
+            text.push_str(choice["text"].as_str().unwrap_or(""));
+            if let Some(lp) = choice["logprobs"].as_object() {
+                tokens.extend(lp["tokens"].as_array().expect("tokens").clone());
+                values.extend(lp["token_logprobs"].as_array().expect("values").clone());
+                offsets.extend(lp["text_offset"].as_array().expect("offsets").clone());
+            }
+        }
+        let want = &whole["choices"][i];
+        assert_eq!(text, want["text"].as_str().expect("text"), "choice {i}");
+        assert_eq!(
+            tokens,
+            *want["logprobs"]["tokens"].as_array().expect("tokens")
+        );
+        assert_eq!(
+            values,
+            *want["logprobs"]["token_logprobs"]
+                .as_array()
+                .expect("values")
+        );
+        assert_eq!(
+            offsets,
+            *want["logprobs"]["text_offset"].as_array().expect("offsets")
+        );
+        assert!(values[0].is_null(), "the prompt's first token has none");
+    }
+}

@@ -278,7 +278,7 @@ impl GuestGeneration for Generation {
         let Some(text) = generation.next(model, tokenizer)? else {
             return Ok(None);
         };
-        let logprobs = wit_logprobs(tokenizer, generation.take_fresh_logprobs());
+        let logprobs = wit_logprobs(tokenizer, &generation.take_fresh_logprobs());
         Ok(Some(Piece { text, logprobs }))
     }
 
