@@ -101,7 +101,8 @@ fn agent() -> ureq::Agent {
 /// Stream one greedy completion of `prompt`.
 fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &str) -> Result<Stream> {
     let mut body = serde_json::json!({ "prompt": prompt, "max_tokens": args.max_tokens,
-                                       "temperature": 0.0, "stream": true });
+                                       "temperature": 0.0, "stream": true,
+                                       "stream_options": { "include_usage": true } });
     if let Some(model) = &args.model {
         body["model"] = model.as_str().into();
     }
@@ -138,7 +139,7 @@ fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &str) -> Result<Stream> 
             bail!("server error: {data}");
         }
         if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
-            // The final chunk: no text, only the finish reason and the counts.
+            // The usage chunk after the last (`stream_options.include_usage`): the counts.
             tokens = Some(n as usize);
             if ttft.is_none() && n > 0 {
                 ttft = Some(now - sent);
