@@ -64,17 +64,40 @@ fn describe() {
     metrics::describe_gauge!(QUEUED, "requests waiting for guests");
 }
 
+/// The per-token metrics' handles, looked up once (not per token).
+struct Handles {
+    ttft: metrics::Histogram,
+    inter_token: metrics::Histogram,
+    prompt_tokens: metrics::Counter,
+    generated_tokens: metrics::Counter,
+}
+
+fn handles() -> &'static Handles {
+    static HANDLES: OnceLock<Handles> = OnceLock::new();
+    HANDLES.get_or_init(|| {
+        // the recorder first, so the handles are its
+        handle();
+        Handles {
+            ttft: metrics::histogram!(TTFT),
+            inter_token: metrics::histogram!(INTER_TOKEN),
+            prompt_tokens: metrics::counter!(PROMPT_TOKENS),
+            generated_tokens: metrics::counter!(GENERATED_TOKENS),
+        }
+    })
+}
+
 pub(crate) fn ttft(d: Duration) {
-    metrics::histogram!(TTFT).record(d.as_secs_f64());
+    handles().ttft.record(d.as_secs_f64());
 }
 
 pub(crate) fn inter_token(d: Duration) {
-    metrics::histogram!(INTER_TOKEN).record(d.as_secs_f64());
+    handles().inter_token.record(d.as_secs_f64());
 }
 
 pub(crate) fn tokens(prompt: u32, generated: usize) {
-    metrics::counter!(PROMPT_TOKENS).increment(prompt as u64);
-    metrics::counter!(GENERATED_TOKENS).increment(generated as u64);
+    let h = handles();
+    h.prompt_tokens.increment(prompt as u64);
+    h.generated_tokens.increment(generated as u64);
 }
 
 pub(crate) fn request(route: &str, status: u16) {

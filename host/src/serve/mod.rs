@@ -742,7 +742,7 @@ fn stream(
                             &piece.logprobs,
                             want_logprobs,
                         );
-                        st.queue.push_back(json_event(&chunk));
+                        st.queue.push_back(Event::default().data(chunk));
                     }
                 }
                 Some((index, Message::Done(completion, _))) => {

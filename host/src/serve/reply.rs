@@ -4,6 +4,7 @@
 
 use super::openai::Timings;
 use crate::runtime::{Completion, TokenLogprob};
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 /// Which API a reply speaks.
@@ -130,25 +131,42 @@ impl Reply {
         Value::Object(self.envelope(true, vec![choice]))
     }
 
-    /// A chunk with a piece of a choice's text and the log probabilities of its tokens.
+    /// A chunk with a piece of a choice's text and the log probabilities of its tokens, as
+    /// JSON text (the hot path of a stream: serialised straight from borrowed fields).
     pub fn piece_chunk(
         &mut self,
         index: usize,
         text: &str,
         entries: &[TokenLogprob],
         want_logprobs: bool,
-    ) -> Value {
+    ) -> String {
         let logprobs = self.logprobs(index, entries, want_logprobs);
-        let choice = match self.kind {
-            Kind::Text => json!({
-                "index": index, "text": text, "logprobs": logprobs, "finish_reason": null,
-            }),
-            Kind::Chat => json!({
-                "index": index, "delta": {"content": text}, "logprobs": logprobs,
-                "finish_reason": null,
-            }),
+        let chunk = |choice| PieceChunk {
+            id: &self.id,
+            object: self.object(true),
+            created: self.created,
+            model: &self.model,
+            choices: [choice],
         };
-        Value::Object(self.envelope(true, vec![choice]))
+        let choice = match self.kind {
+            Kind::Text => PieceChoice {
+                index,
+                text: Some(text),
+                delta: None,
+                logprobs,
+                finish_reason: None,
+            },
+            Kind::Chat => PieceChoice {
+                index,
+                text: None,
+                delta: Some(Delta { content: text }),
+                logprobs,
+                finish_reason: None,
+            },
+        };
+        serde_json::to_string(&chunk(choice)).unwrap_or_else(|e| {
+            json!({ "error": { "message": format!("cannot encode a chunk: {e}") } }).to_string()
+        })
     }
 
     /// The last chunk of a choice: its finish reason.
@@ -210,6 +228,31 @@ impl Reply {
         }
         Value::Object(object)
     }
+}
+
+#[derive(Serialize)]
+struct PieceChunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [PieceChoice<'a>; 1],
+}
+
+#[derive(Serialize)]
+struct PieceChoice<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    logprobs: Value,
+    finish_reason: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    content: &'a str,
 }
 
 /// The completions shape's `top_logprobs` entry: token -> logprob for the alternatives and
