@@ -4,6 +4,7 @@
 //! context and its own wasi-nn state (its own execution contexts and KV caches) over the
 //! host's shared graphs.
 
+use super::witx::WitxNn;
 use super::{
     arm_deadline, instantiate_error, store_limits, Host, HostError, OutputCallback, RunOptions,
     RunOutcome,
@@ -15,13 +16,11 @@ use wasmtime::{ExternType, InstancePre, Linker, Module, ModuleExport, Store, Sto
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
-use wasmtime_wasi_nn::witx::WasiNnCtx;
-use wasmtime_wasi_nn::{Backend, Registry};
 
 /// Per-instance state: the guest's WASI context and wasi-nn state.
 pub struct GuestState {
     wasi: WasiP1Ctx,
-    nn: WasiNnCtx,
+    nn: WitxNn,
     limits: StoreLimits,
 }
 
@@ -44,7 +43,7 @@ impl GuestModule {
 pub(crate) fn module_linker(engine: &wasmtime::Engine) -> wasmtime::Result<Linker<GuestState>> {
     let mut linker: Linker<GuestState> = Linker::new(engine);
     wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut GuestState| &mut s.wasi)?;
-    wasmtime_wasi_nn::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)?;
+    super::witx::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.nn)?;
     Ok(linker)
 }
 
@@ -171,10 +170,9 @@ impl Host {
                     message: format!("{e}"),
                 })?;
         }
-        let backends = [Backend::from(self.backend.clone())];
         let state = GuestState {
             wasi: wasi.build_p1(),
-            nn: WasiNnCtx::new(backends, Registry::from(self.graphs.clone())),
+            nn: WitxNn::new(self.backend.clone(), self.graphs.clone()),
             limits: store_limits(options),
         };
         let mut store = Store::new(&self.engine, state);
@@ -190,9 +188,8 @@ impl Host {
             .ok_or_else(|| HostError::Trap("`_start` is not a function".into()))?
             .typed::<(), ()>(&store)
             .map_err(|e| HostError::Trap(format!("`_start`: {e:?}")))?;
-        // wasmtime-wasi-nn 48 panics on some malformed guest pointers (its witx error
-        // conversion has `unimplemented!()` for guest-memory errors). The instance is thrown
-        // away either way; catching the panic keeps one bad guest from taking down the host.
+        // No host call should panic (wasi-nn's witx binding is ours and checks every guest
+        // pointer); should one still, the instance is thrown away and the host goes on.
         let start_latency = called.elapsed();
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
