@@ -50,7 +50,7 @@ type Outcome<T> = Result<T, Errno>;
 /// The code that fits a backend error.
 fn errno_of(e: &Gpt2Error) -> Errno {
     use Gpt2Error as G;
-    let code = match e {
+    match e {
         G::TooLong { .. } => Errno::TooLarge,
         G::Engine(EngineError::KvPoolFull { .. } | EngineError::OverCapacity { .. }) => {
             Errno::TooLarge
@@ -72,8 +72,7 @@ fn errno_of(e: &Gpt2Error) -> Errno {
         | G::NoInput
         | G::NotComputed(_)
         | G::NoAllLogits => Errno::InvalidArgument,
-    };
-    code
+    }
 }
 
 /// The code of an error that came back through wasmtime-wasi-nn's backend traits.
