@@ -87,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // One block per head: rescale each chunk by exp(m_chunk - M) and normalise.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_decode_combine(float* out, const float* partial, const int* pos_ptr, int hd, int max_chunks) {
-    extern __shared__ float weights[];  // [max_chunks]
+    extern __shared__ float weights[];  // [max_chunks, padded to a multiple of 8]
     __shared__ float scratch[32];
     pdl_launch_dependents();
     pdl_wait();
@@ -132,6 +132,8 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     __shared__ __align__(16) float acc_s[4 * DA_THREADS];  // [groups][hd], groups = DA_THREADS / (hd / 4)
     __shared__ float scratch[32];
     pdl_launch_dependents();
+    // every block of the cluster must have started before any writes into a peer's qkv_s
+    cluster_arrive_relaxed();
     float* xs = dyn;
     float* scores = dyn + c;
     u32 rank = cluster_rank();
@@ -143,6 +145,7 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     int rows = 3 * hd, per = (rows + n - 1) / n;
     int r0 = rank * per, r1 = min(rows, r0 + per);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    cluster_wait();
     for (int g = r0 + warp * DA_ROWS; g < r1; g += warps * DA_ROWS) {
         float acc[DA_ROWS];
         const W* wr[DA_ROWS];

@@ -241,6 +241,19 @@ __device__ __forceinline__ u32 cluster_blocks() {
 #endif
     return n;
 }
+// A cluster barrier split in two: arrive early, wait just before the first access to another
+// block's shared memory (a block may write into a peer's only once every block of the cluster
+// has started; compute-sanitizer's racecheck reports the writes otherwise).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");

@@ -102,10 +102,13 @@ impl Launcher {
         // partial buffer holds n_head * max_chunks * (hd + 2) floats.
         let mut args = kernel_args![&partial, &q, &k, &v, &pos, &c32, &hd32, &chunks32];
         unsafe { self.launch(&self.kernels.att_partial, grid, 1, &mut args, "attention") }?;
+        // The combine's weights, padded to whole groups of 8 floats: its unrolled loop reads
+        // them 16 bytes at a time, up to 3 floats past the last chunk (compute-sanitizer's
+        // memcheck found the reads out of bounds when chunks was not a multiple of 4).
         let grid = LaunchConfig {
             grid_dim: (cfg.n_head as u32, 1, 1),
             block_dim: (ATT_THREADS, 1, 1),
-            shared_mem_bytes: (chunks * 4) as u32,
+            shared_mem_bytes: (chunks.next_multiple_of(8) * 4) as u32,
         };
         let out = a.out.addr();
         // SAFETY: as above; out holds C floats.
