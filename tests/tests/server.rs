@@ -854,6 +854,9 @@ fn api_key_queue_and_body_limits() {
     // one guest at a time and no queue: a second request while a stream runs gets 429
     let address = s.url.trim_start_matches("http://").to_owned();
     let mut socket = std::net::TcpStream::connect(&address).expect("connect");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
     let long = r#"{"prompt":"ROMEO:","max_tokens":400,"temperature":0.9,"stream":true}"#;
     write!(
         socket,
@@ -900,6 +903,9 @@ fn shutdown_lets_a_stream_in_flight_finish() {
     });
     let server = std::thread::spawn(move || runtime.block_on(serving));
     let mut socket = std::net::TcpStream::connect(&address).expect("connect");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
     let body = r#"{"prompt":"ROMEO:","max_tokens":60,"temperature":0,"stream":true}"#;
     write!(
         socket,
@@ -978,5 +984,68 @@ fn streamed_logprobs_and_echo_equal_the_whole_answer() {
             *want["logprobs"]["text_offset"].as_array().expect("offsets")
         );
         assert!(values[0].is_null(), "the prompt's first token has none");
+    }
+}
+
+#[test]
+fn streams_past_the_shutdown_deadline_are_cancelled() {
+    let host = Arc::new(
+        HostBuilder::new(Device::Cpu)
+            .graph("gpt2", &shakespeare_dir())
+            .expect("model")
+            .build()
+            .expect("host"),
+    );
+    let component = host.load_component(&gpt2_component()).expect("component");
+    let config = ServiceConfig {
+        shutdown_grace: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let service = Service::new(host, component, config).expect("service");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = wasi_nn_host::serve::serve(listener, service.clone(), async {
+        let _ = stopped.await;
+    });
+    let server = std::thread::spawn(move || runtime.block_on(serving));
+    let mut socket = std::net::TcpStream::connect(&address).expect("connect");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    // 500 tokens take over a second on the CPU: well past the deadline
+    let body = r#"{"prompt":"ROMEO:","max_tokens":500,"temperature":0,"stream":true}"#;
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = socket.read(&mut buf).expect("read");
+        assert!(n > 0, "stream closed early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let signalled = Instant::now();
+    stop.send(()).expect("signal");
+    server.join().expect("server thread").expect("served");
+    let took = signalled.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "serve returned after {took:?}"
+    );
+    // the guest stops at its next token
+    let start = Instant::now();
+    while service.active() > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the guest still runs"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -209,6 +209,38 @@ mod tests {
     }
 
     #[test]
+    fn a_model_folder_brings_its_template_and_special_tokens() {
+        let dir = std::env::temp_dir().join(format!("chat-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        assert!(ChatTemplate::from_model_dir(&dir)
+            .expect("no file")
+            .is_none());
+        let config = serde_json::json!({
+            "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}",
+            "bos_token": "<s>",
+            "eos_token": { "content": "</s>", "lstrip": false },
+        });
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("write");
+        let template = ChatTemplate::from_model_dir(&dir)
+            .expect("reads")
+            .expect("has a template");
+        let prompt = template
+            .render(&[message("user", serde_json::json!("hi"))])
+            .expect("renders");
+        assert_eq!(prompt, "<s>hi</s>");
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            "{\"chat_template\": \"{% if %}\"}",
+        )
+        .expect("write");
+        assert!(
+            ChatTemplate::from_model_dir(&dir).is_err(),
+            "a broken template fails at start"
+        );
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    #[test]
     fn raise_exception_and_bad_parts_are_400s() {
         let template =
             ChatTemplate::new("{{ raise_exception('only user messages') }}").expect("parses");
