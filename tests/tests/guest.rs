@@ -329,3 +329,39 @@ fn a_generation_that_reaches_the_context_ends_with_length_and_keeps_its_text() {
         "{stderr}"
     );
 }
+
+#[test]
+fn an_instance_cannot_use_handles_it_did_not_make() {
+    let (host, module) = host();
+    let foreign = host
+        .load_module(&repo_root().join("tests/guests/witx_foreign_handles.wat"))
+        .expect("compile wat");
+    // another instance runs at the same time and holds contexts 0 and 1 of its own
+    std::thread::scope(|scope| {
+        let other = scope.spawn(|| {
+            let options = RunOptions {
+                args: vec!["--max-tokens".into(), "40".into(), "ROMEO:".into()],
+                capture: Some(1 << 20),
+                ..Default::default()
+            };
+            host.run(module, "gpt2.wasm", &options).expect("run")
+        });
+        let out = host
+            .run(
+                &foreign,
+                "foreign.wasm",
+                &RunOptions {
+                    capture: Some(1 << 16),
+                    ..Default::default()
+                },
+            )
+            .expect("run");
+        // init with graph handles 0..3, then set_input, compute, get_output with context
+        // handles 0..3: none of them is this instance's
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim_end(),
+            "1111".repeat(3)
+        );
+        assert_eq!(other.join().expect("other").exit_code, 0);
+    });
+}

@@ -1,0 +1,20 @@
+;; One short inference through the witx ABI, checked: load `gpt2` by name, make a context,
+;; run two tokens, read the greedy next token. Traps (unreachable) if any call fails.
+(module
+  (import "wasi_ephemeral_nn" "load_by_name" (func $load_by_name (param i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "init_execution_context" (func $init (param i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "set_input" (func $set_input (param i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "get_output" (func $get_output (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "gpt2")
+  (data (i32.const 32) "\01\00\00\00\02\00\00\00")
+  (data (i32.const 48) "\d0\01\00\00\da\0c\00\00")
+  (data (i32.const 80) "\20\00\00\00\02\00\00\00\04\00\00\00\30\00\00\00\08\00\00\00")
+  (func $ok (param i32) (if (local.get 0) (then unreachable)))
+  (func (export "_start")
+    (call $ok (call $load_by_name (i32.const 0) (i32.const 4) (i32.const 16)))
+    (call $ok (call $init (i32.load (i32.const 16)) (i32.const 20)))
+    (call $ok (call $set_input (i32.load (i32.const 20)) (i32.const 0) (i32.const 80)))
+    (call $ok (call $compute (i32.load (i32.const 20))))
+    (call $ok (call $get_output (i32.load (i32.const 20)) (i32.const 2) (i32.const 1024) (i32.const 4) (i32.const 24)))))
