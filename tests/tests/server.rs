@@ -129,6 +129,63 @@ fn stream_chunks(s: &Server, path: &str, body: serde_json::Value) -> Vec<serde_j
     panic!("stream ended without [DONE]");
 }
 
+/// A raw HTTP/1.1 streamed request on its own socket, read until the first event arrived:
+/// the socket (to read on or hang up) and what came so far. `key`: a bearer token.
+fn open_stream(address: &str, body: &str, key: Option<&str>) -> (std::net::TcpStream, Vec<u8>) {
+    let mut socket = std::net::TcpStream::connect(address).expect("connect");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let auth = key.map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = socket.read(&mut buf).expect("read");
+        assert!(n > 0, "stream closed early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (socket, seen)
+}
+
+/// A service with `config` on its own runtime thread, stopped by sending on the returned
+/// channel; the thread's result is `serve`'s.
+type Serving = std::thread::JoinHandle<Result<(), wasi_nn_host::serve::ServeError>>;
+fn serve_until_stopped(
+    config: ServiceConfig,
+) -> (
+    String,
+    Arc<Service>,
+    tokio::sync::oneshot::Sender<()>,
+    Serving,
+) {
+    let host = Arc::new(
+        HostBuilder::new(Device::Cpu)
+            .graph("gpt2", &shakespeare_dir())
+            .expect("model")
+            .build()
+            .expect("host"),
+    );
+    let component = host.load_component(&gpt2_component()).expect("component");
+    let service = Service::new(host, component, config).expect("service");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let address = listener.local_addr().expect("addr").to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = wasi_nn_host::serve::serve(listener, service.clone(), async {
+        let _ = stopped.await;
+    });
+    let server = std::thread::spawn(move || runtime.block_on(serving));
+    (address, service, stop, server)
+}
+
 /// What the CLI path (the guest run directly) prints for the same request.
 fn cli_json(args: &[&str]) -> serde_json::Value {
     let s = server();
@@ -288,22 +345,8 @@ fn a_client_that_disconnects_mid_stream_stops_its_instance() {
     let s = &start_server(&["gpt2"]);
     let before = s.service.active();
     let address = s.url.trim_start_matches("http://");
-    let mut socket = std::net::TcpStream::connect(address).expect("connect");
     let body = r#"{"prompt":"ROMEO:","max_tokens":500,"temperature":0.9,"stream":true}"#;
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    // read until the first piece arrives, then hang up
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !String::from_utf8_lossy(&seen).contains("data: ") {
-        let n = socket.read(&mut buf).expect("read");
-        assert!(n > 0, "stream closed early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (socket, _) = open_stream(address, body, None);
     assert!(s.service.active() > before, "an instance is running");
     drop(socket);
     let start = Instant::now();
@@ -853,24 +896,8 @@ fn api_key_queue_and_body_limits() {
     assert_eq!(status, 200, "health needs no key");
     // one guest at a time and no queue: a second request while a stream runs gets 429
     let address = s.url.trim_start_matches("http://").to_owned();
-    let mut socket = std::net::TcpStream::connect(&address).expect("connect");
-    socket
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
     let long = r#"{"prompt":"ROMEO:","max_tokens":400,"temperature":0.9,"stream":true}"#;
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\nauthorization: Bearer sesame\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{long}",
-        long.len()
-    )
-    .expect("send");
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !String::from_utf8_lossy(&seen).contains("data: ") {
-        let n = socket.read(&mut buf).expect("read");
-        assert!(n > 0, "stream closed early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (socket, _) = open_stream(&address, long, Some("sesame"));
     let (status, named, e) = call(&s, "/v1/completions", Some(body.clone()), &auth);
     assert_eq!(status, 429, "{e}");
     assert_eq!(named[1].as_deref(), Some("1"), "Retry-After");
@@ -883,43 +910,10 @@ fn api_key_queue_and_body_limits() {
 
 #[test]
 fn shutdown_lets_a_stream_in_flight_finish() {
-    let host = Arc::new(
-        HostBuilder::new(Device::Cpu)
-            .graph("gpt2", &shakespeare_dir())
-            .expect("model")
-            .build()
-            .expect("host"),
-    );
-    let component = host.load_component(&gpt2_component()).expect("component");
-    let service = Service::new(host, component, ServiceConfig::default()).expect("service");
-    let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
-    let address = listener.local_addr().expect("addr").to_string();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = wasi_nn_host::serve::serve(listener, service, async {
-        let _ = stopped.await;
-    });
-    let server = std::thread::spawn(move || runtime.block_on(serving));
-    let mut socket = std::net::TcpStream::connect(&address).expect("connect");
-    socket
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
+    let (address, _, stop, server) = serve_until_stopped(ServiceConfig::default());
     let body = r#"{"prompt":"ROMEO:","max_tokens":60,"temperature":0,"stream":true}"#;
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut seen = Vec::new();
+    let (mut socket, mut seen) = open_stream(&address, body, None);
     let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: ") {
-        let n = socket.read(&mut buf).expect("read");
-        assert!(n > 0, "stream closed early");
-        seen.extend_from_slice(&buf[..n]);
-    }
     stop.send(()).expect("signal");
     // the stream in flight runs to its end
     loop {
@@ -989,48 +983,14 @@ fn streamed_logprobs_and_echo_equal_the_whole_answer() {
 
 #[test]
 fn streams_past_the_shutdown_deadline_are_cancelled() {
-    let host = Arc::new(
-        HostBuilder::new(Device::Cpu)
-            .graph("gpt2", &shakespeare_dir())
-            .expect("model")
-            .build()
-            .expect("host"),
-    );
-    let component = host.load_component(&gpt2_component()).expect("component");
     let config = ServiceConfig {
         shutdown_grace: Duration::from_millis(200),
         ..Default::default()
     };
-    let service = Service::new(host, component, config).expect("service");
-    let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
-    let address = listener.local_addr().expect("addr").to_string();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = wasi_nn_host::serve::serve(listener, service.clone(), async {
-        let _ = stopped.await;
-    });
-    let server = std::thread::spawn(move || runtime.block_on(serving));
-    let mut socket = std::net::TcpStream::connect(&address).expect("connect");
-    socket
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
+    let (address, service, stop, server) = serve_until_stopped(config);
     // 500 tokens take over a second on the CPU: well past the deadline
     let body = r#"{"prompt":"ROMEO:","max_tokens":500,"temperature":0,"stream":true}"#;
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: ") {
-        let n = socket.read(&mut buf).expect("read");
-        assert!(n > 0, "stream closed early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (_socket, _) = open_stream(&address, body, None);
     let signalled = Instant::now();
     stop.send(()).expect("signal");
     server.join().expect("server thread").expect("served");

@@ -316,6 +316,33 @@ impl Common {
     }
 }
 
+/// The [`Common`] fields of a request (completions and chat name them alike), with the
+/// three that differ given.
+macro_rules! common {
+    ($r:ident, $max_tokens:expr, $logprobs:expr, $echo:expr) => {
+        Common {
+            model: $r.model,
+            max_tokens: $max_tokens,
+            temperature: $r.temperature,
+            top_p: $r.top_p,
+            n: $r.n,
+            stream: $r.stream,
+            stream_options: $r.stream_options,
+            stop: $r.stop,
+            presence_penalty: $r.presence_penalty,
+            frequency_penalty: $r.frequency_penalty,
+            logit_bias: $r.logit_bias,
+            seed: $r.seed,
+            top_k: $r.top_k,
+            min_p: $r.min_p,
+            repetition_penalty: $r.repetition_penalty,
+            stop_token_ids: $r.stop_token_ids,
+            logprobs: $logprobs,
+            echo: $echo,
+        }
+    };
+}
+
 /// The prompts of a completion request: a string, a list of strings, a list of token ids,
 /// or a list of such lists.
 fn prompts(prompt: Option<serde_json::Value>) -> Result<Vec<Prompt>, ApiError> {
@@ -376,27 +403,8 @@ impl CompletionRequest {
             ));
         }
         let prompts = prompts(self.prompt)?;
-        Common {
-            model: self.model,
-            max_tokens: self.max_tokens,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            n: self.n,
-            stream: self.stream,
-            stream_options: self.stream_options,
-            stop: self.stop,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            logit_bias: self.logit_bias,
-            seed: self.seed,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            stop_token_ids: self.stop_token_ids,
-            logprobs: self.logprobs,
-            echo: self.echo.unwrap_or(false),
-        }
-        .plan(prompts, limits)
+        let echo = self.echo.unwrap_or(false);
+        common!(self, self.max_tokens, self.logprobs, echo).plan(prompts, limits)
     }
 }
 
@@ -422,27 +430,8 @@ impl ChatRequest {
                 ))
             }
         };
-        Common {
-            model: self.model,
-            max_tokens: self.max_completion_tokens.or(self.max_tokens),
-            temperature: self.temperature,
-            top_p: self.top_p,
-            n: self.n,
-            stream: self.stream,
-            stream_options: self.stream_options,
-            stop: self.stop,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            logit_bias: self.logit_bias,
-            seed: self.seed,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            stop_token_ids: self.stop_token_ids,
-            logprobs,
-            echo: false,
-        }
-        .plan(vec![Prompt::Text(prompt)], limits)
+        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        common!(self, max_tokens, logprobs, false).plan(vec![Prompt::Text(prompt)], limits)
     }
 }
 
