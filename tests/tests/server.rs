@@ -149,6 +149,11 @@ fn open_stream(address: &str, body: &str, key: Option<&str>) -> (std::net::TcpSt
         let n = socket.read(&mut buf).expect("read");
         assert!(n > 0, "stream closed early");
         seen.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        assert!(
+            !text.contains("\r\n\r\n") || text.starts_with("HTTP/1.1 200"),
+            "not a stream: {text}"
+        );
     }
     (socket, seen)
 }

@@ -462,7 +462,6 @@ fn spawn_task(
     let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || {
         let _span = span.enter();
-        let _permit = permit;
         let service = &running.0;
         let send = |message| {
             // the receiver may be gone; then nobody needs the answer
@@ -529,8 +528,10 @@ fn spawn_task(
             Err(e @ HostError::Busy { .. }) => Some(Message::Busy(e.to_string())),
             Err(e) => Some(Message::Failed(e.to_string())),
         };
-        // Counted as finished before the client can see the answer.
+        // Counted as finished, and its place given back, before the client can see the
+        // answer (a client's next request must find the place free).
         drop(running);
+        drop(permit);
         if let Some(message) = message {
             send(message);
         }
