@@ -271,6 +271,10 @@ pub struct BatchCheckReport {
     /// The context sent an id outside the vocabulary mid-run: it got an error, and the
     /// others' results did not change.
     pub bad_id_refused: bool,
+    /// Steps of the shared run that were run ahead and taken (the guessed token came), and
+    /// those whose guess was wrong.
+    pub ahead_hits: u64,
+    pub ahead_misses: u64,
     pub tolerance: f32,
     pub passed: bool,
 }
@@ -278,7 +282,11 @@ pub struct BatchCheckReport {
 /// Greedy steps of `streams` contexts (distinct prompts of different lengths) stepping
 /// together, each step one shared batched step (a barrier per step), against the CPU
 /// reference and against each context run alone. Context 0 also sends an id outside the
-/// vocabulary halfway: it must get an error for that call alone.
+/// vocabulary halfway: it must get an error for that call alone. The contexts read their
+/// logits every third step and at their last, only the argmax otherwise (so most shared
+/// steps are run ahead); context 1 sends another token than its argmax about a third of the way
+/// (the step run ahead for it is wrong), and context 2 stops halfway (dropped while a step
+/// run ahead for it may be under way).
 pub fn compare_batched(
     name: &str,
     weights: Gpt2Weights,
@@ -301,32 +309,66 @@ pub fn compare_batched(
     };
     let cpu = CpuExecutor::reference(Arc::new(reference));
     let gpu = gpu_executor(&weights, dtype)?;
-    type Run = (Vec<u32>, Vec<Vec<f32>>, usize, bool);
-    // one context: its prompt, then greedy steps (with `barrier`, in step with the others)
+    type Run = (Vec<u32>, Vec<Option<Vec<f32>>>, usize, bool);
+    // one context: its prompt, then greedy steps (with `barrier`, in step with the others;
+    // after an error it keeps meeting the barrier, so the others never wait for it in vain)
     let run = |i: usize, barrier: Option<&std::sync::Barrier>| -> Result<Run, EngineError> {
-        let mut s = gpu.new_session()?;
-        s.extend(&prompts[i], false)?;
+        let mut session = Some(gpu.new_session()?);
         let (mut ids, mut logits, mut disagree, mut refused) = (Vec::new(), Vec::new(), 0, false);
-        for step in 0..steps {
+        let mut failure = None;
+        let stop = if i == 2 { steps / 2 } else { steps };
+        for step in 0..=steps {
             if let Some(b) = barrier {
                 b.wait();
             }
-            let next = s.argmax()?;
-            if i == 0 && step == steps / 2 && barrier.is_some() {
-                refused = s.extend(&[cfg.vocab_size as u32], false).is_err();
+            if step == stop || failure.is_some() {
+                session = None;
             }
-            s.extend(&[next], false)?;
-            let l = s.last_logits()?;
-            disagree += usize::from(s.argmax()? != argmax(&l));
-            ids.push(next);
-            logits.push(l);
+            let Some(s) = session.as_mut() else {
+                continue;
+            };
+            let mut one_step = || -> Result<(), EngineError> {
+                if step == 0 {
+                    return s.extend(&prompts[i], false);
+                }
+                let mut next = s.argmax()?;
+                // a step run ahead (the logits of two steps before were not read), with the
+                // wrong guess
+                if i == 1 && step == steps / 9 * 3 + 2 {
+                    next = (next + 1) % cfg.vocab_size as u32;
+                }
+                if i == 0 && step == steps / 2 && barrier.is_some() {
+                    refused = s.extend(&[cfg.vocab_size as u32], false).is_err();
+                }
+                s.extend(&[next], false)?;
+                let read = step % 3 == 2 || step + 1 == stop;
+                let l = match read {
+                    true => Some(s.last_logits()?),
+                    false => None,
+                };
+                if let Some(l) = &l {
+                    disagree += usize::from(s.argmax()? != argmax(l));
+                }
+                ids.push(next);
+                logits.push(l);
+                Ok(())
+            };
+            if let Err(e) = one_step() {
+                failure = Some(EngineError::device(format!(
+                    "context {i}, step {step}: {e}"
+                )));
+            }
         }
-        Ok((ids, logits, disagree, refused))
+        match failure {
+            Some(e) => Err(e),
+            None => Ok((ids, logits, disagree, refused)),
+        }
     };
     let alone: Vec<Run> = (0..streams)
         .map(|i| run(i, None))
         .collect::<Result<_, _>>()?;
     let (steps_before, _, _) = gpu.batch_stats();
+    let counts_before = gpu.batch_counts().unwrap_or_default();
     let barrier = std::sync::Barrier::new(streams);
     let together: Vec<Result<Run, EngineError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..streams)
@@ -344,6 +386,10 @@ pub fn compare_batched(
             .collect()
     });
     let (steps_after, _, largest) = gpu.batch_stats();
+    let counts = gpu.batch_counts().unwrap_or_default();
+    let ahead_hits = counts.ahead_hits - counts_before.ahead_hits;
+    let ahead_misses = counts.ahead_misses - counts_before.ahead_misses;
+    let run_ahead = std::env::var_os("WASI_NN_HOST_NO_RUN_AHEAD").is_none();
     let (mut decode_error, mut alone_error, mut ids_differ, mut disagree) = (0.0f32, 0.0f32, 0, 0);
     let mut bad_id_refused = false;
     for (i, result) in together.into_iter().enumerate() {
@@ -352,13 +398,17 @@ pub fn compare_batched(
         disagree += d;
         ids_differ += usize::from(ids != alone[i].0);
         for (a, b) in logits.iter().zip(&alone[i].1) {
-            alone_error = alone_error.max(scaled_error(a, b));
+            if let (Some(a), Some(b)) = (a, b) {
+                alone_error = alone_error.max(scaled_error(a, b));
+            }
         }
         let mut c = cpu.new_session()?;
         c.extend(&prompts[i], false)?;
         for (id, l) in ids.iter().zip(&logits) {
             c.extend(&[*id], false)?;
-            decode_error = decode_error.max(scaled_error(l, &c.last_logits()?));
+            if let Some(l) = l {
+                decode_error = decode_error.max(scaled_error(l, &c.last_logits()?));
+            }
         }
     }
     Ok(BatchCheckReport {
@@ -372,8 +422,11 @@ pub fn compare_batched(
         argmax_disagree: disagree,
         largest_step: largest,
         bad_id_refused,
+        ahead_hits,
+        ahead_misses,
         tolerance,
         passed: decode_error <= tolerance
+            && (streams < 3 || !run_ahead || ahead_hits > 0)
             && alone_error <= tolerance
             && ids_differ == 0
             && disagree == 0

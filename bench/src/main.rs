@@ -92,6 +92,10 @@ enum Command {
         prompt: usize,
         #[arg(long, default_value_t = 64)]
         steps: usize,
+        /// Only the checks of contexts sharing batched steps (no kernel or one-context
+        /// model checks).
+        #[arg(long)]
+        batched_only: bool,
     },
 }
 
@@ -143,7 +147,8 @@ fn main() -> Result<()> {
             models,
             prompt,
             steps,
-        } => check_cuda(&models, prompt, steps)?,
+            batched_only,
+        } => check_cuda(&models, prompt, steps, batched_only)?,
         Command::Startup {
             modules,
             runs,
@@ -385,10 +390,61 @@ fn startup(
     Ok(())
 }
 
-fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> {
+fn check_cuda(
+    models: &[String],
+    prompt_len: usize,
+    steps: usize,
+    batched_only: bool,
+) -> Result<()> {
     use wasi_nn_bench::checks;
     println!("GPU: {}", wasi_nn_host::cuda::describe()?);
     let seed = std::process::id() as u64;
+    let (mut failed, mut total) = match batched_only {
+        true => (0, 0),
+        false => one_context_checks(models, prompt_len, steps, seed)?,
+    };
+    // contexts sharing batched steps: an awkward small model and each model asked for
+    let mut batched = checks::batched_sweep(seed)?;
+    for spec in models {
+        let weights = model::load_spec(spec)?;
+        batched.push(checks::compare_batched(
+            spec,
+            weights.clone(),
+            GpuDtype::F32,
+            6,
+            steps,
+            1e-3,
+        )?);
+        batched.push(checks::compare_batched(
+            spec,
+            weights,
+            GpuDtype::Bf16,
+            6,
+            steps,
+            5e-2,
+        )?);
+    }
+    for r in &batched {
+        println!("{}", serde_json::to_string(r)?);
+        failed += usize::from(!r.passed);
+    }
+    total += batched.len();
+    if failed > 0 {
+        bail!("{failed} of {total} GPU checks failed");
+    }
+    println!("all {total} GPU checks passed");
+    Ok(())
+}
+
+/// The kernel checks (any failure stops here), then the one-context model checks:
+/// (failed, run) of the latter.
+fn one_context_checks(
+    models: &[String],
+    prompt_len: usize,
+    steps: usize,
+    seed: u64,
+) -> Result<(usize, usize)> {
+    use wasi_nn_bench::checks;
     let mut kernel_failures = 0;
     let kernel_reports = wasi_nn_bench::kernels::run(seed)?;
     for r in &kernel_reports {
@@ -428,37 +484,7 @@ fn check_cuda(models: &[String], prompt_len: usize, steps: usize) -> Result<()> 
         println!("{}", serde_json::to_string(r)?);
         failed += usize::from(!r.passed);
     }
-    // contexts sharing batched steps: an awkward small model and each model asked for
-    let mut batched = checks::batched_sweep(seed)?;
-    for spec in models {
-        let weights = model::load_spec(spec)?;
-        batched.push(checks::compare_batched(
-            spec,
-            weights.clone(),
-            GpuDtype::F32,
-            6,
-            steps,
-            1e-3,
-        )?);
-        batched.push(checks::compare_batched(
-            spec,
-            weights,
-            GpuDtype::Bf16,
-            6,
-            steps,
-            5e-2,
-        )?);
-    }
-    for r in &batched {
-        println!("{}", serde_json::to_string(r)?);
-        failed += usize::from(!r.passed);
-    }
-    let total = reports.len() + batched.len();
-    if failed > 0 {
-        bail!("{failed} of {total} GPU checks failed");
-    }
-    println!("all {total} GPU checks passed");
-    Ok(())
+    Ok((failed, reports.len()))
 }
 
 /// `n` threads, each a context with its own prompt, all stepping greedily at once.
@@ -503,7 +529,7 @@ fn concurrent_streams(
     let b = executor.batch_counts().unwrap_or_default();
     let line = serde_json::json!({
         "batched_steps_so_far": b.steps, "mean_step_items": b.items as f64 / b.steps.max(1) as f64, "largest_step": b.largest,
-        "mean_step_ms": b.step_seconds * 1e3 / b.steps.max(1) as f64, "gather_s_so_far": b.gather_seconds, "step_s_so_far": b.step_seconds,
+        "mean_step_ms": b.step_seconds * 1e3 / b.steps.max(1) as f64, "gather_s_so_far": b.gather_seconds, "step_s_so_far": b.step_seconds, "ahead_hits_so_far": b.ahead_hits, "ahead_misses_so_far": b.ahead_misses,
         "what": "streams", "model": spec, "streams": n, "prompt_tokens": prompt_len, "steps": steps,
         "seconds": seconds, "tokens_per_s": (n * steps) as f64 / seconds,
         "stream_ms_per_token_median": median(ms_per_token),

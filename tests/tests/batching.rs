@@ -302,3 +302,106 @@ fn concurrent_guests_get_their_single_stream_texts() {
     });
     assert_eq!(together, alone);
 }
+
+/// A model whose step only counts positions, taking about `step_us`: for the batcher's
+/// scheduling alone.
+struct Counting {
+    step_us: u64,
+}
+
+struct Positions(usize);
+
+impl SeqState for Positions {
+    fn len(&self) -> usize {
+        self.0
+    }
+    fn truncate(&mut self, len: usize) {
+        self.0 = self.0.min(len);
+    }
+    fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(vec![self.0 as f32])
+    }
+    fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(vec![self.0 as f32])
+    }
+    fn argmax(&self) -> Result<u32, EngineError> {
+        Ok(self.0 as u32)
+    }
+}
+
+impl BatchModel for Counting {
+    type Seq = Positions;
+    fn new_seq(&self) -> Result<Positions, EngineError> {
+        Ok(Positions(0))
+    }
+    fn step(&self, items: &mut [StepItem<'_, Positions>]) {
+        let until = std::time::Instant::now() + std::time::Duration::from_micros(self.step_us);
+        while std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        for item in items.iter_mut() {
+            if item.tokens.contains(&u32::MAX) {
+                item.error = Some(EngineError::device("refused"));
+            } else {
+                item.seq.0 += item.tokens.len();
+            }
+        }
+    }
+}
+
+#[test]
+fn contexts_in_lockstep_never_wait_for_each_other_forever() {
+    // Contexts that step together (a barrier between steps), one of them now and then
+    // sending a refused call and then its step alone, and one leaving halfway: the pattern
+    // that once left a context parked with no one to wake it (the gatherer's own request was
+    // taken by another step while a third context waited behind it). Every context must
+    // finish; a watchdog turns a lost wake-up into a failure instead of a hung test.
+    use wasi_nn_host::engine::batch::Batcher;
+    const CONTEXTS: usize = 6;
+    const STEPS: usize = 1500;
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let batcher = Batcher::new(Counting { step_us: 30 }, 128);
+        let barrier = Barrier::new(CONTEXTS);
+        let lens: Vec<usize> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..CONTEXTS)
+                .map(|i| {
+                    let (batcher, barrier) = (&batcher, &barrier);
+                    scope.spawn(move || {
+                        let mut session = Some(batcher.session().expect("session"));
+                        let mut len = 0;
+                        for step in 0..STEPS {
+                            barrier.wait();
+                            if i == 2 && step == STEPS / 2 {
+                                session = None;
+                            }
+                            let Some(s) = session.as_mut() else { continue };
+                            let tokens: Vec<u32> = match step {
+                                0 => vec![1; 3 + i],
+                                _ => vec![1],
+                            };
+                            if i == 0 && step % 7 == 3 {
+                                assert!(s.extend(&[u32::MAX], false).is_err());
+                            }
+                            s.extend(&tokens, false).expect("step");
+                            len = s.len();
+                        }
+                        len
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("context"))
+                .collect()
+        });
+        let _ = done.send(lens);
+    });
+    let lens = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("every context finishes (a context waited forever for a step)");
+    for (i, len) in lens.iter().enumerate() {
+        let steps = if i == 2 { STEPS / 2 } else { STEPS };
+        assert_eq!(*len, 3 + i + steps - 1, "context {i}");
+    }
+}

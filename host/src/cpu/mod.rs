@@ -356,7 +356,7 @@ impl Executor for CpuExecutor {
     }
     fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
         match &self.engine {
-            CpuEngine::Batched(b) => Some(b.stats().counts()),
+            CpuEngine::Batched(b) => Some(b.counts()),
             CpuEngine::Reference(_) => None,
         }
     }

@@ -15,6 +15,17 @@
 //! rows touch no cache and no output). Contexts never see each other's caches: a row's
 //! addresses come from its own session, set by the step.
 //!
+//! **Running ahead.** While the guests of a step's contexts turn its results into their next
+//! call, the GPU would sit idle. So at the end of a step, the contexts whose guests only
+//! read the argmax (greedy guests; a guest that read logits after its last step is left
+//! out) get their next step launched at once, with that argmax as their token: each row
+//! writes its own context's cache at the next position and its logits into the session's
+//! other logits buffer, so nothing the guest can still read changes. When a context comes
+//! back with exactly that token at that position, its step is already done (or under way):
+//! it takes the results and the buffers change roles. Any other call runs as usual and
+//! overwrites the guessed position; a step always waits for the work run ahead before it
+//! launches anything, and a context dropped while it is under way waits for it too.
+//!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
 //! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.
@@ -33,7 +44,9 @@ use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Most rows of one batched pass (a step with more runs several, in order).
 pub const MAX_ROWS: usize = 256;
@@ -66,19 +79,71 @@ fn head_ld(vocab: usize) -> usize {
     vocab.div_ceil(8) * 8
 }
 
-/// Sessions not in use, and the pool their KV caches are reserved from.
+/// Sessions not in use, and the pool their KV caches are reserved from; what contexts share
+/// beyond a step (the work run ahead, the batched step's stream).
 struct Idle {
     sessions: Mutex<Vec<CudaSession>>,
     max_idle: usize,
     pool: Arc<KvPool>,
     /// KV bytes of one session.
     session_bytes: usize,
+    /// Steps run ahead (see the module docs). Lock order: `ahead`, then the step's buffers.
+    ahead: Mutex<Ahead>,
+    /// The batched step's stream, once made.
+    stream: OnceLock<Arc<CudaStream>>,
+    /// The next context's serial number.
+    serials: AtomicU64,
+}
+
+impl Idle {
+    fn ahead(&self) -> MutexGuard<'_, Ahead> {
+        // plain bookkeeping, consistent even if a holder panicked
+        self.ahead.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A row of a step run ahead: which context, at which position, with which token.
+struct AheadRow {
+    serial: u64,
+    position: usize,
+    token: u32,
+    /// The row of the batched pass.
+    row: usize,
+}
+
+/// A step run ahead that is launched and not yet waited for.
+struct InFlight {
+    rows: Vec<AheadRow>,
+    /// Rows of the pass (its argmax keys to read).
+    n: usize,
+    launched: Instant,
+}
+
+/// The result of a step run ahead for one context, kept until the context's next step.
+struct Guess {
+    position: usize,
+    token: u32,
+    argmax: u32,
+}
+
+#[derive(Default)]
+struct Ahead {
+    in_flight: Option<InFlight>,
+    ready: HashMap<u64, Guess>,
+    /// How long the last pass run ahead took on the GPU.
+    took: Duration,
+    /// Contexts that came back with the guessed token, and those that did not.
+    hits: u64,
+    misses: u64,
 }
 
 /// One context's state: its session, and its reservation in the pool (given back with it).
 pub struct CudaSeq {
     session: Option<CudaSession>,
     idle: Arc<Idle>,
+    serial: u64,
+    /// The guest read logits since the last step (it samples: no step is run ahead for it).
+    read_logits: AtomicBool,
 }
 
 impl CudaSeq {
@@ -97,6 +162,22 @@ impl CudaSeq {
 
 impl Drop for CudaSeq {
     fn drop(&mut self) {
+        {
+            // a step run ahead may still be writing this context's cache and logits
+            let mut ahead = self.idle.ahead();
+            ahead.ready.remove(&self.serial);
+            let running = ahead
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.rows.iter().any(|r| r.serial == self.serial));
+            if running {
+                let synced = self.idle.stream.get().map(|s| s.synchronize());
+                if !matches!(synced, Some(Ok(()))) {
+                    // not known to be done: the session is not reused
+                    self.session = None;
+                }
+            }
+        }
         self.idle.pool.release(self.idle.session_bytes);
         if let Some(mut session) = self.session.take() {
             // nothing of this sequence stays readable, nor in flight, when it is reused
@@ -123,9 +204,11 @@ impl SeqState for CudaSeq {
         }
     }
     fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
+        self.read_logits.store(true, Ordering::Relaxed);
         self.session()?.logits_now()
     }
     fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
+        self.read_logits.store(true, Ordering::Relaxed);
         self.session()?.all_logits_now()
     }
     fn argmax(&self) -> Result<u32, EngineError> {
@@ -226,6 +309,9 @@ impl CudaBatch {
                 max_idle,
                 pool,
                 session_bytes: capacity * per_position,
+                ahead: Mutex::new(Ahead::default()),
+                stream: OnceLock::new(),
+                serials: AtomicU64::new(0),
             }),
             buffers: Mutex::new(None),
             exec,
@@ -271,7 +357,9 @@ impl CudaBatch {
     fn buffers(&self) -> Result<MutexGuard<'_, Option<StepBuffers>>, EngineError> {
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
-            *guard = Some(StepBuffers::new(&self.exec)?);
+            let made = StepBuffers::new(&self.exec)?;
+            let _ = self.idle.stream.set(made.stream().clone());
+            *guard = Some(made);
         }
         Ok(guard)
     }
@@ -393,50 +481,48 @@ impl CudaBatch {
         l.batch_logits(t, head, ld, split)
     }
 
-    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
-    /// batched step, one row per token at its position; on success each session has its new
-    /// positions, its last row's logits and their argmax.
-    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
-        let n: usize = items.iter().map(|item| item.tokens.len()).sum();
+    /// Upload the table of `inputs` (at most [`MAX_ROWS`] rows together) and launch their
+    /// batched pass, one row per token at its position, without waiting for it; returns the
+    /// row of each input's last token.
+    fn launch_rows(
+        &self,
+        b: &mut StepBuffers,
+        inputs: &[Rows<'_>],
+    ) -> Result<(usize, Vec<usize>), EngineError> {
+        let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
         let padded = bucket(n);
-        let prompts = items.iter().any(|item| item.tokens.len() > 1);
-        let mut guard = self.buffers()?;
-        let b = guard
-            .as_mut()
-            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
         let mut ints = vec![0i32; 2 * MAX_ROWS];
         let mut addrs = vec![0u64; 3 * MAX_ROWS];
         ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
         let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
-        let mut last_rows = Vec::with_capacity(items.len());
-        for item in items.iter() {
-            let session = item.seq.session()?;
-            let (k, v, logits) = session.row_addresses();
-            for (i, &token) in item.tokens.iter().enumerate() {
+        let mut last_rows = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            for (i, &token) in input.tokens.iter().enumerate() {
                 ints[r] = token as i32;
-                ints[MAX_ROWS + r] = (session.len() + i) as i32;
-                addrs[r] = k;
-                addrs[MAX_ROWS + r] = v;
-                // logits for the item's last row only
-                if i + 1 == item.tokens.len() {
-                    addrs[2 * MAX_ROWS + r] = logits;
+                ints[MAX_ROWS + r] = (input.start + i) as i32;
+                addrs[r] = input.k;
+                addrs[MAX_ROWS + r] = input.v;
+                // logits for the input's last row only
+                if i + 1 == input.tokens.len() {
+                    addrs[2 * MAX_ROWS + r] = input.logits;
                     last_rows.push(r);
                 }
                 r += 1;
             }
-            layer_floats = session.layer_floats();
-            longest = longest.max(session.len() + item.tokens.len());
+            layer_floats = input.layer_floats;
+            longest = longest.max(input.start + input.tokens.len());
         }
         // a span of at most SPAN positions per block (short rows: one, and no combine pass)
         let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
         let key = (padded, splits, prompts);
         let stream = b.stream().clone();
-        let t0 = std::time::Instant::now();
+        let t0 = Instant::now();
         b.ints.write(&stream, 0, &ints)?;
         b.addrs.write(&stream, 0, &addrs)?;
         self.capture(b, key, layer_floats);
         let table = b.table(padded, layer_floats);
-        let t1 = std::time::Instant::now();
+        let t1 = Instant::now();
         let graphed = match b.graphs.get(&key).filter(|_| !b.graphs_failed) {
             Some(graph) => {
                 graph.launch().ctx("batched step")?;
@@ -447,14 +533,43 @@ impl CudaBatch {
                 false
             }
         };
-        let t2 = std::time::Instant::now();
-        let keys = b.keys.read(&stream, n)?;
         tracing::trace!(
             rows = n,
             graphed,
             upload_us = (t1 - t0).as_micros() as u64,
-            launch_us = (t2 - t1).as_micros() as u64,
-            wait_us = t2.elapsed().as_micros() as u64,
+            launch_us = t1.elapsed().as_micros() as u64,
+            "batched rows launched"
+        );
+        Ok((n, last_rows))
+    }
+
+    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
+    /// batched step; on success each session has its new positions, its last row's logits
+    /// and their argmax.
+    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
+        let mut inputs = Vec::with_capacity(items.len());
+        for item in items.iter() {
+            let session = item.seq.session()?;
+            let (k, v, logits) = session.row_addresses();
+            inputs.push(Rows {
+                k,
+                v,
+                logits,
+                start: session.len(),
+                tokens: item.tokens,
+                layer_floats: session.layer_floats(),
+            });
+        }
+        let mut guard = self.buffers()?;
+        let b = guard
+            .as_mut()
+            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        let started = Instant::now();
+        let (n, last_rows) = self.launch_rows(b, &inputs)?;
+        let keys = b.keys.read(b.stream(), n)?;
+        tracing::trace!(
+            rows = n,
+            wait_us = started.elapsed().as_micros() as u64,
             "batched rows"
         );
         for (item, row) in items.iter_mut().zip(last_rows) {
@@ -466,13 +581,113 @@ impl CudaBatch {
         }
         Ok(())
     }
+
+    /// Wait for the step run ahead, if one is under way, and keep its results for the
+    /// contexts' next steps.
+    fn resolve_ahead(&self, ahead: &mut Ahead) {
+        let Some(flight) = ahead.in_flight.take() else {
+            return;
+        };
+        let waited = Instant::now();
+        let keys = self.buffers().and_then(|mut guard| {
+            let b = guard
+                .as_mut()
+                .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+            Ok(b.keys.read(b.stream(), flight.n)?)
+        });
+        // the pass ended while we waited: its time is known
+        if waited.elapsed() > Duration::from_micros(20) {
+            ahead.took = flight.launched.elapsed();
+        }
+        match keys {
+            Ok(keys) => {
+                for r in flight.rows {
+                    let key = keys.get(r.row).copied().unwrap_or(0);
+                    let guess = Guess {
+                        position: r.position,
+                        token: r.token,
+                        argmax: argmax_row(key),
+                    };
+                    ahead.ready.insert(r.serial, guess);
+                }
+            }
+            Err(e) => tracing::warn!("a step run ahead failed: {e}"),
+        }
+    }
+
+    /// Launch the next step of `items[which]` now, each with its argmax as its token (see
+    /// the module docs); returns how many rows it runs.
+    fn launch_ahead(
+        &self,
+        ahead: &mut Ahead,
+        items: &[StepItem<'_, CudaSeq>],
+        which: &[usize],
+    ) -> Result<usize, EngineError> {
+        let mut tokens = Vec::with_capacity(which.len());
+        let mut sessions = Vec::with_capacity(which.len());
+        for &i in which.iter().take(MAX_ROWS) {
+            let seq = &*items[i].seq;
+            let session = seq.session()?;
+            tokens.push([session.argmax_now()?]);
+            sessions.push((seq.serial, session));
+        }
+        let inputs: Vec<Rows<'_>> = sessions
+            .iter()
+            .zip(&tokens)
+            .map(|((_, session), token)| {
+                let (k, v, _) = session.row_addresses();
+                Rows {
+                    k,
+                    v,
+                    logits: session.ahead_logits(),
+                    start: session.len(),
+                    tokens: token,
+                    layer_floats: session.layer_floats(),
+                }
+            })
+            .collect();
+        let mut guard = self.buffers()?;
+        let b = guard
+            .as_mut()
+            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        let launched = Instant::now();
+        let (n, last_rows) = self.launch_rows(b, &inputs)?;
+        let rows = sessions
+            .iter()
+            .zip(&tokens)
+            .zip(last_rows)
+            .map(|(((serial, session), token), row)| AheadRow {
+                serial: *serial,
+                position: session.len(),
+                token: token[0],
+                row,
+            })
+            .collect();
+        ahead.in_flight = Some(InFlight { rows, n, launched });
+        Ok(n)
+    }
+}
+
+/// One context's rows in a batched pass: its cache, where its last row's logits go, its
+/// first position and its tokens.
+struct Rows<'t> {
+    k: u64,
+    v: u64,
+    logits: u64,
+    start: usize,
+    tokens: &'t [u32],
+    layer_floats: usize,
 }
 
 impl BatchModel for CudaBatch {
     type Seq = CudaSeq;
-    /// A step is about a millisecond on the GPU; waking 64 sleeping threads took a third of
-    /// that (measured on the H200 machine), spinning ones come back at once.
-    const SPIN: std::time::Duration = std::time::Duration::from_millis(3);
+    /// Waiting contexts park at once unless `WASI_NN_HOST_SPIN_US` says otherwise: with 64
+    /// guests and the service on the 16 cores of the H200 machine, waiters that spun
+    /// (yielding) for 3 ms slowed the guests down more than they saved (33.9k against
+    /// 43.7k tokens/s).
+    fn spin(&self) -> std::time::Duration {
+        self.exec.gpu.tuning().spin
+    }
 
     fn new_seq(&self) -> Result<CudaSeq, EngineError> {
         let started = std::time::Instant::now();
@@ -499,11 +714,34 @@ impl BatchModel for CudaBatch {
         Ok(CudaSeq {
             session: Some(session),
             idle: self.idle.clone(),
+            serial: self.idle.serials.fetch_add(1, Ordering::Relaxed),
+            read_logits: AtomicBool::new(false),
         })
     }
 
     fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        // Whatever was run ahead is finished before anything else is launched; the contexts
+        // that came back with the guessed token take its results.
+        let mut ahead = self.idle.ahead();
+        self.resolve_ahead(&mut ahead);
+        let mut hit = vec![false; items.len()];
+        for (i, item) in items.iter_mut().enumerate() {
+            let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
+                continue;
+            };
+            let same = item.tokens == [guess.token]
+                && item.first_chunk
+                && !item.all_positions
+                && item.seq.len() == guess.position;
+            if let (true, Ok(session)) = (same, item.seq.session_mut()) {
+                session.advanced_ahead(guess.argmax);
+                hit[i] = true;
+                ahead.hits += 1;
+            } else {
+                ahead.misses += 1;
+            }
+        }
         // Long prompts (and prompts asking for every position's logits) start on their own
         // streams at once; decodes and short prompts go through the batched step, one row a
         // token (a short prompt always does, alone or not, so its logits don't depend on its
@@ -512,6 +750,9 @@ impl BatchModel for CudaBatch {
         let mut batched = Vec::new();
         let alone = items.len() == 1;
         for (i, item) in items.iter_mut().enumerate() {
+            if hit[i] {
+                continue;
+            }
             let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
             if let Err(e) = admitted {
                 item.error = Some(e);
@@ -566,20 +807,60 @@ impl BatchModel for CudaBatch {
                 }
                 start = end;
             }
-            tracing::debug!(
-                items = batched.len(),
-                own = own.len(),
-                own_launch_us = launched.as_micros() as u64,
-                batched_us = (started.elapsed() - launched).as_micros() as u64,
-                "batched step"
-            );
         }
         // everything of this step is done before its contexts see their results
-        for i in own {
+        for &i in &own {
             let item = &mut items[i];
             if let Err(e) = item.seq.session().and_then(CudaSession::synchronize) {
                 item.error.get_or_insert(e);
             }
+        }
+        // the next step of the greedy contexts, run ahead (not for a lone one: its own
+        // captured decode step is faster than a batched pass)
+        let next: Vec<usize> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, item)| {
+                let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
+                let room = item.seq.session().is_ok_and(|s| s.len() < s.capacity());
+                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled && room
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let run_ahead = match next.len() >= 2 && self.exec.gpu.tuning().run_ahead {
+            true => self.launch_ahead(&mut ahead, items, &next),
+            false => Ok(0),
+        };
+        let (hits, misses) = (ahead.hits, ahead.misses);
+        drop(ahead);
+        let run_ahead = run_ahead.unwrap_or_else(|e| {
+            tracing::warn!("running a step ahead failed: {e}");
+            0
+        });
+        tracing::debug!(
+            items = items.len(),
+            hit = hit.iter().filter(|&&h| h).count(),
+            batched = batched.len(),
+            own = own.len(),
+            run_ahead,
+            hits,
+            misses,
+            own_launch_us = launched.as_micros() as u64,
+            step_us = started.elapsed().as_micros() as u64,
+            "batched step"
+        );
+    }
+
+    fn ahead_counts(&self) -> (u64, u64) {
+        let ahead = self.idle.ahead();
+        (ahead.hits, ahead.misses)
+    }
+
+    fn ahead(&self) -> Duration {
+        let ahead = self.idle.ahead();
+        match ahead.in_flight {
+            Some(_) => ahead.took,
+            None => Duration::ZERO,
         }
     }
 }

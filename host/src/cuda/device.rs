@@ -46,6 +46,11 @@ pub struct Tuning {
     /// Blocks per head and threads of the fused decode kernel (`_DECODE_CLUSTER=8x256`).
     pub decode_cluster: Option<(u32, u32)>,
     pub skip: Skip,
+    /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
+    pub run_ahead: bool,
+    /// How long a context waiting for a batched step spins before it parks
+    /// (`_SPIN_US`, 0 by default).
+    pub spin: std::time::Duration,
     /// Compile the `.cu` files of this folder instead of the built-in ones
     /// (`WASI_NN_HOST_KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
@@ -86,6 +91,13 @@ impl Tuning {
                 ln: has("ln"),
                 epi: has("epi"),
             },
+            run_ahead: !off("NO_RUN_AHEAD"),
+            spin: std::time::Duration::from_micros(
+                std::env::var("WASI_NN_HOST_SPIN_US")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
+            ),
             kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
         }
     }

@@ -165,7 +165,7 @@ impl Executor for CudaExecutor {
         self.batcher.session()
     }
     fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
-        Some(self.batcher.stats().counts())
+        Some(self.batcher.counts())
     }
 }
 

@@ -59,6 +59,12 @@ pub struct CudaSession {
     fc: DevBuf<f32>,  // [capacity, 4C]
     partial: DevBuf<f32>,
     logits: DevBuf<f32>, // [V]
+    /// A second `[V]` for a batched step run ahead (see [`super::batch`]): it writes the
+    /// buffer the guest is not reading; when the guest's token is the one guessed, the
+    /// buffers change roles (`in_spare`).
+    spare: DevBuf<f32>,
+    /// The last logits are in `spare`, not `logits`.
+    in_spare: bool,
     all_logits: Option<DevBuf<f32>>,
     /// [position, ids...]: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
@@ -141,6 +147,8 @@ impl CudaSession {
                 "attention scratch",
             )?,
             logits: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+            spare: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+            in_spare: false,
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
@@ -729,6 +737,7 @@ impl CudaSession {
         match (&self.all_logits, all) {
             (Some(buf), true) => buf.read(stream, count),
             (None, true) => Ok(Vec::new()),
+            _ if self.in_spare => self.spare.read(stream, count),
             _ => self.logits.read(stream, count),
         }
     }
@@ -779,6 +788,7 @@ impl CudaSession {
     pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
         self.check(1)?;
         self.cached_argmax = None;
+        self.in_spare = false;
         self.decode(token)?;
         self.len += 1;
         Ok(())
@@ -811,6 +821,7 @@ impl CudaSession {
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
         self.cached_argmax = None;
+        self.in_spare = false;
         self.all_offset = if all_positions && continued { self.all_rows } else { 0 };
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
@@ -843,7 +854,30 @@ impl CudaSession {
     pub(crate) fn advanced_in_batch(&mut self, added: usize, argmax: u32) {
         self.len += added;
         self.all_rows = 0;
+        self.in_spare = false;
         self.cached_argmax = Some(argmax);
+    }
+
+    /// Where a step run ahead writes this session's next logits: the buffer not being read.
+    pub(crate) fn ahead_logits(&self) -> u64 {
+        match self.in_spare {
+            true => self.logits.ptr().addr(),
+            false => self.spare.ptr().addr(),
+        }
+    }
+
+    /// The step run ahead (one position, its logits in the other buffer) is this session's
+    /// next step: take its results.
+    pub(crate) fn advanced_ahead(&mut self, argmax: u32) {
+        self.len += 1;
+        self.all_rows = 0;
+        self.in_spare = !self.in_spare;
+        self.cached_argmax = Some(argmax);
+    }
+
+    /// Positions the KV cache holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub(crate) fn logits_now(&self) -> Result<Vec<f32>, EngineError> {
@@ -894,6 +928,7 @@ impl CudaSession {
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
         self.len = 0;
+        self.in_spare = false;
         self.all_rows = 0;
         self.all_offset = 0;
         self.cached_argmax = None;

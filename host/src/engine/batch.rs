@@ -50,11 +50,26 @@ pub trait BatchModel: Send + Sync + 'static {
     /// How long a context waiting for a step spins (yielding its core) before it parks:
     /// worth it when the step runs elsewhere (a GPU) and waking a sleeping core costs a good
     /// part of a step; not when the step needs every core (the CPU).
-    const SPIN: Duration = Duration::ZERO;
+    fn spin(&self) -> Duration {
+        Duration::ZERO
+    }
 
     /// The longest a step waits for the contexts of the previous one to come back (at most
     /// the previous step's time, and never for a lone context).
     const MAX_GATHER: Duration = Duration::from_millis(2);
+
+    /// Device time still to run of work the last step launched ahead for its contexts'
+    /// next step (see [`crate::cuda`]'s batched step): the next step waits at least that
+    /// long for them to come back, since their results are not ready before.
+    fn ahead(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Contexts that came back with the token their step was run ahead with, and those that
+    /// came back with another.
+    fn ahead_counts(&self) -> (u64, u64) {
+        (0, 0)
+    }
 
     /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
     fn new_seq(&self) -> Result<Self::Seq, EngineError>;
@@ -108,8 +123,9 @@ impl<S> Slot<S> {
         self.thread.unpark();
     }
 
-    /// Wait for a wake-up: spinning (yielding the core) for `spin`, then parked.
-    fn wait(&self, spin: Duration) {
+    /// Wait for a wake-up (or `deadline`): spinning (yielding the core) for `spin`, then
+    /// parked.
+    fn wait(&self, spin: Duration, deadline: Option<Instant>) {
         let spin_until = Instant::now() + spin;
         while Instant::now() < spin_until {
             if self.woken.swap(false, Ordering::AcqRel) {
@@ -117,7 +133,10 @@ impl<S> Slot<S> {
             }
             std::thread::yield_now();
         }
-        std::thread::park();
+        match deadline {
+            Some(at) => std::thread::park_timeout(at.saturating_duration_since(Instant::now())),
+            None => std::thread::park(),
+        }
         self.woken.store(false, Ordering::Release);
     }
 }
@@ -209,6 +228,10 @@ pub struct BatchCounts {
     /// Time spent in steps, and waiting for the previous step's contexts to come back.
     pub step_seconds: f64,
     pub gather_seconds: f64,
+    /// Contexts that came back with the token their step was run ahead with, and those that
+    /// did not (models that run steps ahead; see [`BatchModel::ahead_counts`]).
+    pub ahead_hits: u64,
+    pub ahead_misses: u64,
 }
 
 impl BatchStats {
@@ -225,6 +248,8 @@ impl BatchStats {
             largest: self.largest.load(Ordering::Relaxed),
             step_seconds: self.step_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             gather_seconds: self.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            ahead_hits: 0,
+            ahead_misses: 0,
         }
     }
 }
@@ -253,6 +278,16 @@ impl<M: BatchModel> Batcher<M> {
 
     pub fn stats(&self) -> &BatchStats {
         &self.stats
+    }
+
+    /// What the batcher and its model have done so far.
+    pub fn counts(&self) -> BatchCounts {
+        let (ahead_hits, ahead_misses) = self.model.ahead_counts();
+        BatchCounts {
+            ahead_hits,
+            ahead_misses,
+            ..self.stats.counts()
+        }
     }
 
     /// A new context as a [`Session`] whose extends go through this batcher.
@@ -312,7 +347,7 @@ impl<M: BatchModel> Batcher<M> {
             if state.running || state.queue.is_empty() {
                 // a step is running (with this request, or before it): its leader wakes us
                 drop(state);
-                slot.wait(M::SPIN);
+                slot.wait(self.model.spin(), None);
                 if let Some(outcome) = slot.take() {
                     return outcome;
                 }
@@ -327,8 +362,10 @@ impl<M: BatchModel> Batcher<M> {
                 // the previous step's other contexts are on their way back: the last of them
                 // leads the step; one thread keeps the time in case they don't all come
                 if state.gatherer {
+                    // The gatherer may be done (its own request taken by another step) before
+                    // it gives up the role: wait no longer than the gather either.
                     drop(state);
-                    slot.wait(M::SPIN);
+                    slot.wait(self.model.spin(), Some(until));
                     if let Some(outcome) = slot.take() {
                         return outcome;
                     }
@@ -340,6 +377,10 @@ impl<M: BatchModel> Batcher<M> {
                     self.stats.gather_ns.fetch_add(waited, Ordering::Relaxed);
                     state = self.lock();
                     state.gatherer = false;
+                    // whoever waits behind may take the role over now
+                    if let Some(front) = state.queue.front() {
+                        front.slot.wake();
+                    }
                     continue;
                 }
                 state = self.lock();
@@ -365,7 +406,8 @@ impl<M: BatchModel> Batcher<M> {
             let mut done = Vec::with_capacity(batch.len());
             let mut slots = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
-            state.gather_until = Some(Instant::now() + took.min(M::MAX_GATHER));
+            let wait = took.max(self.model.ahead()).min(M::MAX_GATHER);
+            state.gather_until = Some(Instant::now() + wait);
             state.last_end = Some(Instant::now());
             // unfinished prompts go back to the front, in their order
             for Scheduled {
