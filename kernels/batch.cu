@@ -29,13 +29,22 @@ __device__ __forceinline__ float product_value(const float* tmp, int rows, int r
     return v;
 }
 
+// A product's result for row r summed over `parts` planes of K slices (`batch_gemm`), each
+// plane `rows` rows (twice that from a split input) of n.
+__device__ __forceinline__ float product_sum(const float* tmp, int rows, int r, int col, int n, int split, int parts) {
+    size_t plane = (size_t)(split ? 2 * rows : rows) * n;
+    float v = 0.0f;
+    for (int p = 0; p < parts; ++p) v += product_value(tmp + p * plane, rows, r, col, n, split);
+    return v;
+}
+
 // The residual stream's update and the LayerNorm that follows it, one block per row: with
 // `tmp`, x[r] += product + bias (a projection's result); without, x[r] = wte[tokens[r]] +
 // wpe[positions[r]] (the embedding; zeros for a padding row; clears keys[r], the row's argmax
 // key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes, as `layernorm`)
 // into `out` as a product input (f32, or split).
 template <typename W>
-__device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, const int* tokens,
+__device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, int parts, const int* tokens,
                                          const int* positions, const W* wte, const W* wpe, const W* ln_w,
                                          const W* ln_b, void* out, int split_out, int rows, int c,
                                          unsigned long long* keys) {
@@ -56,7 +65,7 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
         }
     } else {
         for (int i = threadIdx.x; i < c; i += blockDim.x) {
-            float v = xr[i] + (product_value(tmp, rows, r, i, c, split_in) + load1(bias + i));
+            float v = xr[i] + (product_sum(tmp, rows, r, i, c, split_in, parts) + load1(bias + i));
             xr[i] = v;
             s += v;
         }
@@ -73,10 +82,11 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
 }
 #define BATCH_RESIDUAL_NORM(name, W)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
-        name(float* x, const float* tmp, const W* bias, int split_in, const int* tokens, const int* positions, \
+        name(float* x, const float* tmp, const W* bias, int split_in, int parts, const int* tokens,            \
+             const int* positions,                                                                             \
              const W* wte, const W* wpe, const W* ln_w, const W* ln_b, void* out, int split_out, int rows,     \
              int c, unsigned long long* keys) {                                                                \
-        batch_residual_norm_impl(x, tmp, bias, split_in, tokens, positions, wte, wpe, ln_w, ln_b, out,          \
+        batch_residual_norm_impl(x, tmp, bias, split_in, parts, tokens, positions, wte, wpe, ln_w, ln_b, out,   \
                                  split_out, rows, c, keys);                                                     \
     }
 BATCH_RESIDUAL_NORM(batch_residual_norm_f32, float)
@@ -293,4 +303,80 @@ extern "C" __global__ void __launch_bounds__(256)
         best = other > best ? other : best;
     }
     if ((threadIdx.x & 31) == 0 && best != 0ull) atomicMax(keys + r, best);
+}
+
+// The batched step's products in bf16 mode: c[z][M, N] = a[M, K-slice z] x w[N, K-slice z]^T,
+// bf16 inputs (rows of K; w as stored, one row per output), f32 results, row stride ldc, plane
+// z at c + z * M * ldc (the consumer sums the gridDim.z planes: no atomics, the same sums every
+// run). Skinny products: M is the step's rows (twice them, split), at most 2 * 256; N and the
+// K slice are multiples of BG_BN and BG_BK (the host checks). A block of 128 threads makes a
+// 64 x 64 tile, each warp 16 rows of it with bf16 mma.sync; K goes in stages of BG_BK through
+// shared memory, double-buffered with cp.async. The weights' first stage is fetched before
+// waiting for the previous kernel (they do not depend on it).
+#define BG_BM 64
+#define BG_BN 64
+#define BG_BK 32
+#define BG_LD (BG_BK + 8)  // padded rows: ldmatrix reads 8 rows 80 bytes apart, no bank conflicts
+
+__device__ __forceinline__ void bg_load(unsigned short (*dst)[BG_LD], const bf16_t* src, int row0, int rows, int k,
+                                        int kk) {
+    // 64 rows x BG_BK bf16: 256 chunks of 16 bytes, two per thread; rows past `rows` are zeros
+    for (int i = threadIdx.x; i < BG_BM * BG_BK / 8; i += blockDim.x) {
+        int r = i / (BG_BK / 8), ch = (i % (BG_BK / 8)) * 8;
+        bool valid = row0 + r < rows;
+        cp_async16(&dst[r][ch], src + (size_t)(valid ? row0 + r : 0) * k + kk + ch, valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    batch_gemm_bf16(float* c, const bf16_t* a, const bf16_t* w, int m, int n, int k, int ldc) {
+    __shared__ __align__(16) unsigned short as[2][BG_BM][BG_LD];
+    __shared__ __align__(16) unsigned short ws[2][BG_BN][BG_LD];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int row0 = blockIdx.y * BG_BM, col0 = blockIdx.x * BG_BN;
+    int slice = k / gridDim.z, k0 = blockIdx.z * slice, stages = slice / BG_BK;
+    float* out = c + (size_t)blockIdx.z * m * ldc;
+    pdl_launch_dependents();
+    bg_load(ws[0], w, col0, n, k, k0);
+    pdl_wait();
+    bg_load(as[0], a, row0, m, k, k0);
+    cp_async_commit();
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int s = 0; s < stages; ++s) {
+        int st = s & 1;
+        if (s + 1 < stages) {
+            bg_load(ws[st ^ 1], w, col0, n, k, k0 + (s + 1) * BG_BK);
+            bg_load(as[st ^ 1], a, row0, m, k, k0 + (s + 1) * BG_BK);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BG_BK; kk += 16) {
+            u32 af[4];
+            // rows 0-7 / 8-15 of the warp's 16, columns kk / kk + 8
+            ldmatrix_x4(af, &as[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                u32 bf[4];
+                // outputs 8j..8j+7 then 8j+8..8j+15, each at k kk and kk + 8
+                ldmatrix_x4(bf, &ws[st][j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                mma_bf16_16816(acc[j], af, bf[0], bf[1]);
+                mma_bf16_16816(acc[j + 1], af, bf[2], bf[3]);
+            }
+        }
+        __syncthreads();
+    }
+    int g = lane >> 2, t = lane & 3, r = row0 + warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        int col = col0 + j * 8 + 2 * t;
+        if (r < m) *reinterpret_cast<float2*>(out + (size_t)r * ldc + col) = make_float2(acc[j][0], acc[j][1]);
+        if (r + 8 < m)
+            *reinterpret_cast<float2*>(out + (size_t)(r + 8) * ldc + col) = make_float2(acc[j][2], acc[j][3]);
+    }
 }

@@ -463,3 +463,86 @@ pub fn batched_sweep(seed: u64) -> Result<Vec<BatchCheckReport>, EngineError> {
     }
     Ok(reports)
 }
+
+/// What [`kv_out_of_memory`] saw, with the pool capped as `pool` says.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OomReport {
+    /// "default" (the KV pool's cap: 3/4 of the memory free after the weights) or
+    /// "uncapped" (the driver's out-of-memory).
+    pub pool: String,
+    /// Contexts open when the next one was refused.
+    pub opened: usize,
+    /// The refused context's error.
+    pub error: String,
+    /// Every open context then took a step (greedy id = argmax of its logits).
+    pub others_stepped: bool,
+    /// After they were dropped, a new context opened and stepped.
+    pub reopened: bool,
+    pub passed: bool,
+}
+
+/// Out of memory on the GPU: contexts of a model with a long context (a ~3 GB KV cache each)
+/// are opened until one is refused: with the default KV pool its cap refuses it, with the
+/// pool uncapped the driver's allocation does. That context alone gets an error; every
+/// context open steps on, and once they are dropped a new one opens again.
+pub fn kv_out_of_memory(seed: u64) -> Result<Vec<OomReport>, EngineError> {
+    let config = Gpt2Config {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        n_ctx: 32768,
+        vocab_size: 1000,
+    };
+    let weights = random_weights(config, seed);
+    let mut reports = Vec::new();
+    for (pool, cap) in [("default", None), ("uncapped", Some(usize::MAX))] {
+        let options = EngineOptions {
+            dtype: GpuDtype::Bf16,
+            max_kv_bytes: usize::MAX,
+            kv_pool_bytes: cap,
+            ..Default::default()
+        };
+        let gpu = wasi_nn_host::cuda::CudaExecutor::new(&weights, &options)?;
+        let mut open = Vec::new();
+        let error = loop {
+            match gpu.new_session() {
+                Ok(mut s) => {
+                    s.extend(&prompt(8, config.vocab_size, open.len() as u32), false)?;
+                    open.push(s);
+                }
+                Err(e) => break e.to_string(),
+            }
+            if open.len() > 1000 {
+                break "no context was refused".to_owned();
+            }
+        };
+        let opened = open.len();
+        let mut others_stepped = opened > 0;
+        for s in open.iter_mut() {
+            let next = s.argmax()?;
+            let stepped = s.extend(&[next], false).and_then(|()| {
+                let logits = s.last_logits()?;
+                Ok(s.argmax()? == argmax(&logits))
+            });
+            others_stepped &= stepped.unwrap_or(false);
+        }
+        drop(open);
+        let reopened = gpu
+            .new_session()
+            .and_then(|mut s| {
+                s.extend(&prompt(8, config.vocab_size, 7), false)?;
+                let next = s.argmax()?;
+                s.extend(&[next], false)
+            })
+            .is_ok();
+        reports.push(OomReport {
+            pool: pool.to_owned(),
+            opened,
+            passed: opened > 0 && others_stepped && reopened && error != "no context was refused",
+            error,
+            others_stepped,
+            reopened,
+        });
+    }
+    Ok(reports)
+}

@@ -13,7 +13,7 @@ use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::attention::{
     DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
 };
-use wasi_nn_host::cuda::ops::batch::RowTable;
+use wasi_nn_host::cuda::ops::batch::{batch_gemm_parts, RowTable};
 use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
 use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
 use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};
@@ -377,6 +377,56 @@ fn check_one(
     cpu::linear(&mut want, &h, &lw.fc_w, Some(&lw.fc_b), c, 4 * c);
     want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
     report("matvec+layernorm+gelu", &b.get(B::Fc, 4 * c)?, &want, 1e-4);
+
+    // the batched step's tensor-core products (bf16): rows of bf16 inputs against the
+    // layer's QKV and MLP-projection weights, in K slices that are summed afterwards
+    if dtype == GpuDtype::Bf16 {
+        let shapes = [
+            ("qkv", dl.qkv_w.ptr(), &lw.qkv_w, 3 * c, c),
+            (
+                "mlp projection",
+                dl.fc_proj_w.ptr(),
+                &lw.fc_proj_w,
+                c,
+                4 * c,
+            ),
+        ];
+        for (name, on_gpu, on_cpu, n, k) in shapes {
+            for m in [1usize, 17, 130] {
+                let parts = batch_gemm_parts(m, n, k);
+                let a = bf16_round(&b.random(m * k));
+                let bits: Vec<Bf16> = a
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_bits())
+                    .collect();
+                let stream = b.l.stream().clone();
+                let input = DevBuf::<Bf16>::from_host(&stream, &bits, "product input")?;
+                let out = DevBuf::<f32>::zeros(&stream, parts * m * n, "product planes")?;
+                match b
+                    .l
+                    .batch_gemm(on_gpu, input.ptr(), (m, n, k), out.ptr(), parts)
+                {
+                    Some(ran) => ran?,
+                    None => continue,
+                }
+                let planes = out.read(&stream, parts * m * n)?;
+                let ours: Vec<f32> = (0..m * n)
+                    .map(|i| (0..parts).map(|p| planes[p * m * n + i]).sum())
+                    .collect();
+                let mut want = vec![0.0; m * n];
+                for r in 0..m {
+                    let row = &a[r * k..(r + 1) * k];
+                    cpu::linear(&mut want[r * n..(r + 1) * n], row, on_cpu, None, k, n);
+                }
+                report(
+                    &format!("batched product {name} ({m} rows, {parts} K slices)"),
+                    &ours,
+                    &want,
+                    1e-4,
+                );
+            }
+        }
+    }
 
     // matvec: k = 4C, bias + residual epilogue (the MLP projection)
     let (fc_in, x0) = (b.random(4 * c), b.random(c));

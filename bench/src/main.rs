@@ -96,6 +96,10 @@ enum Command {
         /// model checks).
         #[arg(long)]
         batched_only: bool,
+        /// Only the out-of-memory check: contexts with ~3 GB KV caches opened until one is
+        /// refused (by the KV pool's cap, then with the pool uncapped by the driver).
+        #[arg(long)]
+        out_of_memory: bool,
     },
 }
 
@@ -148,7 +152,11 @@ fn main() -> Result<()> {
             prompt,
             steps,
             batched_only,
-        } => check_cuda(&models, prompt, steps, batched_only)?,
+            out_of_memory,
+        } => match out_of_memory {
+            true => check_out_of_memory()?,
+            false => check_cuda(&models, prompt, steps, batched_only)?,
+        },
         Command::Startup {
             modules,
             runs,
@@ -433,6 +441,19 @@ fn check_cuda(
         bail!("{failed} of {total} GPU checks failed");
     }
     println!("all {total} GPU checks passed");
+    Ok(())
+}
+
+fn check_out_of_memory() -> Result<()> {
+    println!("GPU: {}", wasi_nn_host::cuda::describe()?);
+    let reports = wasi_nn_bench::checks::kv_out_of_memory(std::process::id() as u64)?;
+    for r in &reports {
+        println!("{}", serde_json::to_string(r)?);
+    }
+    if reports.iter().any(|r| !r.passed) {
+        bail!("the out-of-memory check failed");
+    }
+    println!("out-of-memory check passed");
     Ok(())
 }
 

@@ -34,7 +34,8 @@ use super::blas::Blas;
 use super::buffer::{Act, DevBuf, DevPtr};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
-    BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update, BATCH_ATT_SPLITS,
+    batch_gemm_parts, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
+    BATCH_ATT_SPLITS,
 };
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
@@ -410,14 +411,34 @@ impl CudaBatch {
         let product_rows = if split { 2 * n } else { n };
         let tmp = b.blas.tmp.ptr();
         let x = b.x.ptr();
-        let product = |w: DevPtr<_>, n_out: usize, k: usize| {
-            b.blas
-                .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
-        };
+        // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16),
+        // in K slices whose partial sums the next kernel adds (`parts` > 1 only before a
+        // residual update); returns the planes written.
+        let ours = self.exec.gpu.tuning().batch_gemm;
+        let product =
+            |w: DevPtr<_>, n_out: usize, k: usize, sliced: bool| -> Result<usize, CudaError> {
+                let parts = match sliced {
+                    true => batch_gemm_parts(product_rows, n_out, k),
+                    false => 1,
+                };
+                if let (true, Act::Bf16(a)) = (ours, act) {
+                    if let Some(ran) = l.batch_gemm(w, a, (product_rows, n_out, k), tmp, parts) {
+                        return ran.map(|()| parts);
+                    }
+                }
+                b.blas
+                    .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
+                    .map(|()| 1)
+            };
 
-        // x += the product and its bias, then the LayerNorm `norm` into act
-        let residual_norm = |bias, norm| {
-            let update = Update::Product { tmp, bias, split };
+        // x += the product (its `parts` planes) and its bias, then the LayerNorm `norm` into act
+        let residual_norm = |bias, norm, parts| {
+            let update = Update::Product {
+                tmp,
+                bias,
+                split,
+                parts,
+            };
             l.batch_residual_norm(
                 t,
                 ResidualNorm {
@@ -443,7 +464,7 @@ impl CudaBatch {
             },
         )?;
         for (i, lw) in w.layers.iter().enumerate() {
-            product(lw.qkv_w.ptr(), 3 * c, c)?;
+            product(lw.qkv_w.ptr(), 3 * c, c, false)?;
             if prompts {
                 // rows of one prompt read each other's keys: all appended first
                 l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), split, i)?;
@@ -459,9 +480,9 @@ impl CudaBatch {
                 append: !prompts,
             };
             l.batch_attention(t, attention)?;
-            product(lw.proj_w.ptr(), c, c)?;
-            residual_norm(lw.proj_b.ptr(), lw.ln2())?;
-            product(lw.fc_w.ptr(), 4 * c, c)?;
+            let parts = product(lw.proj_w.ptr(), c, c, true)?;
+            residual_norm(lw.proj_b.ptr(), lw.ln2(), parts)?;
+            product(lw.fc_w.ptr(), 4 * c, c, false)?;
             let gelu = BatchEpilogue {
                 out: act,
                 tmp,
@@ -471,9 +492,9 @@ impl CudaBatch {
                 split,
             };
             l.batch_epilogue(t, gelu)?;
-            product(lw.fc_proj_w.ptr(), c, 4 * c)?;
+            let parts = product(lw.fc_proj_w.ptr(), c, 4 * c, true)?;
             let next_norm = w.layers.get(i + 1).map_or(w.lnf(), |next| next.ln1());
-            residual_norm(lw.fc_proj_b.ptr(), next_norm)?;
+            residual_norm(lw.fc_proj_b.ptr(), next_norm, parts)?;
         }
         let (head, ld) = (b.head.ptr(), head_ld(v));
         b.blas

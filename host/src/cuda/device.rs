@@ -46,6 +46,10 @@ pub struct Tuning {
     /// Blocks per head and threads of the fused decode kernel (`_DECODE_CLUSTER=8x256`).
     pub decode_cluster: Option<(u32, u32)>,
     pub skip: Skip,
+    /// Our tensor-core kernel for the batched step's bf16 products instead of cuBLAS
+    /// (`_BATCH_GEMM`; off by default: correct, but slower than cuBLAS so far, see
+    /// BENCHMARKS.md).
+    pub batch_gemm: bool,
     /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
     pub run_ahead: bool,
     /// How long a context waiting for a batched step spins before it parks
@@ -92,6 +96,7 @@ impl Tuning {
                 epi: has("epi"),
             },
             run_ahead: !off("NO_RUN_AHEAD"),
+            batch_gemm: std::env::var_os("WASI_NN_HOST_BATCH_GEMM").is_some(),
             spin: std::time::Duration::from_micros(
                 std::env::var("WASI_NN_HOST_SPIN_US")
                     .ok()
@@ -264,6 +269,7 @@ impl Gpu {
             batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
             batch_att_combine: f("batch_attention_combine")?,
             batch_logits: f("batch_logits")?,
+            batch_gemm: f("batch_gemm_bf16")?,
         })
     }
 

@@ -4,7 +4,7 @@
 //! whose product rows the next kernel sums.
 
 use super::{kernel_args, Epilogue, Launcher, Norm};
-use crate::cuda::buffer::{Act, DevPtr, Stored};
+use crate::cuda::buffer::{Act, Bf16, DevPtr, Stored};
 use crate::cuda::error::{ensure, CudaError};
 use cudarc::driver::LaunchConfig;
 
@@ -65,7 +65,8 @@ fn act_fits(a: Act, len: usize) -> bool {
 #[derive(Clone, Copy, Debug)]
 pub enum Update {
     Embed { wte: DevPtr<Stored>, wpe: DevPtr<Stored> },
-    Product { tmp: DevPtr<f32>, bias: DevPtr<Stored>, split: bool },
+    /// `parts` planes of partial sums (a product over K slices, [`Launcher::batch_gemm`]).
+    Product { tmp: DevPtr<f32>, bias: DevPtr<Stored>, split: bool, parts: usize },
 }
 
 /// `x = update(x)`, then `out = LayerNorm(x)` as a product input.
@@ -113,12 +114,12 @@ impl Launcher {
     pub fn batch_residual_norm(&self, t: &RowTable, a: ResidualNorm) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         t.check("batched residual + layernorm")?;
-        let (tmp, bias, split_in, wte, wpe) = match a.update {
-            Update::Embed { wte, wpe } => (0, 0, false, wte.addr(), wpe.addr()),
-            Update::Product { tmp, bias, split } => {
+        let (tmp, bias, split_in, parts, wte, wpe) = match a.update {
+            Update::Embed { wte, wpe } => (0, 0, false, 1, wte.addr(), wpe.addr()),
+            Update::Product { tmp, bias, split, parts } => {
                 let rows = if split { 2 * t.rows } else { t.rows };
-                ensure(tmp.len() >= rows * c, "batched residual + layernorm")?;
-                (tmp.addr(), bias.addr(), split, 0, 0)
+                ensure(parts >= 1 && tmp.len() >= parts * rows * c, "batched residual + layernorm")?;
+                (tmp.addr(), bias.addr(), split, parts as i32, 0, 0)
             }
         };
         ensure(
@@ -138,7 +139,8 @@ impl Launcher {
         // product's rows of C; tokens (checked < vocab by the step) and positions (< capacity
         // <= n_ctx, or -1) index the embeddings; keys holds rows u64.
         let mut args = kernel_args![
-            &x, &tmp, &bias, &split_in, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c, &keys
+            &x, &tmp, &bias, &split_in, &parts, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c,
+            &keys
         ];
         unsafe { self.launch(&self.kernels.batch_residual_norm, cfg, 1, &mut args, "batched residual + layernorm") }
     }
@@ -260,4 +262,66 @@ impl Launcher {
         let mut args = kernel_args![&tmp, &rows, &split, &v, &ld, &pos, &dst, &keys];
         unsafe { self.launch(&self.kernels.batch_logits, cfg, 1, &mut args, "batched logits") }
     }
+
+    /// `out[z][m, n] = a[m, K slice z] w[n, K slice z]^T` for z < `parts` (bf16 inputs, f32
+    /// planes of `m * n` one after the other, for a consumer that sums them): the batched
+    /// step's skinny products on tensor cores, `None` when the shape does not fit the kernel's
+    /// tiles (the caller then uses cuBLAS).
+    pub fn batch_gemm(
+        &self,
+        w: DevPtr<Stored>,
+        a: DevPtr<Bf16>,
+        (m, n, k): (usize, usize, usize),
+        out: DevPtr<f32>,
+        parts: usize,
+    ) -> Option<Result<(), CudaError>> {
+        if !batch_gemm_fits(m, n, k, parts) || self.dtype != crate::engine::GpuDtype::Bf16 {
+            return None;
+        }
+        let checked = ensure(
+            w.len() >= n * k && a.len() >= m * k && out.len() >= parts * m * n,
+            "batched product",
+        );
+        if let Err(e) = checked {
+            return Some(Err(e));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((n / BG_BN) as u32, m.div_ceil(BG_BM) as u32, parts as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (c, a, w) = (out.addr(), a.addr(), w.addr());
+        let (m, n, k) = (m as i32, n as i32, k as i32);
+        // SAFETY: w holds n rows of k, a m rows of k, out parts planes of m rows of n (checked);
+        // the grid covers n / 64 column tiles (n a multiple of 64), the rows in tiles of 64
+        // (rows past m neither read nor written) and `parts` K slices of a multiple of 32.
+        let mut args = kernel_args![&c, &a, &w, &m, &n, &k, &n];
+        Some(unsafe { self.launch(&self.kernels.batch_gemm, cfg, 1, &mut args, "batched product") })
+    }
+}
+
+/// Columns and K-slice width of one block of [`Launcher::batch_gemm`] (`BG_BN`, `BG_BK` in
+/// `kernels/batch.cu`).
+const BG_BN: usize = 64;
+const BG_BK: usize = 32;
+const BG_BM: usize = 64;
+
+/// Whether [`Launcher::batch_gemm`] takes this shape: whole column tiles, K in `parts`
+/// slices of whole stages, at most 2 * 256 rows.
+pub fn batch_gemm_fits(m: usize, n: usize, k: usize, parts: usize) -> bool {
+    (1..=512).contains(&m)
+        && n.is_multiple_of(BG_BN)
+        && parts >= 1
+        && k.is_multiple_of(parts * BG_BK)
+}
+
+/// K slices for a product of `m` rows and `n` columns: enough blocks to cover the GPU's
+/// SMs (about 132 on an H100/H200), at most 4, each slice whole stages.
+pub fn batch_gemm_parts(m: usize, n: usize, k: usize) -> usize {
+    let blocks = (n / BG_BN).max(1) * m.div_ceil(BG_BM);
+    let mut parts = 128usize.div_ceil(blocks).clamp(1, 4);
+    while parts > 1 && !k.is_multiple_of(parts * BG_BK) {
+        parts -= 1;
+    }
+    parts
 }

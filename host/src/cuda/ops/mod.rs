@@ -90,6 +90,7 @@ pub struct Kernels {
     pub(crate) batch_append_kv: CudaFunction,
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
+    pub(crate) batch_gemm: CudaFunction,
 }
 
 /// Launches kernels of one model shape and weight dtype on one stream, with programmatic
