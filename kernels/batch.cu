@@ -22,19 +22,18 @@ __device__ __forceinline__ void store_act(void* out, int rows, int r, int col, i
         static_cast<float*>(out)[(size_t)r * width + col] = v;
     }
 }
-// A product's result for row r: its row, plus the lo row's when the input was split.
-__device__ __forceinline__ float product_value(const float* tmp, int rows, int r, int col, int n, int split) {
-    float v = tmp[(size_t)r * n + col];
-    if (split) v += tmp[(size_t)(rows + r) * n + col];
-    return v;
-}
-
-// A product's result for row r summed over `parts` planes of K slices (`batch_gemm`), each
-// plane `rows` rows (twice that from a split input) of n.
-__device__ __forceinline__ float product_sum(const float* tmp, int rows, int r, int col, int n, int split, int parts) {
+// A product's result for row r: its row, plus the lo row's when the input was split, summed over
+// the planes of K slices when `batch_gemm` cut K. `split_in` says both: bit 0 the split, the
+// bits above the planes (0: one), each `rows` rows (twice that, split) of n.
+__device__ __forceinline__ float product_value(const float* tmp, int rows, int r, int col, int n, int split_in) {
+    int split = split_in & 1, parts = max(1, split_in >> 1);
     size_t plane = (size_t)(split ? 2 * rows : rows) * n;
     float v = 0.0f;
-    for (int p = 0; p < parts; ++p) v += product_value(tmp + p * plane, rows, r, col, n, split);
+    for (int p = 0; p < parts; ++p) {
+        const float* t = tmp + p * plane;
+        v += t[(size_t)r * n + col];
+        if (split) v += t[(size_t)(rows + r) * n + col];
+    }
     return v;
 }
 
@@ -44,7 +43,7 @@ __device__ __forceinline__ float product_sum(const float* tmp, int rows, int r, 
 // key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes, as `layernorm`)
 // into `out` as a product input (f32, or split).
 template <typename W>
-__device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, int parts, const int* tokens,
+__device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, const int* tokens,
                                          const int* positions, const W* wte, const W* wpe, const W* ln_w,
                                          const W* ln_b, void* out, int split_out, int rows, int c,
                                          unsigned long long* keys) {
@@ -65,7 +64,7 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
         }
     } else {
         for (int i = threadIdx.x; i < c; i += blockDim.x) {
-            float v = xr[i] + (product_sum(tmp, rows, r, i, c, split_in, parts) + load1(bias + i));
+            float v = xr[i] + (product_value(tmp, rows, r, i, c, split_in) + load1(bias + i));
             xr[i] = v;
             s += v;
         }
@@ -82,11 +81,10 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
 }
 #define BATCH_RESIDUAL_NORM(name, W)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
-        name(float* x, const float* tmp, const W* bias, int split_in, int parts, const int* tokens,            \
-             const int* positions,                                                                             \
+        name(float* x, const float* tmp, const W* bias, int split_in, const int* tokens, const int* positions, \
              const W* wte, const W* wpe, const W* ln_w, const W* ln_b, void* out, int split_out, int rows,     \
              int c, unsigned long long* keys) {                                                                \
-        batch_residual_norm_impl(x, tmp, bias, split_in, parts, tokens, positions, wte, wpe, ln_w, ln_b, out,   \
+        batch_residual_norm_impl(x, tmp, bias, split_in, tokens, positions, wte, wpe, ln_w, ln_b, out,          \
                                  split_out, rows, c, keys);                                                     \
     }
 BATCH_RESIDUAL_NORM(batch_residual_norm_f32, float)
@@ -307,15 +305,16 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The batched step's products in bf16 mode: c[z][M, N] = a[M, K-slice z] x w[N, K-slice z]^T,
 // bf16 inputs (rows of K; w as stored, one row per output), f32 results, row stride ldc, plane
-// z at c + z * M * ldc (the consumer sums the gridDim.z planes: no atomics, the same sums every
-// run). Skinny products: M is the step's rows (twice them, split), at most 2 * 256; N and the
-// K slice are multiples of BG_BN and BG_BK (the host checks). A block of 128 threads makes a
-// 64 x 64 tile, each warp 16 rows of it with bf16 mma.sync; K goes in stages of BG_BK through
-// shared memory, double-buffered with cp.async. The weights' first stage is fetched before
-// waiting for the previous kernel (they do not depend on it).
+// z at c + z * M * ldc (the consumer sums the gridDim.z planes, see `product_value`: no atomics,
+// the same sums every run). Skinny products: M is the step's rows (twice them, split), at most
+// 2 * 256; N and the K slice are multiples of BG_BN and BG_BK (the host checks). A block of 128
+// threads makes a 64 x 64 tile, each warp 16 rows of it with bf16 mma.sync; K goes through
+// shared memory in stages of BG_BK, BG_STAGES - 1 of them in flight (cp.async). The weights of
+// the first stages are fetched before waiting for the previous kernel (they do not depend on it).
 #define BG_BM 64
 #define BG_BN 64
 #define BG_BK 32
+#define BG_STAGES 4
 #define BG_LD (BG_BK + 8)  // padded rows: ldmatrix reads 8 rows 80 bytes apart, no bank conflicts
 
 __device__ __forceinline__ void bg_load(unsigned short (*dst)[BG_LD], const bf16_t* src, int row0, int rows, int k,
@@ -330,31 +329,35 @@ __device__ __forceinline__ void bg_load(unsigned short (*dst)[BG_LD], const bf16
 
 extern "C" __global__ void __launch_bounds__(128)
     batch_gemm_bf16(float* c, const bf16_t* a, const bf16_t* w, int m, int n, int k, int ldc) {
-    __shared__ __align__(16) unsigned short as[2][BG_BM][BG_LD];
-    __shared__ __align__(16) unsigned short ws[2][BG_BN][BG_LD];
+    __shared__ __align__(16) unsigned short as[BG_STAGES][BG_BM][BG_LD];
+    __shared__ __align__(16) unsigned short ws[BG_STAGES][BG_BN][BG_LD];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int row0 = blockIdx.y * BG_BM, col0 = blockIdx.x * BG_BN;
     int slice = k / gridDim.z, k0 = blockIdx.z * slice, stages = slice / BG_BK;
     float* out = c + (size_t)blockIdx.z * m * ldc;
     pdl_launch_dependents();
-    bg_load(ws[0], w, col0, n, k, k0);
+    for (int s = 0; s < BG_STAGES - 1; ++s)
+        if (s < stages) bg_load(ws[s], w, col0, n, k, k0 + s * BG_BK);
     pdl_wait();
-    bg_load(as[0], a, row0, m, k, k0);
-    cp_async_commit();
+    for (int s = 0; s < BG_STAGES - 1; ++s) {
+        if (s < stages) bg_load(as[s], a, row0, m, k, k0 + s * BG_BK);
+        cp_async_commit();
+    }
     float acc[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int s = 0; s < stages; ++s) {
-        int st = s & 1;
-        if (s + 1 < stages) {
-            bg_load(ws[st ^ 1], w, col0, n, k, k0 + (s + 1) * BG_BK);
-            bg_load(as[st ^ 1], a, row0, m, k, k0 + (s + 1) * BG_BK);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // stage s has landed (BG_STAGES - 1 + s groups committed, at most BG_STAGES - 2 pending),
+        // and every warp is done with stage s - 1, whose buffers the next load takes
+        cp_async_wait<BG_STAGES - 2>();
         __syncthreads();
+        int next = s + BG_STAGES - 1;
+        if (next < stages) {
+            bg_load(ws[next % BG_STAGES], w, col0, n, k, k0 + next * BG_BK);
+            bg_load(as[next % BG_STAGES], a, row0, m, k, k0 + next * BG_BK);
+        }
+        cp_async_commit();
+        int st = s % BG_STAGES;
 #pragma unroll
         for (int kk = 0; kk < BG_BK; kk += 16) {
             u32 af[4];
@@ -369,7 +372,6 @@ extern "C" __global__ void __launch_bounds__(128)
                 mma_bf16_16816(acc[j + 1], af, bf[2], bf[3]);
             }
         }
-        __syncthreads();
     }
     int g = lane >> 2, t = lane & 3, r = row0 + warp * 16 + g;
 #pragma unroll

@@ -393,7 +393,7 @@ fn check_one(
         ];
         for (name, on_gpu, on_cpu, n, k) in shapes {
             for m in [1usize, 17, 130] {
-                let parts = batch_gemm_parts(m, n, k);
+                let parts = batch_gemm_parts(m, n, k, usize::MAX);
                 let a = bf16_round(&b.random(m * k));
                 let bits: Vec<Bf16> = a
                     .iter()
@@ -1008,6 +1008,7 @@ fn check_batch_attention(
             tmp: tmp.ptr(),
             bias: qkv_b.1,
             split,
+            parts: 1,
             partial: partial.ptr(),
             layer: 0,
             splits,

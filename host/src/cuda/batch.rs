@@ -411,25 +411,20 @@ impl CudaBatch {
         let product_rows = if split { 2 * n } else { n };
         let tmp = b.blas.tmp.ptr();
         let x = b.x.ptr();
-        // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16),
-        // in K slices whose partial sums the next kernel adds (`parts` > 1 only before a
-        // residual update); returns the planes written.
+        // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16), in K
+        // slices whose partial sums the next kernel adds; returns the planes written.
         let ours = self.exec.gpu.tuning().batch_gemm;
-        let product =
-            |w: DevPtr<_>, n_out: usize, k: usize, sliced: bool| -> Result<usize, CudaError> {
-                let parts = match sliced {
-                    true => batch_gemm_parts(product_rows, n_out, k),
-                    false => 1,
-                };
-                if let (true, Act::Bf16(a)) = (ours, act) {
-                    if let Some(ran) = l.batch_gemm(w, a, (product_rows, n_out, k), tmp, parts) {
-                        return ran.map(|()| parts);
-                    }
+        let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<usize, CudaError> {
+            let parts = batch_gemm_parts(product_rows, n_out, k, tmp.len());
+            if let (true, Act::Bf16(a)) = (ours, act) {
+                if let Some(ran) = l.batch_gemm(w, a, (product_rows, n_out, k), tmp, parts) {
+                    return ran.map(|()| parts);
                 }
-                b.blas
-                    .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
-                    .map(|()| 1)
-            };
+            }
+            b.blas
+                .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
+                .map(|()| 1)
+        };
 
         // x += the product (its `parts` planes) and its bias, then the LayerNorm `norm` into act
         let residual_norm = |bias, norm, parts| {
@@ -464,25 +459,26 @@ impl CudaBatch {
             },
         )?;
         for (i, lw) in w.layers.iter().enumerate() {
-            product(lw.qkv_w.ptr(), 3 * c, c, false)?;
+            let qkv_parts = product(lw.qkv_w.ptr(), 3 * c, c)?;
             if prompts {
                 // rows of one prompt read each other's keys: all appended first
-                l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), split, i)?;
+                l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), (split, qkv_parts), i)?;
             }
             let attention = BatchAttention {
                 out: act,
                 tmp,
                 bias: lw.qkv_b.ptr(),
                 split,
+                parts: qkv_parts,
                 partial: b.partial.ptr(),
                 layer: i,
                 splits,
                 append: !prompts,
             };
             l.batch_attention(t, attention)?;
-            let parts = product(lw.proj_w.ptr(), c, c, true)?;
+            let parts = product(lw.proj_w.ptr(), c, c)?;
             residual_norm(lw.proj_b.ptr(), lw.ln2(), parts)?;
-            product(lw.fc_w.ptr(), 4 * c, c, false)?;
+            let fc_parts = product(lw.fc_w.ptr(), 4 * c, c)?;
             let gelu = BatchEpilogue {
                 out: act,
                 tmp,
@@ -490,9 +486,10 @@ impl CudaBatch {
                 n: 4 * c,
                 epilogue: Epilogue::Gelu,
                 split,
+                parts: fc_parts,
             };
             l.batch_epilogue(t, gelu)?;
-            let parts = product(lw.fc_proj_w.ptr(), c, 4 * c, true)?;
+            let parts = product(lw.fc_proj_w.ptr(), c, 4 * c)?;
             let next_norm = w.layers.get(i + 1).map_or(w.lnf(), |next| next.ln1());
             residual_norm(lw.fc_proj_b.ptr(), next_norm, parts)?;
         }

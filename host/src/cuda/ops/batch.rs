@@ -44,6 +44,17 @@ impl RowTable {
     }
 }
 
+/// How a product's consumer reads its result (`product_value` in `kernels/batch.cu`): bit 0
+/// the split input (hi and lo rows), the bits above the planes of K slices.
+fn split_in(split: bool, parts: usize) -> i32 {
+    i32::from(split) | ((parts as i32) << 1)
+}
+
+/// Floats of a product's result: `parts` planes of `rows` rows (twice that, split) of `n`.
+fn product_len(rows: usize, n: usize, split: bool, parts: usize) -> usize {
+    parts * if split { 2 * rows } else { rows } * n
+}
+
 /// The rows a product input holds: `rows` f32 rows, or twice that many split bf16 rows.
 fn act_len(a: Act, rows: usize, width: usize) -> usize {
     if a.is_bf16() {
@@ -90,6 +101,8 @@ pub struct BatchEpilogue {
     pub epilogue: Epilogue,
     /// The product's input was split (its result has 2 * rows rows).
     pub split: bool,
+    /// Planes of K slices the product left ([`Launcher::batch_gemm`]; 1 from cuBLAS).
+    pub parts: usize,
 }
 
 /// The QKV product's bias and each row's attention over its own cache of `layer` (its key
@@ -101,6 +114,8 @@ pub struct BatchAttention {
     pub tmp: DevPtr<f32>,
     pub bias: DevPtr<Stored>,
     pub split: bool,
+    /// Planes of K slices the QKV product left.
+    pub parts: usize,
     pub partial: DevPtr<f32>,
     pub layer: usize,
     pub splits: usize,
@@ -114,12 +129,14 @@ impl Launcher {
     pub fn batch_residual_norm(&self, t: &RowTable, a: ResidualNorm) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         t.check("batched residual + layernorm")?;
-        let (tmp, bias, split_in, parts, wte, wpe) = match a.update {
+        let (tmp, bias, split, parts, wte, wpe) = match a.update {
             Update::Embed { wte, wpe } => (0, 0, false, 1, wte.addr(), wpe.addr()),
             Update::Product { tmp, bias, split, parts } => {
-                let rows = if split { 2 * t.rows } else { t.rows };
-                ensure(parts >= 1 && tmp.len() >= parts * rows * c, "batched residual + layernorm")?;
-                (tmp.addr(), bias.addr(), split, parts as i32, 0, 0)
+                ensure(
+                    (1..=MAX_PARTS).contains(&parts) && tmp.len() >= product_len(t.rows, c, split, parts),
+                    "batched residual + layernorm",
+                )?;
+                (tmp.addr(), bias.addr(), split, parts, 0, 0)
             }
         };
         ensure(
@@ -131,7 +148,7 @@ impl Launcher {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (split_in, split_out) = (i32::from(split_in), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(split, parts), i32::from(a.out.is_bf16()));
         let (rows, c) = (t.rows as i32, c as i32);
         let (x, out, ln_w, ln_b) = (a.x.addr(), a.out.addr(), a.norm.w.addr(), a.norm.b.addr());
         let (tokens, pos, keys) = (t.tokens.addr(), t.positions.addr(), t.keys.addr());
@@ -139,17 +156,16 @@ impl Launcher {
         // product's rows of C; tokens (checked < vocab by the step) and positions (< capacity
         // <= n_ctx, or -1) index the embeddings; keys holds rows u64.
         let mut args = kernel_args![
-            &x, &tmp, &bias, &split_in, &parts, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c,
-            &keys
+            &x, &tmp, &bias, &split_in, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c, &keys
         ];
         unsafe { self.launch(&self.kernels.batch_residual_norm, cfg, 1, &mut args, "batched residual + layernorm") }
     }
 
     pub fn batch_epilogue(&self, t: &RowTable, a: BatchEpilogue) -> Result<(), CudaError> {
-        let tmp_rows = if a.split { 2 * t.rows } else { t.rows };
         ensure(
             matches!(a.epilogue, Epilogue::Gelu | Epilogue::Store)
-                && a.tmp.len() >= tmp_rows * a.n
+                && (1..=MAX_PARTS).contains(&a.parts)
+                && a.tmp.len() >= product_len(t.rows, a.n, a.split, a.parts)
                 && act_fits(a.out, act_len(a.out, t.rows, a.n)),
             "batched epilogue",
         )?;
@@ -159,7 +175,7 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let (rows, n, mode) = (t.rows as i32, a.n as i32, a.epilogue as i32);
-        let (split_in, split_out) = (i32::from(a.split), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(a.split, a.parts), i32::from(a.out.is_bf16()));
         let (out, tmp, bias) = (a.out.addr(), a.tmp.addr(), a.bias.addr());
         // SAFETY: tmp holds the product's rows of n floats and out the rows' n values (or
         // split rows), checked above; bias holds n weights.
@@ -171,9 +187,9 @@ impl Launcher {
         let cfg = self.config;
         let (c, hd, heads) = (cfg.n_embd, cfg.head_dim(), cfg.n_head);
         t.check("batched attention")?;
-        let tmp_rows = if a.split { 2 * t.rows } else { t.rows };
         ensure(
-            a.tmp.len() >= tmp_rows * 3 * c
+            (1..=MAX_PARTS).contains(&a.parts)
+                && a.tmp.len() >= product_len(t.rows, 3 * c, a.split, a.parts)
                 && (1..=BATCH_ATT_SPLITS).contains(&a.splits)
                 && (a.splits == 1 || a.partial.len() >= t.rows * heads * a.splits * (hd + 2))
                 && act_fits(a.out, act_len(a.out, t.rows, c))
@@ -188,7 +204,7 @@ impl Launcher {
         };
         let layer_off = (a.layer * t.layer_floats) as i64;
         let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
-        let (split_in, split_out) = (i32::from(a.split), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(a.split, a.parts), i32::from(a.out.is_bf16()));
         let append = i32::from(a.append);
         let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
         let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
@@ -220,14 +236,15 @@ impl Launcher {
         t: &RowTable,
         tmp: DevPtr<f32>,
         bias: DevPtr<Stored>,
-        split: bool,
+        (split, parts): (bool, usize),
         layer: usize,
     ) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         t.check("batched key and value append")?;
-        let tmp_rows = if split { 2 * t.rows } else { t.rows };
         ensure(
-            tmp.len() >= tmp_rows * 3 * c && layer < self.config.n_layer,
+            (1..=MAX_PARTS).contains(&parts)
+                && tmp.len() >= product_len(t.rows, 3 * c, split, parts)
+                && layer < self.config.n_layer,
             "batched key and value append",
         )?;
         let cfg = LaunchConfig {
@@ -235,7 +252,7 @@ impl Launcher {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (split, layer_off, c32, rows) = (i32::from(split), (layer * t.layer_floats) as i64, c as i32, t.rows as i32);
+        let (split, layer_off, c32, rows) = (split_in(split, parts), (layer * t.layer_floats) as i64, c as i32, t.rows as i32);
         let (tmp, bias, pos, kc, vc) = (tmp.addr(), bias.addr(), t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
         // SAFETY: each row writes its own cache of `layer` at its position < capacity (checked
         // by the step; padding rows write nothing); tmp holds the product's rows of 3C.
@@ -315,12 +332,16 @@ pub fn batch_gemm_fits(m: usize, n: usize, k: usize, parts: usize) -> bool {
         && k.is_multiple_of(parts * BG_BK)
 }
 
-/// K slices for a product of `m` rows and `n` columns: enough blocks to cover the GPU's
-/// SMs (about 132 on an H100/H200), at most 4, each slice whole stages.
-pub fn batch_gemm_parts(m: usize, n: usize, k: usize) -> usize {
+/// Most planes of K slices a product leaves for its consumer.
+pub const MAX_PARTS: usize = 8;
+
+/// K slices for a product of `m` rows and `n` columns whose planes fit in `room` floats:
+/// enough blocks for two on each of the GPU's SMs (about 132 on an H100/H200), at most
+/// [`MAX_PARTS`], each slice whole stages.
+pub fn batch_gemm_parts(m: usize, n: usize, k: usize, room: usize) -> usize {
     let blocks = (n / BG_BN).max(1) * m.div_ceil(BG_BM);
-    let mut parts = 128usize.div_ceil(blocks).clamp(1, 4);
-    while parts > 1 && !k.is_multiple_of(parts * BG_BK) {
+    let mut parts = 264usize.div_ceil(blocks).clamp(1, MAX_PARTS);
+    while parts > 1 && (!k.is_multiple_of(parts * BG_BK) || parts * m * n > room) {
         parts -= 1;
     }
     parts
