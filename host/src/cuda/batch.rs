@@ -86,7 +86,7 @@ struct Idle {
     sessions: Mutex<Vec<CudaSession>>,
     max_idle: usize,
     pool: Arc<KvPool>,
-    /// KV bytes of one session.
+    /// Device bytes of one session (its KV cache and buffers), reserved in the pool.
     session_bytes: usize,
     /// Steps run ahead (see the module docs). Lock order: `ahead`, then the step's buffers.
     ahead: Mutex<Ahead>,
@@ -309,7 +309,7 @@ impl CudaBatch {
                 sessions: Mutex::new(Vec::new()),
                 max_idle,
                 pool,
-                session_bytes: capacity * per_position,
+                session_bytes: CudaSession::device_bytes(&cfg, capacity),
                 ahead: Mutex::new(Ahead::default()),
                 stream: OnceLock::new(),
                 serials: AtomicU64::new(0),

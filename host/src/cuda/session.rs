@@ -18,6 +18,7 @@ use super::ops::matmul::{GemmEpilogue, Matmul};
 use super::ops::matvec::{argmax_row, Matvec};
 use super::ops::{Epilogue, KvLayer, Launcher};
 use super::weights::DevLayer;
+use crate::model::Gpt2Config;
 use super::ExecutorInner;
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::CudaGraph;
@@ -100,6 +101,21 @@ unsafe impl Send for CudaSession {}
 unsafe impl Sync for CudaSession {}
 
 impl CudaSession {
+    /// Device bytes a session of `capacity` positions allocates in [`Self::new`] (its KV
+    /// cache, activations, logits, and cuBLAS's scratch with cuBLASLt's workspace; not the
+    /// all-position logits, made only when asked for): what the KV pool reserves for it.
+    pub(crate) fn device_bytes(cfg: &Gpt2Config, capacity: usize) -> usize {
+        let (c, l, v) = (cfg.n_embd, cfg.n_layer, cfg.vocab_size);
+        let chunks = capacity.div_ceil(ATT_CHUNK as usize);
+        let f32s = 2 * l * capacity * c // keys and values
+            + capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
+            + cfg.n_head * chunks * (cfg.head_dim() + 2) // attention partials
+            + 2 * v // logits, spare
+            + capacity * 4 * c; // cuBLAS's f32 scratch
+        let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
+        4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
+    }
+
     pub(crate) fn new(exec: Arc<ExecutorInner>) -> Result<Self, CudaError> {
         let gpu = exec.gpu.clone();
         let _setup = gpu.setup_lock();

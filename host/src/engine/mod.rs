@@ -42,9 +42,10 @@ pub struct EngineOptions {
     pub dtype: GpuDtype,
     /// Cap on one context's KV cache (GPU).
     pub max_kv_bytes: usize,
-    /// Cap on the KV caches of all contexts of one model together; `None`: the device's
-    /// default (CPU: [`Self::DEFAULT_KV_POOL_BYTES`]; GPU: three quarters of the device
-    /// memory free once the weights are loaded).
+    /// Cap on the KV caches of all contexts of one model together (on the GPU each context
+    /// counts with its session's other buffers); `None`: the device's default (CPU:
+    /// [`Self::DEFAULT_KV_POOL_BYTES`]; GPU: three quarters of the device memory free once
+    /// the weights are loaded).
     pub kv_pool_bytes: Option<usize>,
     /// Contexts made ready when the model loads (GPU: their KV caches and buffers allocated
     /// up front, as a server preallocates its KV memory), so the first requests of a burst

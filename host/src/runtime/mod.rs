@@ -235,7 +235,8 @@ impl HostBuilder {
 
     /// Cap on the KV caches of all contexts of one graph together (they share batched
     /// steps); a context that would pass it gets an error, the others go on. By default 4 GiB
-    /// on the CPU, three quarters of the free GPU memory on the GPU.
+    /// on the CPU, three quarters of the free GPU memory on the GPU (where each context counts
+    /// with its session's other buffers too).
     pub fn kv_pool_bytes(mut self, bytes: usize) -> Self {
         self.kv_pool_bytes = Some(bytes);
         self
