@@ -45,6 +45,10 @@ enum Command {
         /// Largest model (bytes) a guest may pass to wasi-nn `load`.
         #[arg(long, default_value_t = wasi_nn_host::Gpt2Backend::DEFAULT_MAX_LOAD_BYTES)]
         max_load_bytes: usize,
+        /// Bound the guest's work in wasmtime fuel (about one unit per wasm instruction;
+        /// forward passes count as one call); the guest runs somewhat slower with it counted.
+        #[arg(long)]
+        fuel: Option<u64>,
         /// Arguments for the guest (after `--`).
         #[arg(last = true)]
         guest_args: Vec<String>,
@@ -100,12 +104,14 @@ fn main() -> Result<()> {
             dtype,
             dirs,
             max_load_bytes,
+            fuel,
             guest_args,
         } => {
             let builder = HostBuilder::auto()
                 .device(device)
                 .dtype(dtype)
-                .max_load_bytes(max_load_bytes);
+                .max_load_bytes(max_load_bytes)
+                .fuel_metering(fuel.is_some());
             let specs = graphs
                 .iter()
                 .map(|spec| {
@@ -124,6 +130,7 @@ fn main() -> Result<()> {
                         None => (PathBuf::from(d), d.clone()),
                     })
                     .collect(),
+                fuel,
                 ..Default::default()
             };
             let wasm = host.load_module(&module)?;
@@ -154,6 +161,7 @@ fn main() -> Result<()> {
             let builder = HostBuilder::new(args.device)
                 .dtype(args.dtype)
                 .warm_contexts(args.warm_contexts)
+                .fuel_metering(args.fuel.is_some())
                 .instance_pool(Some(args.instance_pool()));
             let builder = with_graphs(builder, &args.graph_specs()?)?;
             wasi_nn_host::serve::run(builder.build()?, &args)?;

@@ -365,3 +365,76 @@ fn an_instance_cannot_use_handles_it_did_not_make() {
         assert_eq!(other.join().expect("other").exit_code, 0);
     });
 }
+
+#[test]
+fn fuel_bounds_a_guest_work_whatever_the_time() {
+    use wasi_nn_host::runtime::HostError;
+    // a metered host: a guest that loops forever stops when its fuel is used up (no time
+    // limit set), and gpt2.wasm with enough fuel gives the same text as without the meter
+    let metered = HostBuilder::new(Device::Cpu)
+        .graph("gpt2", &shakespeare_dir())
+        .expect("load the default model")
+        .fuel_metering(true)
+        .build()
+        .expect("metered host");
+    let spin = metered
+        .load_module(&repo_root().join("tests/guests/spin.wat"))
+        .expect("compile spin.wat");
+    let started = std::time::Instant::now();
+    let result = metered.run(
+        &spin,
+        "spin.wasm",
+        &RunOptions {
+            fuel: Some(50_000_000),
+            ..Default::default()
+        },
+    );
+    assert!(
+        matches!(result, Err(HostError::OutOfFuel(50_000_000))),
+        "{result:?}"
+    );
+    assert!(
+        result
+            .err()
+            .is_some_and(|e| e.to_string().contains("used up its fuel")),
+        "the error says what happened"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    let gpt2 = metered
+        .load_module(&gpt2_wasm())
+        .expect("compile gpt2.wasm");
+    let args = ["--max-tokens", "8", "ROMEO:"];
+    let fueled = metered
+        .run(
+            &gpt2,
+            "gpt2.wasm",
+            &RunOptions {
+                args: args.iter().map(|s| s.to_string()).collect(),
+                capture: Some(1 << 20),
+                fuel: Some(u64::MAX / 2),
+                ..Default::default()
+            },
+        )
+        .expect("a run with enough fuel");
+    assert_eq!(fueled.exit_code, 0);
+    assert_eq!(fueled.stdout, run_with(&args, vec![]).stdout);
+    // too little fuel for the same run: stopped, and the next run is fine
+    let starved = RunOptions {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        capture: Some(1 << 20),
+        fuel: Some(1_000),
+        ..Default::default()
+    };
+    let result = metered.run(&gpt2, "gpt2.wasm", &starved);
+    assert!(
+        matches!(result, Err(HostError::OutOfFuel(1_000))),
+        "{result:?}"
+    );
+    // an unmetered host cannot bound fuel: it says so instead of ignoring it
+    let (host, module) = host();
+    let result = host.run(module, "gpt2.wasm", &starved);
+    assert!(
+        matches!(result, Err(HostError::FuelNotMetered)),
+        "{result:?}"
+    );
+}

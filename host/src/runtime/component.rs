@@ -5,8 +5,8 @@
 //! wasi-nn state and KV caches) with the same limits as [`RunOptions`].
 
 use super::{
-    arm_deadline, instantiate_error, run_error, store_limits, Host, HostError, InstanceSlot,
-    RunOptions,
+    arm_deadline, arm_fuel, instantiate_error, run_error, store_limits, Host, HostError,
+    InstanceSlot, RunOptions,
 };
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{Store, StoreLimits};
@@ -162,7 +162,7 @@ impl Host {
         options: &RunOptions,
     ) -> Result<(InstanceSlot<'_>, Store<ComponentState>, bindings::Generator), HostError> {
         let slot = self.instance_slot()?;
-        let mut store = self.component_store(options);
+        let mut store = self.component_store(options)?;
         let instance = component
             .pre
             .instantiate(&mut store)
@@ -170,7 +170,7 @@ impl Host {
         Ok((slot, store, instance))
     }
 
-    fn component_store(&self, options: &RunOptions) -> Store<ComponentState> {
+    fn component_store(&self, options: &RunOptions) -> Result<Store<ComponentState>, HostError> {
         let state = ComponentState {
             wasi: WasiCtxBuilder::new().build(),
             table: ResourceTable::new(),
@@ -183,7 +183,8 @@ impl Host {
         let mut store = Store::new(self.engine(), state);
         store.limiter(|s| &mut s.limits);
         arm_deadline(&mut store, options);
-        store
+        arm_fuel(&mut store, options, self.metered)?;
+        Ok(store)
     }
 
     /// Start a generation in a fresh instance of `component` on graph `graph`, with

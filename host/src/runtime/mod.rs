@@ -56,6 +56,10 @@ pub enum HostError {
     Trap(String),
     #[error("the guest ran past its time limit of {0:?}")]
     Timeout(Duration),
+    #[error("the guest used up its fuel ({0} units: RunOptions::fuel, `--fuel`)")]
+    OutOfFuel(u64),
+    #[error("RunOptions::fuel needs a host built with HostBuilder::fuel_metering(true)")]
+    FuelNotMetered,
     #[error("the run was cancelled")]
     Cancelled,
     #[error(
@@ -178,6 +182,7 @@ pub struct HostBuilder {
     graphs: GraphSet,
     contexts: HashMap<String, usize>,
     pool: Option<InstancePool>,
+    metered: bool,
 }
 
 impl Default for HostBuilder {
@@ -205,6 +210,7 @@ impl HostBuilder {
             graphs: GraphSet::default(),
             contexts: HashMap::new(),
             pool: Some(InstancePool::default()),
+            metered: false,
         }
     }
 
@@ -299,9 +305,18 @@ impl HostBuilder {
             .with_warm_contexts(self.warm_contexts)
     }
 
+    /// Count what guests execute, so that [`RunOptions::fuel`] can bound a run's work
+    /// whatever the machine's load (wall time, [`RunOptions::timeout`], bounds it too). Off by
+    /// default: the counting makes guest code slower.
+    pub fn fuel_metering(mut self, on: bool) -> Self {
+        self.metered = on;
+        self
+    }
+
     pub fn build(self) -> Result<Host, HostError> {
         let mut config = Config::new();
         config.epoch_interruption(true);
+        config.consume_fuel(self.metered);
         // a guest's memory starts as a copy-on-write mapping of its module's initial image
         config.memory_init_cow(true);
         if let Some(pool) = &self.pool {
@@ -341,6 +356,7 @@ impl HostBuilder {
             graphs: self.graphs,
             contexts: self.contexts,
             pool: self.pool,
+            metered: self.metered,
             slots: InstanceSlots {
                 live: AtomicUsize::new(0),
                 max: self.pool.map(|p| p.max_instances),
@@ -356,6 +372,21 @@ pub(crate) fn store_limits(options: &RunOptions) -> StoreLimits {
         limits = limits.memory_size(bytes);
     }
     limits.build()
+}
+
+/// The run's fuel, on a host that meters it (without a bound, as much as a store holds).
+pub(crate) fn arm_fuel<T>(
+    store: &mut Store<T>,
+    options: &RunOptions,
+    metered: bool,
+) -> Result<(), HostError> {
+    match (metered, options.fuel) {
+        (false, None) => Ok(()),
+        (false, Some(_)) => Err(HostError::FuelNotMetered),
+        (true, fuel) => store
+            .set_fuel(fuel.unwrap_or(u64::MAX))
+            .map_err(wasmtime_err),
+    }
 }
 
 /// Every epoch tick the instance checks its deadline and its cancel flag, and stops (traps
@@ -387,16 +418,19 @@ pub(crate) fn instantiate_error(host: &Host, e: wasmtime::Error) -> HostError {
     }
 }
 
-/// Why a run stopped with an error: cancelled, out of time, or a trap.
+/// Why a run stopped with an error: cancelled, out of time, out of fuel, or a trap.
 pub(crate) fn run_error(options: &RunOptions, e: wasmtime::Error) -> HostError {
+    let trap = e.downcast_ref::<wasmtime::Trap>();
     if options
         .cancel
         .as_ref()
         .is_some_and(|c| c.load(Ordering::Relaxed))
     {
         HostError::Cancelled
-    } else if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
+    } else if trap == Some(&wasmtime::Trap::Interrupt) {
         HostError::Timeout(options.timeout.unwrap_or_default())
+    } else if trap == Some(&wasmtime::Trap::OutOfFuel) {
+        HostError::OutOfFuel(options.fuel.unwrap_or(u64::MAX))
     } else {
         HostError::Trap(format!("{e:?}"))
     }
@@ -418,6 +452,8 @@ pub struct Host {
     /// Each preloaded graph's context length.
     contexts: HashMap<String, usize>,
     pool: Option<InstancePool>,
+    /// Guests' execution is counted ([`HostBuilder::fuel_metering`]).
+    metered: bool,
     slots: InstanceSlots,
 }
 
@@ -436,6 +472,10 @@ pub struct RunOptions {
     pub max_memory_bytes: Option<usize>,
     /// Wall-clock limit for the run; the instance is stopped when it passes.
     pub timeout: Option<Duration>,
+    /// A bound on the run's work, in wasmtime's fuel (about one unit per wasm instruction;
+    /// host calls, such as wasi-nn's forward passes, count as the call alone): the instance
+    /// is stopped when it is used up. Needs [`HostBuilder::fuel_metering`].
+    pub fuel: Option<u64>,
     /// Set this flag to stop the instance (for example when the client went away).
     pub cancel: Option<Arc<AtomicBool>>,
 }

@@ -6,11 +6,10 @@
 
 use super::witx::WitxNn;
 use super::{
-    arm_deadline, instantiate_error, store_limits, Host, HostError, OutputCallback, RunOptions,
-    RunOutcome,
+    arm_deadline, arm_fuel, instantiate_error, run_error, store_limits, Host, HostError,
+    OutputCallback, RunOptions, RunOutcome,
 };
 use std::path::Path;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 use wasmtime::{ExternType, InstancePre, Linker, Module, ModuleExport, Store, StoreLimits};
 use wasmtime_wasi::p1::WasiP1Ctx;
@@ -178,6 +177,7 @@ impl Host {
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
         arm_deadline(&mut store, options);
+        arm_fuel(&mut store, options, self.metered)?;
         let instance = module
             .pre
             .instantiate(&mut store)
@@ -197,17 +197,7 @@ impl Host {
             Ok(Ok(())) => 0,
             Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
                 Some(exit) => exit.0,
-                None if options
-                    .cancel
-                    .as_ref()
-                    .is_some_and(|c| c.load(Ordering::Relaxed)) =>
-                {
-                    return Err(HostError::Cancelled)
-                }
-                None if e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
-                    return Err(HostError::Timeout(options.timeout.unwrap_or_default()))
-                }
-                None => return Err(HostError::Trap(format!("{e:?}"))),
+                None => return Err(run_error(options, e)),
             },
             Err(panic) => {
                 let message = panic

@@ -35,6 +35,11 @@ pub struct ServeArgs {
     /// Seconds one request may run.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
+    /// Bound each request's guest work in wasmtime fuel (about one unit per wasm
+    /// instruction; forward passes count as one call), whatever the machine's load; guests
+    /// run somewhat slower with it counted.
+    #[arg(long)]
+    pub fuel: Option<u64>,
     /// Require `Authorization: Bearer KEY` on the /v1 routes, /tokenize and /detokenize.
     #[arg(long, env = "WASI_NN_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -135,6 +140,7 @@ pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
     let config = ServiceConfig {
         default_model: args.default_model()?,
         timeout: Duration::from_secs(args.timeout),
+        fuel: args.fuel,
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,

@@ -88,6 +88,9 @@ pub struct ServiceConfig {
     pub max_tokens_limit: u32,
     /// Wall-clock limit of one request's guest instance.
     pub timeout: Duration,
+    /// Fuel of one request's guest instance (the host must meter it,
+    /// [`crate::HostBuilder::fuel_metering`]).
+    pub fuel: Option<u64>,
     /// Linear-memory cap of one guest instance.
     pub max_memory_bytes: usize,
     /// Guests that may generate at once (every choice of a request is one); `None`: the
@@ -117,6 +120,7 @@ impl Default for ServiceConfig {
             default_model: "gpt2".into(),
             max_tokens_limit: 1024,
             timeout: Duration::from_secs(120),
+            fuel: None,
             max_memory_bytes: 1 << 30,
             max_concurrent: None,
             max_queue: 256,
@@ -217,6 +221,7 @@ impl Service {
         RunOptions {
             max_memory_bytes: Some(self.config.max_memory_bytes),
             timeout: Some(self.config.timeout),
+            fuel: self.config.fuel,
             cancel,
             ..Default::default()
         }
