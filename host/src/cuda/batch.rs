@@ -337,32 +337,36 @@ impl CudaBatch {
         let (Some(layer_floats), true) = (layer_floats, self.exec.gpu.tuning().graphs) else {
             return Ok(());
         };
-        let mut guard = self.buffers()?;
-        let b = guard
-            .as_mut()
-            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
-        // every size: prompt rows make a step bigger than its contexts
-        let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
-        sizes.dedup();
-        for padded in sizes {
-            for splits in 1..=BATCH_ATT_SPLITS {
-                for prompts in [false, true] {
-                    self.capture(b, (padded, splits, prompts), layer_floats);
+        self.with_buffers(|b| {
+            // every size: prompt rows make a step bigger than its contexts
+            let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+            sizes.dedup();
+            for padded in sizes {
+                for splits in 1..=BATCH_ATT_SPLITS {
+                    for prompts in [false, true] {
+                        self.capture(b, (padded, splits, prompts), layer_floats);
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
-    /// The step's buffers, made at first use.
-    fn buffers(&self) -> Result<MutexGuard<'_, Option<StepBuffers>>, EngineError> {
+    /// `f` with the step's buffers (made at first use) locked.
+    fn with_buffers<R>(
+        &self,
+        f: impl FnOnce(&mut StepBuffers) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             let made = StepBuffers::new(&self.exec)?;
             let _ = self.idle.stream.set(made.stream().clone());
             *guard = Some(made);
         }
-        Ok(guard)
+        match guard.as_mut() {
+            Some(b) => f(b),
+            None => Err(EngineError::device("batched step buffers missing")),
+        }
     }
 
     /// The graph of `key` captured into `b.graphs` unless it is there, graphs are off, or a
@@ -578,13 +582,11 @@ impl CudaBatch {
                 layer_floats: session.layer_floats(),
             });
         }
-        let mut guard = self.buffers()?;
-        let b = guard
-            .as_mut()
-            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
         let started = Instant::now();
-        let (n, last_rows) = self.launch_rows(b, &inputs)?;
-        let keys = b.keys.read(b.stream(), n)?;
+        let (n, last_rows, keys) = self.with_buffers(|b| {
+            let (n, last_rows) = self.launch_rows(b, &inputs)?;
+            Ok((n, last_rows, b.keys.read(b.stream(), n)?))
+        })?;
         tracing::trace!(
             rows = n,
             wait_us = started.elapsed().as_micros() as u64,
@@ -607,12 +609,7 @@ impl CudaBatch {
             return;
         };
         let waited = Instant::now();
-        let keys = self.buffers().and_then(|mut guard| {
-            let b = guard
-                .as_mut()
-                .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
-            Ok(b.keys.read(b.stream(), flight.n)?)
-        });
+        let keys = self.with_buffers(|b| Ok(b.keys.read(b.stream(), flight.n)?));
         // the pass ended while we waited: its time is known
         if waited.elapsed() > Duration::from_micros(20) {
             ahead.took = flight.launched.elapsed();
@@ -664,12 +661,8 @@ impl CudaBatch {
                 }
             })
             .collect();
-        let mut guard = self.buffers()?;
-        let b = guard
-            .as_mut()
-            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
         let launched = Instant::now();
-        let (n, last_rows) = self.launch_rows(b, &inputs)?;
+        let (n, last_rows) = self.with_buffers(|b| self.launch_rows(b, &inputs))?;
         let rows = sessions
             .iter()
             .zip(&tokens)
