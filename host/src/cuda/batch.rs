@@ -638,39 +638,36 @@ impl CudaBatch {
         items: &[StepItem<'_, CudaSeq>],
         which: &[usize],
     ) -> Result<usize, EngineError> {
-        let mut tokens = Vec::with_capacity(which.len());
-        let mut sessions = Vec::with_capacity(which.len());
+        // each context's serial, its next token (its argmax) and its session
+        let mut picks = Vec::with_capacity(which.len());
         for &i in which.iter().take(MAX_ROWS) {
             let seq = &*items[i].seq;
             let session = seq.session()?;
-            tokens.push([session.argmax_now()?]);
-            sessions.push((seq.serial, session));
+            picks.push((seq.serial, session.argmax_now()?, session));
         }
-        let inputs: Vec<Rows<'_>> = sessions
+        let inputs: Vec<Rows<'_>> = picks
             .iter()
-            .zip(&tokens)
-            .map(|((_, session), token)| {
+            .map(|(_, token, session)| {
                 let (k, v, _) = session.row_addresses();
                 Rows {
                     k,
                     v,
                     logits: session.ahead_logits(),
                     start: session.len(),
-                    tokens: token,
+                    tokens: std::slice::from_ref(token),
                     layer_floats: session.layer_floats(),
                 }
             })
             .collect();
         let launched = Instant::now();
         let (n, last_rows) = self.with_buffers(|b| self.launch_rows(b, &inputs))?;
-        let rows = sessions
+        let rows = picks
             .iter()
-            .zip(&tokens)
             .zip(last_rows)
-            .map(|(((serial, session), token), row)| AheadRow {
-                serial: *serial,
+            .map(|(&(serial, token, session), row)| AheadRow {
+                serial,
                 position: session.len(),
-                token: token[0],
+                token,
                 row,
             })
             .collect();

@@ -58,9 +58,10 @@ pub trait BatchModel: Send + Sync + 'static {
     /// the previous step's time, and never for a lone context).
     const MAX_GATHER: Duration = Duration::from_millis(2);
 
-    /// Device time still to run of work the last step launched ahead for its contexts'
-    /// next step (see [`crate::cuda`]'s batched step): the next step waits at least that
-    /// long for them to come back, since their results are not ready before.
+    /// About how long the work the last step launched ahead for its contexts' next step
+    /// takes on the device (see [`crate::cuda`]'s batched step; zero when none is under way):
+    /// the next step waits at least that long for them to come back, since their results
+    /// are not ready before.
     fn ahead(&self) -> Duration {
         Duration::ZERO
     }
