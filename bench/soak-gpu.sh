@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU soak of the service (issue 14): 64 concurrent greedy streams, round after round for
 # SECONDS seconds, every text checked against its prompt run alone (loadgen does that each
-# round); the service's RSS and the GPU's used memory after the first round and at the end.
+# round); the service's RSS and the GPU's used memory after every round (OUT-memory.jsonl),
+# so the curve shows whether anything grows or only settles.
 # Usage: bench/soak-gpu.sh DIR [SECONDS] [OUT.jsonl]
 #   DIR holds wasi-nn-host, gpt2_component.wasm (pre-initialised) and loadgen.
 # Prints one JSON line per round and a summary; exits non-zero if a round failed, a text
@@ -18,6 +19,8 @@ for _ in $(seq 300); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; d
 rss() { awk '/VmRSS/ {print $2 * 1024}' /proc/$server/status; }
 gpu() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
 : > "$out"
+memory=${out%.jsonl}-memory.jsonl
+: > "$memory"
 failed=0 round=0 start=$(date +%s)
 while [ $(( $(date +%s) - start )) -lt "$seconds" ]; do
   round=$((round + 1))
@@ -25,6 +28,7 @@ while [ $(( $(date +%s) - start )) -lt "$seconds" ]; do
     --label "soak round $round" >/dev/null 2>/tmp/soak-loadgen.log || failed=1
   tail -1 "$out" | grep -q '"texts_equal_single_stream":"256 of 256"' || failed=1
   if [ $round = 1 ]; then rss0=$(rss); gpu0=$(gpu); fi
+  echo "{\"round\":$round,\"seconds\":$(( $(date +%s) - start )),\"rss_bytes\":$(rss),\"gpu_mib\":$(gpu)}" >> "$memory"
 done
 rss1=$(rss) gpu1=$(gpu)
 requests=$(python3 -c "import json; print(sum(json.loads(l)['requests'] for l in open('$out')))")

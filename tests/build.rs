@@ -1,7 +1,8 @@
 //! Builds the guests for the tests (as wasmtime builds its test programs): `gpt2.wasm` for
-//! wasm32-wasip1 and the component for wasm32-wasip2, with a nested cargo in its own target
-//! directory so it never waits on the lock of the outer build. The paths reach the tests as
-//! `GPT2_WASM` and `GPT2_COMPONENT`.
+//! wasm32-wasip1, the component and the hostile `wasi:nn` probe (`tests/nn-probe`) for
+//! wasm32-wasip2, with a nested cargo in its own target directory so it never waits on the
+//! lock of the outer build. The paths reach the tests as `GPT2_WASM`, `GPT2_COMPONENT` and
+//! `NN_PROBE`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -18,6 +19,7 @@ fn main() {
     let builds = [
         ("gpt2-guest", "--bin=gpt2", "wasm32-wasip1"),
         ("gpt2-component", "--lib", "wasm32-wasip2"),
+        ("nn-probe", "--bin=nn-probe", "wasm32-wasip2"),
     ];
     for (package, kind, target) in builds {
         let mut cmd = Command::new(&cargo);
@@ -49,12 +51,15 @@ fn main() {
     println!("cargo:rustc-env=GPT2_WASM={}", wasm.display());
     let component = target_dir.join("wasm32-wasip2/release-wasm/gpt2_component.wasm");
     println!("cargo:rustc-env=GPT2_COMPONENT={}", component.display());
+    let probe = target_dir.join("wasm32-wasip2/release-wasm/nn-probe.wasm");
+    println!("cargo:rustc-env=NN_PROBE={}", probe.display());
     for path in [
         ".cargo/config.toml",
         "guest/src",
         "guest/assets",
         "guest/Cargo.toml",
         "guest/component",
+        "tests/nn-probe",
         "wit",
         "Cargo.toml",
         "Cargo.lock",

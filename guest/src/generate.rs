@@ -21,6 +21,13 @@ pub trait Forward {
     fn all_logits(&mut self, _tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {
         Ok(None)
     }
+
+    /// Whether the last failed call was the backend refusing a sequence as too large (past
+    /// the model's context): a generation whose context the guest could not learn otherwise
+    /// ends there with `length`.
+    fn refused_as_too_large(&self) -> bool {
+        false
+    }
 }
 
 /// What to generate.
@@ -182,6 +189,44 @@ impl Generation {
         Ok(Some(piece))
     }
 
+    /// The next token: greedy where nothing needs the logits, else sampled from them.
+    fn choose(&mut self, model: &mut dyn Forward) -> Result<u32, String> {
+        let temperature = self.sampler.params().temperature;
+        Ok(
+            if temperature <= 0.0
+                && self.logprobs.is_none()
+                && self.pending.is_none()
+                && !self.processor.changes_logits(temperature)
+            {
+                model.greedy_next(&self.sequence)?
+            } else {
+                let pending = self.pending.take();
+                let logits = match &pending {
+                    Some(logits) => logits.as_slice(),
+                    None => model.last_logits(&self.sequence)?,
+                };
+                let started = std::time::Instant::now();
+                let processed = if self.processor.changes_logits(temperature) {
+                    self.processor.apply(logits, temperature)
+                } else {
+                    logits
+                };
+                let next = if temperature <= 0.0 {
+                    argmax(processed) as u32
+                } else {
+                    self.sampler.sample(processed) as u32
+                };
+                if let Some(n) = self.logprobs {
+                    self.token_logprobs
+                        .push(TokenLogprob::from_logits(logits, next, n));
+                    self.fresh += 1;
+                }
+                self.sampling_seconds += started.elapsed().as_secs_f64();
+                next
+            },
+        )
+    }
+
     /// One token, or the end.
     fn step(
         &mut self,
@@ -194,37 +239,13 @@ impl Generation {
         if self.context.is_some_and(|c| self.sequence.len() >= c) {
             return Ok(self.finish("length"));
         }
-        let temperature = self.sampler.params().temperature;
-        let next = if temperature <= 0.0
-            && self.logprobs.is_none()
-            && self.pending.is_none()
-            && !self.processor.changes_logits(temperature)
-        {
-            model.greedy_next(&self.sequence)?
-        } else {
-            let pending = self.pending.take();
-            let logits = match &pending {
-                Some(logits) => logits.as_slice(),
-                None => model.last_logits(&self.sequence)?,
-            };
-            let started = std::time::Instant::now();
-            let processed = if self.processor.changes_logits(temperature) {
-                self.processor.apply(logits, temperature)
-            } else {
-                logits
-            };
-            let next = if temperature <= 0.0 {
-                argmax(processed) as u32
-            } else {
-                self.sampler.sample(processed) as u32
-            };
-            if let Some(n) = self.logprobs {
-                self.token_logprobs
-                    .push(TokenLogprob::from_logits(logits, next, n));
-                self.fresh += 1;
+        let next = match self.choose(model) {
+            Ok(next) => next,
+            // the backend's refusal, the last way to learn the context
+            Err(_) if !self.generated.is_empty() && model.refused_as_too_large() => {
+                return Ok(self.finish("length"));
             }
-            self.sampling_seconds += started.elapsed().as_secs_f64();
-            next
+            Err(e) => return Err(e),
         };
         if Some(next) == self.end_of_text {
             self.drop_fresh_logprob();

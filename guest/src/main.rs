@@ -188,22 +188,32 @@ fn main() {
     }
 }
 
-/// A graph's execution context (wasi-nn witx ABI) plus the buffer its logits are read into.
+/// A graph's execution context (wasi-nn witx ABI) plus the buffer its logits are read into,
+/// and what the backend has shown of itself (so a backend that lacks our extensions costs no
+/// second compute and no refused copy per step).
 struct Model<'g> {
     context: GraphExecutionContext<'g>,
     vocab: usize,
     buffer: Vec<f32>,
     /// Whether the backend offers output 2 (the greedy next token); cleared on first failure.
     has_argmax: bool,
+    /// Whether output 0 holds every position's logits (`[1, T, vocab]`, as backends without
+    /// our contract return them) rather than the last position's: learned on the first read
+    /// of a sequence longer than one token, then the buffer is sized for it before asking.
+    every_position: bool,
+    /// Whether the last compute was refused as too large (past the model's context).
+    refused: bool,
 }
 
 /// The graph: `--model DIR` loaded from bytes for `--target`, else `--graph NAME` by name
-/// (`load_by_name` takes no execution target: the host decides where it runs).
-fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
+/// (`load_by_name` takes no execution target: the host decides where it runs); with the
+/// context length its `config.json` gives (`n_positions`), when the guest read one.
+fn load_graph(options: &Options) -> Result<(wasi_nn::Graph, Option<usize>), Error> {
     let builder = GraphBuilder::new(GraphEncoding::Autodetec, options.target);
     let Some(dir) = &options.model else {
         return builder
             .build_from_cache(&options.graph)
+            .map(|graph| (graph, None))
             .map_err(|e| format!("cannot load graph `{}` by name: {e}", options.graph).into());
     };
     let read = |name: &str| {
@@ -220,7 +230,11 @@ fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
         ExecutionTarget::TPU => "tpu",
         ExecutionTarget::AUTO => "auto",
     };
-    builder.build_from_bytes([weights, config]).map_err(|e| {
+    let context = serde_json::from_slice::<serde_json::Value>(&config)
+        .ok()
+        .and_then(|c| c.get("n_positions").or_else(|| c.get("n_ctx"))?.as_u64())
+        .map(|n| n as usize);
+    let graph = builder.build_from_bytes([weights, config]).map_err(|e| {
         let hint = match options.target {
             ExecutionTarget::GPU => {
                 "; the host may have no usable GPU (CUDA driver) and no --device override; \
@@ -229,8 +243,9 @@ fn load_graph(options: &Options) -> Result<wasi_nn::Graph, Error> {
             ExecutionTarget::CPU => "",
             _ => "; the host may not support this target; its log says why",
         };
-        format!("cannot load --model {dir} for execution target {target}: {e}{hint}").into()
-    })
+        format!("cannot load --model {dir} for execution target {target}: {e}{hint}")
+    })?;
+    Ok((graph, context))
 }
 
 impl<'g> Model<'g> {
@@ -243,6 +258,8 @@ impl<'g> Model<'g> {
             vocab,
             buffer: vec![0.0; vocab],
             has_argmax: true,
+            every_position: false,
+            refused: false,
         })
     }
 
@@ -260,48 +277,88 @@ impl<'g> Model<'g> {
             .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
             .map_err(|e| format!("set_input (sequence of {} tokens): {e}", tokens.len()))
     }
-}
 
-impl Forward for Model<'_> {
-    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
-        self.set_tokens(tokens)?;
-        self.context
-            .compute()
-            .map_err(|e| format!("compute: {e}"))?;
-        let bytes = match self.context.get_output(0, &mut self.buffer) {
+    fn compute(&mut self, tokens: &[u32]) -> Result<(), String> {
+        // (the crate does not export its error-code type; its Debug names the code)
+        let too_large = |e: &wasi_nn::Error| matches!(e, wasi_nn::Error::BackendError(code) if format!("{code:?}") == "TooLarge");
+        self.refused = false;
+        let result = self
+            .context
+            .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
+            .map_err(|e| {
+                (
+                    too_large(&e),
+                    format!("set_input (sequence of {} tokens): {e}", tokens.len()),
+                )
+            })
+            .and_then(|()| {
+                self.context
+                    .compute()
+                    .map_err(|e| (too_large(&e), format!("compute: {e}")))
+            });
+        result.map_err(|(too_large, message)| {
+            self.refused = too_large;
+            message
+        })
+    }
+
+    /// The last position's logits of the sequence of `len` tokens just computed (output 0).
+    fn read_last(&mut self, len: usize) -> Result<&[f32], String> {
+        let rows = if self.every_position { len } else { 1 };
+        if self.buffer.len() < rows * self.vocab {
+            self.buffer.resize(rows * self.vocab, 0.0);
+        }
+        let bytes = match self
+            .context
+            .get_output(0, &mut self.buffer[..rows * self.vocab])
+        {
             Ok(n) => n,
             // Too small for a backend that returns every position (F32 [1, T, vocab]):
             // retry once with room for all of them.
-            Err(first) if tokens.len() > 1 => {
-                self.buffer.resize(tokens.len() * self.vocab, 0.0);
+            Err(first) if len > 1 && !self.every_position => {
+                self.buffer.resize(len * self.vocab, 0.0);
                 self.context
-                    .get_output(0, &mut self.buffer)
+                    .get_output(0, &mut self.buffer[..len * self.vocab])
                     .map_err(|_| format!("get_output: {first}"))?
             }
             Err(e) => return Err(format!("get_output: {e}")),
         };
         let n = bytes / 4;
-        Ok(if n == tokens.len() * self.vocab && tokens.len() > 1 {
-            &self.buffer[n - self.vocab..n]
-        } else {
-            &self.buffer[..n]
-        })
+        if n < self.vocab {
+            return Err(format!(
+                "get_output: the backend returned {n} logits; the vocabulary has {}",
+                self.vocab
+            ));
+        }
+        if len > 1 && n == len * self.vocab {
+            self.every_position = true;
+        }
+        Ok(&self.buffer[n - self.vocab..n])
+    }
+}
+
+impl Forward for Model<'_> {
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<&[f32], String> {
+        self.compute(tokens)?;
+        self.read_last(tokens.len())
     }
 
-    /// Output 2 where the backend has it (4 bytes cross instead of the whole logits row).
+    /// Output 2 where the backend has it (4 bytes cross instead of the whole logits row);
+    /// where it has not, the logits of the same compute.
     fn greedy_next(&mut self, tokens: &[u32]) -> Result<u32, String> {
+        self.compute(tokens)?;
         if self.has_argmax {
-            self.set_tokens(tokens)?;
-            self.context
-                .compute()
-                .map_err(|e| format!("compute: {e}"))?;
             let mut next = [0i32; 1];
             match self.context.get_output(2, &mut next) {
-                Ok(4) if next[0] >= 0 => return Ok(next[0] as u32),
+                Ok(4) if (0..self.vocab as i32).contains(&next[0]) => return Ok(next[0] as u32),
                 _ => self.has_argmax = false,
             }
         }
-        Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
+        Ok(gpt2_guest::sampling::argmax(self.read_last(tokens.len())?) as u32)
+    }
+
+    fn refused_as_too_large(&self) -> bool {
+        self.refused
     }
 
     /// Output 1 after input 1 (`logits_from` = 0): every position from one prefill.
@@ -327,14 +384,18 @@ impl Forward for Model<'_> {
 
 fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     let prompt = options.prompt.as_deref().unwrap_or_default();
-    let graph = load_graph(options)?;
+    let (graph, config_context) = load_graph(options)?;
     let mut model = Model::new(&graph, tokenizer.vocab_size())?;
     let params = GenerationParams {
         max_tokens: options.max_tokens,
         sampling: options.sampling,
         stops: options.stops.clone(),
-        // where the generation must end: told, or learned from the backend
-        context: options.context.or_else(|| model.context_length()),
+        // where the generation must end: told, learned from the backend (output 3) or from
+        // the model's config.json; failing all three, from the backend's refusal
+        context: options
+            .context
+            .or_else(|| model.context_length())
+            .or(config_context),
         ..Default::default()
     };
     let mut generation = Generation::new(tokenizer, prompt, params)?;
@@ -400,7 +461,7 @@ fn perplexity(options: &Options, tokenizer: &Gpt2Tokenizer, path: &str) -> Resul
         format!("--perplexity {path}: {e} (did the host grant the directory with --dir?)")
     })?;
     let ids = tokenizer.encode(&text)?;
-    let graph = load_graph(options)?;
+    let (graph, _) = load_graph(options)?;
     let mut model = Model::new(&graph, tokenizer.vocab_size())?;
     let start = Instant::now();
     let score = gpt2_guest::generate::perplexity(

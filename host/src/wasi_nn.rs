@@ -5,7 +5,8 @@
 //! - input 0: the whole token sequence so far, `I32 [1, T]` (or `[T]`), `1 <= T <= n_ctx`,
 //!   every id in `0..vocab`;
 //! - input 1 (optional): `I32 [1]` `logits_from`, the first position whose logits output 1
-//!   must hold; it stays set until set again;
+//!   must hold; through the witx ABI it stays set until set again, through the WIT ABI
+//!   (`compute` with named inputs) it applies to the call it is passed with;
 //! - output 0: the logits of the last position, `F32 [1, vocab]`;
 //! - output 1 (only after input 1 was set): the logits of positions `logits_from..T`,
 //!   `F32 [1, T - logits_from, vocab]`, from one batched prefill;
@@ -76,6 +77,76 @@ pub enum Gpt2Error {
          CUDA GPU (target gpu)"
     )]
     UnsupportedTarget(&'static str),
+}
+
+/// What kind of failure an error is: the wasi-nn error code it reaches a guest with, in either
+/// ABI (witx's `$nn_errno` or WIT's `error-code`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A malformed tensor, model or argument (wrong type, shape, id, name or handle).
+    InvalidArgument,
+    /// An encoding this backend does not load.
+    InvalidEncoding,
+    /// Past a limit: the model's context, the KV pool, the load size, an instance's handles.
+    TooLarge,
+    /// No graph of that name.
+    NotFound,
+    /// An execution target this backend does not run on.
+    UnsupportedOperation,
+    /// Anything else (a device failure); the host's log says what.
+    RuntimeError,
+}
+
+impl Gpt2Error {
+    /// The code this error reaches the guest with.
+    pub fn kind(&self) -> ErrorKind {
+        use Gpt2Error as G;
+        match self {
+            G::TooLong { .. } => ErrorKind::TooLarge,
+            G::Engine(EngineError::KvPoolFull { .. } | EngineError::OverCapacity { .. }) => {
+                ErrorKind::TooLarge
+            }
+            G::Engine(EngineError::Load(LoadError::TooLarge { .. })) => ErrorKind::TooLarge,
+            G::Engine(EngineError::Load(_)) => ErrorKind::InvalidArgument,
+            G::Engine(EngineError::EmptySequence | EngineError::TokenOutOfRange { .. }) => {
+                ErrorKind::InvalidArgument
+            }
+            G::Engine(_) | G::TargetDevice(_) => ErrorKind::RuntimeError,
+            G::UnsupportedTarget(_) => ErrorKind::UnsupportedOperation,
+            G::WrongTensorType { .. }
+            | G::WrongShape { .. }
+            | G::EmptySequence
+            | G::TokenOutOfRange { .. }
+            | G::LogitsFromOutOfRange { .. }
+            | G::NoSuchInput(_)
+            | G::NoSuchOutput(_)
+            | G::NoInput
+            | G::NotComputed(_)
+            | G::NoAllLogits => ErrorKind::InvalidArgument,
+        }
+    }
+}
+
+/// What went wrong, in the words of the error that came back through wasmtime-wasi-nn's
+/// backend traits (its own Display says only "Failed while accessing backend").
+pub fn backend_error_message(e: &BackendError) -> String {
+    match e {
+        BackendError::BackendAccess(inner) => format!("{inner:#}"),
+        other => other.to_string(),
+    }
+}
+
+/// The code of an error that came back through wasmtime-wasi-nn's backend traits.
+pub fn backend_error_kind(e: &BackendError) -> ErrorKind {
+    match e {
+        BackendError::BackendAccess(inner) => match inner.downcast_ref::<Gpt2Error>() {
+            Some(e) => e.kind(),
+            None => ErrorKind::RuntimeError,
+        },
+        BackendError::NotEnoughMemory(_) => ErrorKind::TooLarge,
+        BackendError::UnsupportedTensorType(_) => ErrorKind::InvalidArgument,
+        _ => ErrorKind::RuntimeError,
+    }
 }
 
 impl From<LoadError> for Gpt2Error {
@@ -547,6 +618,9 @@ impl BackendExecutionContext for Gpt2Context {
         // The WIT ABI passes named inputs and wants named outputs back. With the input
         // `next_token_only` (I32 [1], non-zero), the outputs are the greedy `next_token`
         // (I32 [1]) instead of the last logits: a greedy guest then takes 4 bytes, not V floats.
+        // Each call's inputs are its own: `logits_from` applies to the compute it came with
+        // (a rejected one does not linger), the token ids are the whole sequence as always.
+        self.logits_from = None;
         let mut next_token_only = false;
         for (position, input) in inputs.iter().enumerate() {
             if input.name == NEXT_TOKEN_ONLY {

@@ -67,6 +67,11 @@ pub fn gpt2_component() -> PathBuf {
     PathBuf::from(env!("GPT2_COMPONENT"))
 }
 
+/// The hostile `wasi:nn` WIT guest (`tests/nn-probe`, a wasm32-wasip2 command component).
+pub fn nn_probe() -> PathBuf {
+    PathBuf::from(env!("NN_PROBE"))
+}
+
 pub fn read_json(name: &str) -> serde_json::Value {
     let path = fixture(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

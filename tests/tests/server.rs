@@ -972,12 +972,18 @@ fn streamed_logprobs_and_echo_equal_the_whole_answer() {
             tokens,
             *want["logprobs"]["tokens"].as_array().expect("tokens")
         );
-        assert_eq!(
-            values,
-            *want["logprobs"]["token_logprobs"]
-                .as_array()
-                .expect("values")
-        );
+        // equal within the CPU's tolerance: a step batched with other contexts may sum in
+        // another order than one run alone
+        let want_values = want["logprobs"]["token_logprobs"]
+            .as_array()
+            .expect("values");
+        assert_eq!(values.len(), want_values.len(), "choice {i}");
+        for (got, want) in values.iter().zip(want_values) {
+            match (got.as_f64(), want.as_f64()) {
+                (Some(a), Some(b)) => assert!((a - b).abs() <= 1e-4, "choice {i}: {a} vs {b}"),
+                _ => assert_eq!(got, want, "choice {i}"),
+            }
+        }
         assert_eq!(
             offsets,
             *want["logprobs"]["text_offset"].as_array().expect("offsets")

@@ -1,9 +1,10 @@
 //! Running the guest as a component (`wasm32-wasip2`, world `gpt2:text/gpt2` in `wit/`):
-//! WASI preview 2 plus `wasi:nn` through `wasmtime_wasi_nn::wit`, over the same backend and
+//! WASI preview 2 plus `wasi:nn` (WIT, our own binding: [`super::wit_nn`]), over the same backend and
 //! the same preloaded graphs as the preview-1 path. [`Host::load_component`] compiles and links
 //! it once ([`GuestComponent`]); each call instantiates it afresh (its own WASI context,
 //! wasi-nn state and KV caches) with the same limits as [`RunOptions`].
 
+use super::wit_nn::{WitNn, WitNnView};
 use super::{
     arm_deadline, arm_fuel, instantiate_error, run_error, store_limits, Host, HostError,
     InstanceSlot, RunOptions,
@@ -11,8 +12,6 @@ use super::{
 use wasmtime::component::{Component, Linker, ResourceTable};
 use wasmtime::{Store, StoreLimits};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
-use wasmtime_wasi_nn::wit::{WasiNnCtx, WasiNnView};
-use wasmtime_wasi_nn::{Backend, Registry};
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -113,7 +112,7 @@ impl GuestComponent {
 pub struct ComponentState {
     wasi: WasiCtx,
     table: ResourceTable,
-    nn: WasiNnCtx,
+    nn: WitNn,
     limits: StoreLimits,
 }
 
@@ -131,8 +130,8 @@ pub(crate) fn component_linker(
 ) -> wasmtime::Result<Linker<ComponentState>> {
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-    wasmtime_wasi_nn::wit::add_to_linker(&mut linker, |s: &mut ComponentState| {
-        WasiNnView::new(&mut s.table, &mut s.nn)
+    super::wit_nn::add_to_linker(&mut linker, |s: &mut ComponentState| {
+        WitNnView::new(&mut s.table, &mut s.nn)
     })?;
     Ok(linker)
 }
@@ -162,7 +161,7 @@ impl Host {
         options: &RunOptions,
     ) -> Result<(InstanceSlot<'_>, Store<ComponentState>, bindings::Generator), HostError> {
         let slot = self.instance_slot()?;
-        let mut store = self.component_store(options)?;
+        let mut store = self.component_store(options, WasiCtxBuilder::new().build())?;
         let instance = component
             .pre
             .instantiate(&mut store)
@@ -170,14 +169,17 @@ impl Host {
         Ok((slot, store, instance))
     }
 
-    fn component_store(&self, options: &RunOptions) -> Result<Store<ComponentState>, HostError> {
+    /// A store for one instance of a component: `wasi`, `options`' limits, its own wasi-nn
+    /// state.
+    pub(crate) fn component_store(
+        &self,
+        options: &RunOptions,
+        wasi: WasiCtx,
+    ) -> Result<Store<ComponentState>, HostError> {
         let state = ComponentState {
-            wasi: WasiCtxBuilder::new().build(),
+            wasi,
             table: ResourceTable::new(),
-            nn: WasiNnCtx::new(
-                [Backend::from(self.backend().clone())],
-                Registry::from(self.graphs().clone()),
-            ),
+            nn: WitNn::new(self.backend().clone(), self.graphs().clone()),
             limits: store_limits(options),
         };
         let mut store = Store::new(self.engine(), state);

@@ -15,6 +15,7 @@ mod component;
 mod module;
 mod preinit;
 mod preinit_component;
+pub mod wit_nn;
 pub mod witx;
 
 pub use component::{

@@ -4,15 +4,19 @@
 //! context and its own wasi-nn state (its own execution contexts and KV caches) over the
 //! host's shared graphs.
 
+use super::component::ComponentState;
+use super::preinit_component::is_component;
 use super::witx::WitxNn;
 use super::{
     arm_deadline, arm_fuel, instantiate_error, run_error, store_limits, Host, HostError,
     OutputCallback, RunOptions, RunOutcome,
 };
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+use wasmtime::component::Component;
 use wasmtime::{ExternType, InstancePre, Linker, Module, ModuleExport, Store, StoreLimits};
 use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::bindings::sync::CommandPre;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
@@ -23,18 +27,30 @@ pub struct GuestState {
     limits: StoreLimits,
 }
 
-/// A guest module compiled and linked once ([`Host::load_module`]): every [`Host::run`] only
-/// instantiates it. Cheap to clone (shared).
+/// A guest program compiled and linked once ([`Host::load_module`]): every [`Host::run`] only
+/// instantiates it. Either a preview 1 module (`_start`) or a preview 2 command component
+/// (`wasi:cli/run`, with `wasi:nn` WIT). Cheap to clone (shared).
 #[derive(Clone)]
 pub struct GuestModule {
-    pre: InstancePre<GuestState>,
-    start: ModuleExport,
+    kind: Program,
+}
+
+#[derive(Clone)]
+enum Program {
+    Module {
+        pre: InstancePre<GuestState>,
+        start: ModuleExport,
+    },
+    Command(CommandPre<ComponentState>),
 }
 
 impl GuestModule {
-    /// The compiled module.
-    pub fn module(&self) -> &Module {
-        self.pre.module()
+    /// The compiled module (`None` for a component).
+    pub fn module(&self) -> Option<&Module> {
+        match &self.kind {
+            Program::Module { pre, .. } => Some(pre.module()),
+            Program::Command(_) => None,
+        }
     }
 }
 
@@ -107,15 +123,33 @@ impl tokio::io::AsyncWrite for CallbackOutput {
 }
 
 impl Host {
-    /// Compile a guest module (`.wasm` or `.wat`) from a file and link it with WASI preview 1
-    /// and wasi-nn (imports it asks for that the host lacks are an error here, not at run
+    /// Compile a guest program from a file and link it: a module (`.wasm` or `.wat`) with
+    /// WASI preview 1 and wasi-nn's witx ABI, or a command component with WASI preview 2 and
+    /// `wasi:nn` WIT (imports it asks for that the host lacks are an error here, not at run
     /// time). A pre-initialised module ([`super::preinitialize`]) loads the same way.
     pub fn load_module(&self, path: &Path) -> Result<GuestModule, HostError> {
         let error = |message: String| HostError::Module {
             path: path.to_owned(),
             message,
         };
-        let module = Module::from_file(&self.engine, path).map_err(|e| error(format!("{e:?}")))?;
+        let bytes = std::fs::read(path).map_err(|e| error(format!("{e}")))?;
+        if is_component(&bytes) {
+            let component =
+                Component::new(&self.engine, &bytes).map_err(|e| error(format!("{e:?}")))?;
+            let pre = self
+                .component_linker()
+                .instantiate_pre(&component)
+                .and_then(CommandPre::new)
+                .map_err(|e| {
+                    error(format!(
+                        "{e:?} (a component must be a WASI command: export wasi:cli/run)"
+                    ))
+                })?;
+            return Ok(GuestModule {
+                kind: Program::Command(pre),
+            });
+        }
+        let module = Module::new(&self.engine, &bytes).map_err(|e| error(format!("{e:?}")))?;
         let is_command = matches!(
             module.get_export("_start"),
             Some(ExternType::Func(f)) if f.params().len() == 0 && f.results().len() == 0
@@ -130,11 +164,14 @@ impl Host {
             .linker
             .instantiate_pre(&module)
             .map_err(|e| error(format!("{e:?}")))?;
-        Ok(GuestModule { pre, start })
+        Ok(GuestModule {
+            kind: Program::Module { pre, start },
+        })
     }
 
-    /// Run `module`'s `_start` in a fresh instance; returns its exit code (0 when `_start`
-    /// returns normally, the `proc_exit` code otherwise).
+    /// Run `module` in a fresh instance (`_start` of a module, `wasi:cli/run` of a
+    /// component); returns its exit code (0 when it returns normally, the `proc_exit` code
+    /// otherwise, 1 for a component's `run` that returns an error).
     pub fn run(
         &self,
         module: &GuestModule,
@@ -169,32 +206,12 @@ impl Host {
                     message: format!("{e}"),
                 })?;
         }
-        let state = GuestState {
-            wasi: wasi.build_p1(),
-            nn: WitxNn::new(self.backend.clone(), self.graphs.clone()),
-            limits: store_limits(options),
+        let (start_latency, result) = match &module.kind {
+            Program::Module { pre, start } => self.run_module(pre, start, wasi, options, called)?,
+            Program::Command(pre) => self.run_command(pre, wasi, options, called)?,
         };
-        let mut store = Store::new(&self.engine, state);
-        store.limiter(|s| &mut s.limits);
-        arm_deadline(&mut store, options);
-        arm_fuel(&mut store, options, self.metered)?;
-        let instance = module
-            .pre
-            .instantiate(&mut store)
-            .map_err(|e| instantiate_error(self, e))?;
-        let start = instance
-            .get_module_export(&mut store, &module.start)
-            .and_then(|export| export.into_func())
-            .ok_or_else(|| HostError::Trap("`_start` is not a function".into()))?
-            .typed::<(), ()>(&store)
-            .map_err(|e| HostError::Trap(format!("`_start`: {e:?}")))?;
-        // No host call should panic (wasi-nn's witx binding is ours and checks every guest
-        // pointer); should one still, the instance is thrown away and the host goes on.
-        let start_latency = called.elapsed();
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| start.call(&mut store, ())));
         let exit_code = match result {
-            Ok(Ok(())) => 0,
+            Ok(Ok(code)) => code,
             Ok(Err(e)) => match e.downcast_ref::<I32Exit>() {
                 Some(exit) => exit.0,
                 None => return Err(run_error(options, e)),
@@ -219,4 +236,63 @@ impl Host {
             start_latency,
         })
     }
+
+    fn run_module(
+        &self,
+        pre: &InstancePre<GuestState>,
+        start: &ModuleExport,
+        mut wasi: WasiCtxBuilder,
+        options: &RunOptions,
+        called: Instant,
+    ) -> Result<(Duration, Called), HostError> {
+        let state = GuestState {
+            wasi: wasi.build_p1(),
+            nn: WitxNn::new(self.backend.clone(), self.graphs.clone()),
+            limits: store_limits(options),
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        arm_deadline(&mut store, options);
+        arm_fuel(&mut store, options, self.metered)?;
+        let instance = pre
+            .instantiate(&mut store)
+            .map_err(|e| instantiate_error(self, e))?;
+        let start = instance
+            .get_module_export(&mut store, start)
+            .and_then(|export| export.into_func())
+            .ok_or_else(|| HostError::Trap("`_start` is not a function".into()))?
+            .typed::<(), ()>(&store)
+            .map_err(|e| HostError::Trap(format!("`_start`: {e:?}")))?;
+        // No host call should panic (wasi-nn's bindings are ours and check every guest
+        // pointer); should one still, the instance is thrown away and the host goes on.
+        let start_latency = called.elapsed();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            start.call(&mut store, ()).map(|()| 0)
+        }));
+        Ok((start_latency, result))
+    }
+
+    fn run_command(
+        &self,
+        pre: &CommandPre<ComponentState>,
+        mut wasi: WasiCtxBuilder,
+        options: &RunOptions,
+        called: Instant,
+    ) -> Result<(Duration, Called), HostError> {
+        let mut store = self.component_store(options, wasi.build())?;
+        let command = pre
+            .instantiate(&mut store)
+            .map_err(|e| instantiate_error(self, e))?;
+        let start_latency = called.elapsed();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            command
+                .wasi_cli_run()
+                .call_run(&mut store)
+                .map(|r| if r.is_ok() { 0 } else { 1 })
+        }));
+        Ok((start_latency, result))
+    }
 }
+
+/// What calling a guest's entry point gave: its exit code, its trap, or a host call's panic.
+type Called = std::thread::Result<wasmtime::Result<i32>>;

@@ -7,9 +7,7 @@
 //! tensor or model `invalid-argument`), and the host logs the reason. Graphs and contexts are
 //! the instance's own and go with it.
 
-use crate::engine::EngineError;
-use crate::model::LoadError;
-use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};
+use crate::wasi_nn::{backend_error_kind, ErrorKind, Gpt2Backend, Gpt2Error, GraphSet};
 use std::collections::HashMap;
 use wasmtime::{Caller, Extern, Linker};
 use wasmtime_wasi_nn::backend::{BackendError, Id};
@@ -47,45 +45,27 @@ pub struct WitxNn {
 
 type Outcome<T> = Result<T, Errno>;
 
+impl From<ErrorKind> for Errno {
+    fn from(kind: ErrorKind) -> Self {
+        match kind {
+            ErrorKind::InvalidArgument => Errno::InvalidArgument,
+            ErrorKind::InvalidEncoding => Errno::InvalidEncoding,
+            ErrorKind::TooLarge => Errno::TooLarge,
+            ErrorKind::NotFound => Errno::NotFound,
+            ErrorKind::UnsupportedOperation => Errno::UnsupportedOperation,
+            ErrorKind::RuntimeError => Errno::RuntimeError,
+        }
+    }
+}
+
 /// The code that fits a backend error.
 fn errno_of(e: &Gpt2Error) -> Errno {
-    use Gpt2Error as G;
-    match e {
-        G::TooLong { .. } => Errno::TooLarge,
-        G::Engine(EngineError::KvPoolFull { .. } | EngineError::OverCapacity { .. }) => {
-            Errno::TooLarge
-        }
-        G::Engine(EngineError::Load(LoadError::TooLarge { .. })) => Errno::TooLarge,
-        G::Engine(EngineError::Load(_)) => Errno::InvalidArgument,
-        G::Engine(EngineError::EmptySequence | EngineError::TokenOutOfRange { .. }) => {
-            Errno::InvalidArgument
-        }
-        G::Engine(_) | G::TargetDevice(_) => Errno::RuntimeError,
-        G::UnsupportedTarget(_) => Errno::UnsupportedOperation,
-        G::WrongTensorType { .. }
-        | G::WrongShape { .. }
-        | G::EmptySequence
-        | G::TokenOutOfRange { .. }
-        | G::LogitsFromOutOfRange { .. }
-        | G::NoSuchInput(_)
-        | G::NoSuchOutput(_)
-        | G::NoInput
-        | G::NotComputed(_)
-        | G::NoAllLogits => Errno::InvalidArgument,
-    }
+    e.kind().into()
 }
 
 /// The code of an error that came back through wasmtime-wasi-nn's backend traits.
 fn backend_errno(e: &BackendError) -> Errno {
-    match e {
-        BackendError::BackendAccess(inner) => match inner.downcast_ref::<Gpt2Error>() {
-            Some(e) => errno_of(e),
-            None => Errno::RuntimeError,
-        },
-        BackendError::NotEnoughMemory(_) => Errno::TooLarge,
-        BackendError::UnsupportedTensorType(_) => Errno::InvalidArgument,
-        _ => Errno::RuntimeError,
-    }
+    backend_error_kind(e).into()
 }
 
 impl WitxNn {

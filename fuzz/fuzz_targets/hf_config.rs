@@ -1,0 +1,12 @@
+//! HF `config.json`: any bytes give a GPT-2 configuration or an error.
+#![no_main]
+
+#[path = "bounded_alloc.rs"]
+mod bounded_alloc;
+
+#[global_allocator]
+static ALLOCATOR: bounded_alloc::Bounded = bounded_alloc::Bounded;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = wasi_nn_host::model::parse_hf_config(data, "fuzz input");
+});
