@@ -40,6 +40,7 @@ use super::ops::batch::{
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
 use super::session::CudaSession;
+use super::weights::head_rows;
 use super::ExecutorInner;
 use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
@@ -74,10 +75,10 @@ pub fn bucket(rows: usize) -> usize {
 /// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it).
 type GraphKey = (usize, usize, bool);
 
-/// Floats between two rows of the LM head's product: V rounded up to a multiple of 8, so
-/// cuBLAS can take its aligned kernels.
+/// Floats between two rows of the LM head's product, and the product's N: V rounded up to
+/// [`head_rows`] (wte's zero rows past V give zero columns, which no one reads).
 fn head_ld(vocab: usize) -> usize {
-    vocab.div_ceil(8) * 8
+    head_rows(vocab)
 }
 
 /// Sessions not in use, and the pool their KV caches are reserved from; what contexts share
@@ -499,7 +500,7 @@ impl CudaBatch {
         }
         let (head, ld) = (b.head.ptr(), head_ld(v));
         b.blas
-            .gemm(l, w.wte.ptr(), act, (product_rows, v, c), (head, ld), false)?;
+            .gemm(l, w.wte.ptr(), act, (product_rows, ld, c), (head, ld), false)?;
         l.batch_logits(t, head, ld, split)
     }
 

@@ -27,16 +27,36 @@ enum Storage {
 impl DevTensor {
     /// `values` on the device as `dtype`.
     pub fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: GpuDtype) -> Result<Self, CudaError> {
+        Self::upload_padded(stream, values, values.len(), dtype)
+    }
+
+    /// `values` on the device as `dtype`, followed by zeros up to `len` elements.
+    pub fn upload_padded(
+        stream: &Arc<CudaStream>,
+        values: &[f32],
+        len: usize,
+        dtype: GpuDtype,
+    ) -> Result<Self, CudaError> {
         const WHAT: &str = "uploading weights";
+        let len = len.max(values.len());
         Ok(match dtype {
             GpuDtype::F32 => {
-                let buf = DevBuf::from_host(stream, values, WHAT)?;
-                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), values.len()), _storage: Storage::F32(buf) }
+                let buf = if len == values.len() {
+                    DevBuf::from_host(stream, values, WHAT)?
+                } else {
+                    let mut padded = Vec::with_capacity(len);
+                    padded.extend_from_slice(values);
+                    padded.resize(len, 0.0);
+                    DevBuf::from_host(stream, &padded, WHAT)?
+                };
+                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), len), _storage: Storage::F32(buf) }
             }
             GpuDtype::Bf16 => {
-                let bits: Vec<Bf16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+                let mut bits: Vec<Bf16> = Vec::with_capacity(len);
+                bits.extend(values.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
+                bits.resize(len, 0);
                 let buf = DevBuf::from_host(stream, &bits, WHAT)?;
-                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), values.len()), _storage: Storage::Bf16(buf) }
+                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), len), _storage: Storage::Bf16(buf) }
             }
         })
     }
@@ -85,6 +105,12 @@ impl DevLayer {
     pub fn fc_proj_b32(&self) -> DevPtr<f32> {
         self.fc_proj_b32.ptr_f32()
     }
+}
+
+/// Rows of the LM head's products over several positions: the vocabulary rounded up to a
+/// multiple of 64 (`wte` has zero rows past the vocabulary up to it).
+pub fn head_rows(vocab: usize) -> usize {
+    vocab.div_ceil(64) * 64
 }
 
 /// Every weight of the model.
@@ -156,8 +182,13 @@ impl DevWeights {
                 })
             })
             .collect::<Result<Vec<_>, CudaError>>()?;
+        // wte is read as the LM head's product too: its rows padded with zeros to
+        // [`head_rows`] so that product's N is a multiple of 64 (cuBLAS then takes its Hopper
+        // kernels; at N = 50257 it picked an sm75 one, 4-5x slower).
+        let c = weights.config.n_embd;
+        let wte_len = head_rows(weights.config.vocab_size) * c;
         let dev = DevWeights {
-            wte: up(&weights.wte)?,
+            wte: DevTensor::upload_padded(stream, &weights.wte, wte_len, dtype)?,
             wpe: up(&weights.wpe)?,
             layers,
             lnf_w: up(&weights.lnf_w)?,
