@@ -24,3 +24,12 @@ target/release/wasi-nn-host run "$guest_tests"
 scripts/check-kernels.sh
 # the service through the official `openai` Python client, and the demo page in headless Chromium
 scripts/test-python.sh
+# a short soak of the service binary (16 concurrent clients on the CPU): every text equal to its
+# prompt run alone, the RSS not growing after the first third of the rounds
+cargo build --release --quiet -p wasi-nn-bench --bin loadgen
+soak=target/soak-cpu
+mkdir -p "$soak"
+cp target/release/wasi-nn-host target/release/loadgen "$soak/"
+target/release/wasi-nn-host preinit target/guest/wasm32-wasip2/release-wasm/gpt2_component.wasm \
+  "$soak/gpt2_component.wasm" >/dev/null
+bench/soak.sh "$soak" 45 "$soak/soak.jsonl" cpu

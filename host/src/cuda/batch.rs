@@ -499,8 +499,14 @@ impl CudaBatch {
             residual_norm(lw.fc_proj_b.ptr(), next_norm, parts)?;
         }
         let (head, ld) = (b.head.ptr(), head_ld(v));
-        b.blas
-            .gemm(l, w.wte.ptr(), act, (product_rows, ld, c), (head, ld), false)?;
+        b.blas.gemm(
+            l,
+            w.wte.ptr(),
+            act,
+            (product_rows, ld, c),
+            (head, ld),
+            false,
+        )?;
         l.batch_logits(t, head, ld, split)
     }
 
