@@ -11,9 +11,11 @@ cargo clippy --release -p wasi-nn-host --no-default-features --lib --quiet -- -D
 cargo clippy --quiet -p gpt2-guest --target wasm32-wasip1 --profile release-wasm -- -D warnings
 cargo clippy --quiet -p gpt2-component --target wasm32-wasip2 --profile release-wasm -- -D warnings
 cargo test --release --workspace
+# the CLI and the load generator in one build (the features the workspace's tests unified:
+# the library is not compiled again)
+cargo build --release --quiet -p wasi-nn-host -p wasi-nn-bench --bin wasi-nn-host --bin loadgen
 # the guest's unit tests in wasm too: the sampler's simd128 lanes must draw what the portable
 # ones draw (the pinned stream)
-cargo build --release --quiet -p wasi-nn-host
 guest_tests=$(cargo test --quiet -p gpt2-guest --lib --target wasm32-wasip1 --profile release-wasm \
   --no-run --message-format=json | python3 -c 'import json,sys
 for line in sys.stdin:
@@ -26,7 +28,6 @@ scripts/check-kernels.sh
 scripts/test-python.sh
 # a short soak of the service binary (16 concurrent clients on the CPU): every text equal to its
 # prompt run alone, the RSS not growing after the first third of the rounds
-cargo build --release --quiet -p wasi-nn-bench --bin loadgen
 soak=target/soak-cpu
 mkdir -p "$soak"
 cp target/release/wasi-nn-host target/release/loadgen "$soak/"
