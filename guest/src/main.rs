@@ -272,34 +272,31 @@ impl<'g> Model<'g> {
         }
     }
 
+    /// Set input 0; a refusal as too large is remembered ([`Forward::refused_as_too_large`]).
     fn set_tokens(&mut self, tokens: &[u32]) -> Result<(), String> {
-        self.context
-            .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
-            .map_err(|e| format!("set_input (sequence of {} tokens): {e}", tokens.len()))
-    }
-
-    fn compute(&mut self, tokens: &[u32]) -> Result<(), String> {
-        // (the crate does not export its error-code type; its Debug names the code)
-        let too_large = |e: &wasi_nn::Error| matches!(e, wasi_nn::Error::BackendError(code) if format!("{code:?}") == "TooLarge");
         self.refused = false;
         let result = self
             .context
-            .set_input(0, TensorType::I32, &[1, tokens.len()], tokens)
-            .map_err(|e| {
-                (
-                    too_large(&e),
-                    format!("set_input (sequence of {} tokens): {e}", tokens.len()),
-                )
-            })
-            .and_then(|()| {
-                self.context
-                    .compute()
-                    .map_err(|e| (too_large(&e), format!("compute: {e}")))
-            });
-        result.map_err(|(too_large, message)| {
-            self.refused = too_large;
-            message
+            .set_input(0, TensorType::I32, &[1, tokens.len()], tokens);
+        result.map_err(|e| {
+            self.refused_with(&e);
+            format!("set_input (sequence of {} tokens): {e}", tokens.len())
         })
+    }
+
+    fn compute(&mut self, tokens: &[u32]) -> Result<(), String> {
+        self.set_tokens(tokens)?;
+        let result = self.context.compute();
+        result.map_err(|e| {
+            self.refused_with(&e);
+            format!("compute: {e}")
+        })
+    }
+
+    fn refused_with(&mut self, e: &wasi_nn::Error) {
+        // (the crate does not export its error-code type; its Debug names the code)
+        self.refused =
+            matches!(e, wasi_nn::Error::BackendError(code) if format!("{code:?}") == "TooLarge");
     }
 
     /// The last position's logits of the sequence of `len` tokens just computed (output 0).

@@ -72,6 +72,11 @@ fn u32_at(memory: &[u8], at: u32) -> u32 {
     u32::from_le_bytes([memory[at], memory[at + 1], memory[at + 2], memory[at + 3]])
 }
 
+fn put_u32(memory: &mut [u8], at: u32, value: u32) {
+    let at = at as usize;
+    memory[at..at + 4].copy_from_slice(&value.to_le_bytes());
+}
+
 fn memory<'a>(caller: &'a mut Caller<'_, Stock>) -> (&'a mut [u8], &'a mut Stock) {
     let Some(Extern::Memory(memory)) = caller.get_export("memory") else {
         panic!("the guest exports its memory");
@@ -91,7 +96,7 @@ fn linker(engine: &Engine) -> Linker<Stock> {
             |mut caller: Caller<'_, Stock>, _: u32, _: u32, _: i32, _: i32, result: u32| {
                 let (memory, stock) = memory(&mut caller);
                 stock.counts.loads_from_bytes += 1;
-                memory[result as usize..result as usize + 4].copy_from_slice(&0u32.to_le_bytes());
+                put_u32(memory, result, 0);
                 SUCCESS
             },
         )
@@ -102,7 +107,7 @@ fn linker(engine: &Engine) -> Linker<Stock> {
             "load_by_name",
             |mut caller: Caller<'_, Stock>, _: u32, _: u32, result: u32| {
                 let (memory, _) = memory(&mut caller);
-                memory[result as usize..result as usize + 4].copy_from_slice(&0u32.to_le_bytes());
+                put_u32(memory, result, 0);
                 SUCCESS
             },
         )
@@ -113,7 +118,7 @@ fn linker(engine: &Engine) -> Linker<Stock> {
             "init_execution_context",
             |mut caller: Caller<'_, Stock>, _: u32, result: u32| {
                 let (memory, _) = memory(&mut caller);
-                memory[result as usize..result as usize + 4].copy_from_slice(&0u32.to_le_bytes());
+                put_u32(memory, result, 0);
                 SUCCESS
             },
         )
@@ -171,8 +176,7 @@ fn linker(engine: &Engine) -> Linker<Stock> {
                     return TOO_LARGE;
                 }
                 memory[out as usize..out as usize + n].copy_from_slice(&stock.logits);
-                memory[result as usize..result as usize + 4]
-                    .copy_from_slice(&(n as u32).to_le_bytes());
+                put_u32(memory, result, n as u32);
                 SUCCESS
             },
         )
