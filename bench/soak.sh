@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Soak of the service (issue 14): concurrent greedy streams, round after round for SECONDS
 # seconds, every text checked against its prompt run alone (loadgen does that each round); the
-# service's RSS (and on the GPU its used memory) after every round (OUT-memory.jsonl), so the
-# curve shows whether anything grows or only settles.
+# service's RSS, its heaps (/metrics: jemalloc for the Rust side, glibc's malloc for C libraries)
+# and on the GPU its used memory after every round (OUT-memory.jsonl), so the curve shows
+# whether anything grows or only settles, and where.
 # Usage: bench/soak.sh DIR [SECONDS] [OUT.jsonl] [cuda|cpu]
 #   DIR holds wasi-nn-host, gpt2_component.wasm (pre-initialised) and loadgen. cuda: 124M
 #   bf16 random weights, 64 streams of 128 tokens; cpu: the embedded model, 16 streams of 16.
@@ -25,6 +26,12 @@ server=$!
 trap 'kill $server 2>/dev/null' EXIT
 for _ in $(seq 300); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; done
 rss() { awk '/VmRSS/ {print $2 * 1024}' /proc/$server/status; }
+# the heaps as /metrics reports them: jemalloc (the Rust side) and glibc's malloc (C libraries)
+heap() {
+  curl -sf "$url/metrics" | awk '/^wasi_nn_heap_bytes\{allocator="jemalloc"\}/ {j = $2}
+    /^wasi_nn_heap_bytes\{allocator="libc"\}/ {l = $2}
+    END {printf "\"heap_jemalloc_bytes\":%d,\"heap_libc_bytes\":%d", j, l}'
+}
 gpu() {
   if [ "$device" = cuda ]; then nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1
   else echo 0; fi
@@ -38,7 +45,7 @@ while [ $(( $(date +%s) - start )) -lt "$seconds" ]; do
   "$dir/loadgen" --url "$url" "${load[@]}" --json-out "$out" --label "soak round $round" \
     >/dev/null 2>/tmp/soak-loadgen.log || failed=1
   tail -1 "$out" | grep -q '"texts_equal_single_stream":"\([0-9]*\) of \1"' || failed=1
-  echo "{\"round\":$round,\"seconds\":$(( $(date +%s) - start )),\"rss_bytes\":$(rss),\"gpu_mib\":$(gpu)}" >> "$memory"
+  echo "{\"round\":$round,\"seconds\":$(( $(date +%s) - start )),\"rss_bytes\":$(rss),\"gpu_mib\":$(gpu),$(heap)}" >> "$memory"
 done
 # memory after the first third of the rounds (warm-up, the allocator settling) and at the end
 third=$(( (round + 2) / 3 ))

@@ -870,6 +870,12 @@ fn tokenizer_models_health_metrics_and_request_ids() {
         assert!(moved >= at_least, "{name} moved by {moved}\n{after}");
     }
     assert!(after.contains("wasi_nn_guests_running"));
+    // the heaps: this test runs on the system allocator, so glibc's holds the Rust side too
+    assert!(after.contains("wasi_nn_heap_bytes{allocator=\"jemalloc\"}"));
+    if cfg!(all(target_os = "linux", target_env = "gnu")) {
+        let libc = count(after, "wasi_nn_heap_bytes{allocator=\"libc\"}");
+        assert!(libc > 1e6, "glibc's heap holds {libc} bytes\n{after}");
+    }
     // the demo page
     let (status, _, page) = call(s, "/", None, &[]);
     assert_eq!(status, 200);

@@ -42,7 +42,7 @@ use super::ops::{Epilogue, Launcher};
 use super::session::CudaSession;
 use super::weights::head_rows;
 use super::ExecutorInner;
-use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
+use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use std::collections::HashMap;
@@ -168,10 +168,13 @@ impl Drop for CudaSeq {
             // a step run ahead may still be writing this context's cache and logits
             let mut ahead = self.idle.ahead();
             ahead.ready.remove(&self.serial);
-            let running = ahead
-                .in_flight
-                .as_ref()
-                .is_some_and(|f| f.rows.iter().any(|r| r.serial == self.serial));
+            // its row is taken out of the pass in flight too, or resolving the pass would
+            // keep a guess for a context that never comes back
+            let running = ahead.in_flight.as_mut().is_some_and(|f| {
+                let before = f.rows.len();
+                f.rows.retain(|r| r.serial != self.serial);
+                f.rows.len() < before
+            });
             if running {
                 let synced = self.idle.stream.get().map(|s| s.synchronize());
                 if !matches!(synced, Some(Ok(()))) {
@@ -866,9 +869,13 @@ impl BatchModel for CudaBatch {
         );
     }
 
-    fn ahead_counts(&self) -> (u64, u64) {
+    fn ahead_counts(&self) -> AheadCounts {
         let ahead = self.idle.ahead();
-        (ahead.hits, ahead.misses)
+        AheadCounts {
+            hits: ahead.hits,
+            misses: ahead.misses,
+            kept: ahead.ready.len() + ahead.in_flight.as_ref().map_or(0, |f| f.rows.len()),
+        }
     }
 
     fn ahead(&self) -> Duration {

@@ -66,10 +66,10 @@ pub trait BatchModel: Send + Sync + 'static {
         Duration::ZERO
     }
 
-    /// Contexts that came back with the token their step was run ahead with, and those that
-    /// came back with another.
-    fn ahead_counts(&self) -> (u64, u64) {
-        (0, 0)
+    /// Contexts that came back with the token their step was run ahead with, those that
+    /// came back with another, and the results run ahead that are kept now.
+    fn ahead_counts(&self) -> AheadCounts {
+        AheadCounts::default()
     }
 
     /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
@@ -217,6 +217,16 @@ pub struct BatchStats {
     gather_ns: AtomicU64,
 }
 
+/// Steps run ahead (see [`BatchModel::ahead_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AheadCounts {
+    pub hits: u64,
+    pub misses: u64,
+    /// Results run ahead (launched or done) kept for contexts that have not come back yet:
+    /// none once every context is gone.
+    pub kept: usize,
+}
+
 /// What a [`Batcher`] has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct BatchCounts {
@@ -233,6 +243,8 @@ pub struct BatchCounts {
     /// did not (models that run steps ahead; see [`BatchModel::ahead_counts`]).
     pub ahead_hits: u64,
     pub ahead_misses: u64,
+    /// Results run ahead kept for contexts now.
+    pub ahead_kept: usize,
 }
 
 impl BatchStats {
@@ -251,6 +263,7 @@ impl BatchStats {
             gather_seconds: self.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             ahead_hits: 0,
             ahead_misses: 0,
+            ahead_kept: 0,
         }
     }
 }
@@ -283,10 +296,11 @@ impl<M: BatchModel> Batcher<M> {
 
     /// What the batcher and its model have done so far.
     pub fn counts(&self) -> BatchCounts {
-        let (ahead_hits, ahead_misses) = self.model.ahead_counts();
+        let ahead = self.model.ahead_counts();
         BatchCounts {
-            ahead_hits,
-            ahead_misses,
+            ahead_hits: ahead.hits,
+            ahead_misses: ahead.misses,
+            ahead_kept: ahead.kept,
             ..self.stats.counts()
         }
     }

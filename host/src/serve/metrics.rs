@@ -23,6 +23,14 @@ pub(crate) const GUESTS_RUNNING: &str = "wasi_nn_guests_running";
 /// Requests waiting for guests.
 pub(crate) const QUEUED: &str = "wasi_nn_requests_queued";
 
+/// Bytes in use on the process's heaps, by allocator: `jemalloc` (the CLI's allocator, so
+/// the Rust side's allocations; about 0 for an embedder on another allocator) and `libc`
+/// (glibc's malloc: what C libraries such as the CUDA driver, cuBLAS and NVRTC hold).
+pub(crate) const HEAP: &str = "wasi_nn_heap_bytes";
+
+/// How often the recorder folds the histograms' samples in.
+const UPKEEP: Duration = Duration::from_secs(5);
+
 /// Seconds: 1 ms to 60 s.
 const BUCKETS: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
@@ -41,6 +49,17 @@ pub(crate) fn handle() -> Option<&'static PrometheusHandle> {
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).ok()?;
             describe();
+            // Histogram samples wait in the recorder until an upkeep folds them into the
+            // buckets: without one between scrapes (or with no scraper at all) they pile
+            // up, ~1 KB a 128-token request.
+            let upkept = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(UPKEEP);
+                    upkept.run_upkeep();
+                })
+                .ok()?;
             Some(handle)
         })
         .as_ref()
@@ -62,6 +81,28 @@ fn describe() {
     );
     metrics::describe_gauge!(GUESTS_RUNNING, "guest instances generating now");
     metrics::describe_gauge!(QUEUED, "requests waiting for guests");
+    metrics::describe_gauge!(
+        HEAP,
+        metrics::Unit::Bytes,
+        "bytes in use on the process's heaps, by allocator (jemalloc: the CLI's Rust side; libc: C libraries)"
+    );
+}
+
+/// The heap gauges, read now.
+fn heap() {
+    // jemalloc's statistics are refreshed when its epoch advances
+    if tikv_jemalloc_ctl::epoch::advance().is_ok() {
+        if let Ok(bytes) = tikv_jemalloc_ctl::stats::allocated::read() {
+            metrics::gauge!(HEAP, "allocator" => "jemalloc").set(bytes as f64);
+        }
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and only reads glibc's own counters.
+        let info = unsafe { libc::mallinfo2() };
+        let bytes = info.uordblks.saturating_add(info.hblkhd);
+        metrics::gauge!(HEAP, "allocator" => "libc").set(bytes as f64);
+    }
 }
 
 /// The per-token metrics' handles, looked up once (not per token).
@@ -118,6 +159,7 @@ pub(crate) fn render() -> Result<String, &'static str> {
     let handle = handle().ok_or(
         "another metrics recorder was installed in this process: the service's metrics go there",
     )?;
+    heap();
     handle.run_upkeep();
     Ok(handle.render())
 }
