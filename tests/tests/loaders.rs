@@ -199,4 +199,19 @@ fn random_checkpoints_are_deterministic_and_round_trip() {
     let p = |s: &str| Gpt2Config::preset(s).map(|c| c.num_params()).unwrap_or(0);
     assert_eq!(p("124M"), 124_439_808);
     assert_eq!(p("1558M"), 1_557_611_200);
+    // and shapes of GPT-2's vocabulary and context
+    let tiny = Gpt2Config::preset("2x2x64").expect("a shape");
+    assert_eq!((tiny.n_layer, tiny.n_head, tiny.n_embd), (2, 2, 64));
+    assert_eq!((tiny.vocab_size, tiny.n_ctx), (50257, 1024));
+    for bad in [
+        "2x3x64",
+        "0x1x8",
+        "2x2",
+        "2x2x64x1",
+        "axbxc",
+        "2x2x0",
+        "1x1x99999",
+    ] {
+        assert!(Gpt2Config::preset(bad).is_none(), "{bad}");
+    }
 }

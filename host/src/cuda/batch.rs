@@ -44,7 +44,8 @@ use super::weights::head_rows;
 use super::ExecutorInner;
 use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
-use cudarc::driver::{CudaGraph, CudaStream};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -132,8 +133,12 @@ struct Guess {
 struct Ahead {
     in_flight: Option<InFlight>,
     ready: HashMap<u64, Guess>,
-    /// How long the last pass run ahead took on the GPU.
+    /// How long the last pass run ahead took, as the step that waited for it saw it.
     took: Duration,
+    /// Events around the pass in flight (made at the first), and the GPU time of the last
+    /// pass resolved between them: what the batched pass itself costs, for the trace.
+    events: Option<(CudaEvent, CudaEvent)>,
+    gpu_time: Duration,
     /// Contexts that came back with the guessed token, and those that did not.
     hits: u64,
     misses: u64,
@@ -419,6 +424,8 @@ impl CudaBatch {
         let product_rows = if split { 2 * n } else { n };
         let tmp = b.blas.tmp.ptr();
         let x = b.x.ptr();
+        // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
+        let skip = &self.exec.gpu.tuning().skip;
         // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16), in K
         // slices whose partial sums the next kernel adds; returns the planes written.
         let ours = self.exec.gpu.tuning().batch_gemm;
@@ -436,6 +443,9 @@ impl CudaBatch {
 
         // x += the product (its `parts` planes) and its bias, then the LayerNorm `norm` into act
         let residual_norm = |bias, norm, parts| {
+            if skip.ln {
+                return Ok(());
+            }
             let update = Update::Product {
                 tmp,
                 bias,
@@ -483,7 +493,9 @@ impl CudaBatch {
                 splits,
                 append: !prompts,
             };
-            l.batch_attention(t, attention)?;
+            if !skip.attn {
+                l.batch_attention(t, attention)?;
+            }
             let parts = product(lw.proj_w.ptr(), c, c)?;
             residual_norm(lw.proj_b.ptr(), lw.ln2(), parts)?;
             let fc_parts = product(lw.fc_w.ptr(), 4 * c, c)?;
@@ -496,12 +508,17 @@ impl CudaBatch {
                 split,
                 parts: fc_parts,
             };
-            l.batch_epilogue(t, gelu)?;
+            if !skip.epi {
+                l.batch_epilogue(t, gelu)?;
+            }
             let parts = product(lw.fc_proj_w.ptr(), c, 4 * c)?;
             let next_norm = w.layers.get(i + 1).map_or(w.lnf(), |next| next.ln1());
             residual_norm(lw.fc_proj_b.ptr(), next_norm, parts)?;
         }
         let (head, ld) = (b.head.ptr(), head_ld(v));
+        if skip.head {
+            return Ok(());
+        }
         b.blas.gemm(
             l,
             w.wte.ptr(),
@@ -624,6 +641,12 @@ impl CudaBatch {
         if waited.elapsed() > Duration::from_micros(20) {
             ahead.took = flight.launched.elapsed();
         }
+        if let Some((begin, end)) = &ahead.events {
+            // both events are behind the keys just read: no wait
+            ahead.gpu_time = begin.elapsed_ms(end).map_or(Duration::ZERO, |ms| {
+                Duration::from_secs_f32(ms.max(0.0) / 1e3)
+            });
+        }
         match keys {
             Ok(keys) => {
                 for r in flight.rows {
@@ -638,6 +661,27 @@ impl CudaBatch {
             }
             Err(e) => tracing::warn!("a step run ahead failed: {e}"),
         }
+    }
+
+    /// Record the start (or the end) of the pass run ahead on the batched step's stream;
+    /// false when there is no stream or no event (the pass then goes untimed).
+    fn time_pass(&self, ahead: &mut Ahead, start: bool) -> bool {
+        let Some(stream) = self.idle.stream.get() else {
+            return false;
+        };
+        if ahead.events.is_none() {
+            let make = || {
+                stream
+                    .context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            };
+            ahead.events = make().and_then(|a| Ok((a, make()?))).ok();
+        }
+        let Some((begin, end)) = &ahead.events else {
+            return false;
+        };
+        let event = if start { begin } else { end };
+        event.record(stream).is_ok()
     }
 
     /// Launch the next step of `items[which]` now, each with its argmax as its token (see
@@ -670,7 +714,11 @@ impl CudaBatch {
             })
             .collect();
         let launched = Instant::now();
+        let timed = self.time_pass(ahead, true);
         let (n, last_rows) = self.with_buffers(|b| self.launch_rows(b, &inputs))?;
+        if timed {
+            self.time_pass(ahead, false);
+        }
         let rows = picks
             .iter()
             .zip(last_rows)
@@ -743,6 +791,8 @@ impl BatchModel for CudaBatch {
         // that came back with the guessed token take its results.
         let mut ahead = self.idle.ahead();
         self.resolve_ahead(&mut ahead);
+        let resolved = started.elapsed();
+        let pass_gpu = ahead.gpu_time;
         let mut hit = vec![false; items.len()];
         for (i, item) in items.iter_mut().enumerate() {
             let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
@@ -863,6 +913,8 @@ impl BatchModel for CudaBatch {
             run_ahead,
             hits,
             misses,
+            resolve_us = resolved.as_micros() as u64,
+            pass_gpu_us = pass_gpu.as_micros() as u64,
             own_launch_us = launched.as_micros() as u64,
             step_us = started.elapsed().as_micros() as u64,
             "batched step"

@@ -28,14 +28,30 @@ pub struct Gpt2Config {
 }
 
 impl Gpt2Config {
-    /// The four published GPT-2 sizes, by their usual names (`124M`, `355M`, `774M`, `1558M`).
+    /// The four published GPT-2 sizes, by their usual names (`124M`, `355M`, `774M`, `1558M`),
+    /// or a shape of GPT-2's vocabulary and context written `LAYERSxHEADSxWIDTH` (`2x2x64`:
+    /// a model small enough that its forward pass costs next to nothing, for measuring
+    /// everything around it). None for anything else.
     pub fn preset(name: &str) -> Option<Self> {
         let (n_layer, n_head, n_embd) = match name {
             "124M" => (12, 12, 768),
             "355M" => (24, 16, 1024),
             "774M" => (36, 20, 1280),
             "1558M" => (48, 25, 1600),
-            _ => return None,
+            _ => {
+                let mut dims = name.split('x').map(|d| d.parse::<usize>().ok());
+                let (Some(Some(l)), Some(Some(h)), Some(Some(c)), None) =
+                    (dims.next(), dims.next(), dims.next(), dims.next())
+                else {
+                    return None;
+                };
+                let fits =
+                    (1..=64).contains(&l) && (1..=64).contains(&h) && (1..=4096).contains(&c);
+                if !fits || c % h != 0 {
+                    return None;
+                }
+                (l, h, c)
+            }
         };
         Some(Self {
             n_layer,
@@ -329,7 +345,7 @@ pub fn load_spec(spec: &str) -> Result<Gpt2Weights, LoadError> {
             let config = Gpt2Config::preset(size).ok_or_else(|| {
                 LoadError::malformed(
                     spec,
-                    "unknown size; random: takes 124M, 355M, 774M or 1558M",
+                    "unknown size; random: takes 124M, 355M, 774M, 1558M or LAYERSxHEADSxWIDTH",
                 )
             })?;
             Ok(random_weights(config, 0))

@@ -69,6 +69,12 @@ pub struct ServeArgs {
     /// for them; up to `--max-instances` is useful.
     #[arg(long, default_value_t = 0)]
     pub warm_contexts: usize,
+    /// Bytes of each instance's memory that stay resident when its request ends: the pages
+    /// the guest wrote are copied back from the guest's image instead of being handed back to
+    /// the kernel, so the next guest in that slot neither faults them in again nor makes
+    /// every core flush its TLB (see the README).
+    #[arg(long, value_name = "BYTES", default_value_t = crate::runtime::InstancePool::default().keep_resident_bytes)]
+    pub keep_resident: usize,
 }
 
 impl ServeArgs {
@@ -76,6 +82,7 @@ impl ServeArgs {
     pub fn instance_pool(&self) -> crate::runtime::InstancePool {
         crate::runtime::InstancePool {
             max_instances: self.max_instances,
+            keep_resident_bytes: self.keep_resident,
             ..Default::default()
         }
     }
