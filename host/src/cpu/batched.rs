@@ -4,9 +4,13 @@
 //! AVX2/FMA kernels at run time and threads over rayon), so the weights are read once per step
 //! rather than once per context. Attention stays per context, over its own cache.
 //!
+//! The LM head of a step of a few rows goes through [`super::skinny`] instead (packed once;
+//! `gemm` would pack the whole `[vocab, C]` matrix on every step).
+//!
 //! The arithmetic is that of the specification ([`super::CpuModel::forward`]) with the sums of
 //! the products in the GEMM's order: logits agree with it within 1e-4 (tested).
 
+use super::skinny::PackedHead;
 use super::{attention_row, gelu, layer_norm, CpuKvCache};
 use crate::engine::batch::{BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{argmax, EngineError};
@@ -18,7 +22,13 @@ use std::sync::Arc;
 pub struct CpuBatch {
     weights: Arc<Gpt2Weights>,
     pool: Arc<KvPool>,
+    /// The LM head packed for steps of up to [`PACKED_HEAD_ROWS`] rows (None: no AVX2/FMA).
+    head: Option<PackedHead>,
 }
+
+/// The most rows whose LM head goes through the packed kernel (more, a prompt's rows, go
+/// through `gemm`, whose rearranging of the weights is then a small share).
+const PACKED_HEAD_ROWS: usize = 64;
 
 /// One context on the CPU: its KV cache, the last step's logits, its share of the pool.
 pub struct CpuSeq {
@@ -68,7 +78,22 @@ impl SeqState for CpuSeq {
 
 impl CpuBatch {
     pub fn new(weights: Arc<Gpt2Weights>, pool: Arc<KvPool>) -> Self {
-        Self { weights, pool }
+        let cfg = weights.config;
+        // `WASI_NN_HOST_NO_PACKED_HEAD` keeps `gemm` for every step (for measurements)
+        let head = match std::env::var_os("WASI_NN_HOST_NO_PACKED_HEAD") {
+            Some(_) => None,
+            None => PackedHead::new(&weights.wte, cfg.vocab_size, cfg.n_embd),
+        };
+        Self {
+            weights,
+            pool,
+            head,
+        }
+    }
+
+    /// Whether steps of a few rows use the packed LM head (see [`super::skinny`]).
+    pub fn packed_head(&self) -> bool {
+        self.head.is_some()
     }
 
     pub fn pool(&self) -> &Arc<KvPool> {
@@ -273,8 +298,12 @@ impl BatchModel for CpuBatch {
         layer_norm_rows(&mut normed, &picked, &w.lnf_w, &w.lnf_b);
         let v = cfg.vocab_size;
         let mut logits = vec![0.0f32; wanted.len() * v];
-        if !wanted.is_empty() {
-            matmul(&mut logits, &normed, &w.wte, c, v, false);
+        match &self.head {
+            Some(head) if (1..=PACKED_HEAD_ROWS).contains(&wanted.len()) => {
+                head.matmul(&mut logits, &normed)
+            }
+            _ if !wanted.is_empty() => matmul(&mut logits, &normed, &w.wte, c, v, false),
+            _ => {}
         }
         let mut rows_out = logits.chunks_exact(v);
         for item in active.iter_mut() {

@@ -11,6 +11,7 @@
 //! [`batched`] runs many contexts' tokens as one step with matrix-matrix products.
 
 pub mod batched;
+pub mod skinny;
 
 use crate::engine::batch::{Batcher, KvPool};
 use crate::engine::{argmax, EngineError, Executor, Session};
