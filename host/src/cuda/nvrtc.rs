@@ -70,11 +70,15 @@ fn compile_source(source: String, arch: &str) -> Result<String, CudaError> {
         options: options(arch),
         ..Default::default()
     };
-    // cudarc panics when libnvrtc cannot be loaded: turn that into an error.
+    let missing = || CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH");
+    // cudarc panics when libnvrtc cannot be loaded: look for it first (no panic message on
+    // stderr), and turn a panic that still comes into the same error.
+    // SAFETY: only tries to open the library by its usual names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(missing());
+    }
     let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts))
-        .map_err(|_| {
-            CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH")
-        })?;
+        .map_err(|_| missing())?;
     Ok(compiled?.to_src())
 }
 
