@@ -91,11 +91,6 @@ impl CpuBatch {
         }
     }
 
-    /// Whether steps of a few rows use the packed LM head (see [`super::skinny`]).
-    pub fn packed_head(&self) -> bool {
-        self.head.is_some()
-    }
-
     pub fn pool(&self) -> &Arc<KvPool> {
         &self.pool
     }
