@@ -63,6 +63,18 @@ const BATCHED_PROMPT: usize = 64;
 /// more spans (up to [`BATCH_ATT_SPLITS`]) and combined.
 const SPAN: usize = 64;
 
+/// The spans the batched attention cuts each row's positions into: one per [`SPAN`] positions
+/// of the longest row (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and
+/// no more than keep the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no
+/// limit). Past a wave, more spans only add blocks that wait for a free SM, and the combine.
+fn attention_splits(longest: usize, row_heads: usize, wave: usize) -> usize {
+    let mut splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
+    while wave > 0 && splits > 1 && row_heads * splits > wave {
+        splits -= 1;
+    }
+    splits
+}
+
 /// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
 /// of 8 to 64, then of 32.
 pub fn bucket(rows: usize) -> usize {
@@ -562,8 +574,9 @@ impl CudaBatch {
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
         }
-        // a span of at most SPAN positions per block (short rows: one, and no combine pass)
-        let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
+        let gpu = &self.exec.gpu;
+        let wave = gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms());
+        let splits = attention_splits(longest, padded * self.exec.config.n_head, wave);
         let key = (padded, splits, prompts);
         let stream = b.stream().clone();
         let t0 = Instant::now();
@@ -936,5 +949,32 @@ impl BatchModel for CudaBatch {
             Some(_) => ahead.took,
             None => Duration::ZERO,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_spans_grow_with_the_longest_row_until_the_wave_is_full() {
+        // few rows: a span per SPAN positions, at most BATCH_ATT_SPLITS
+        assert_eq!(attention_splits(1, 12, 1056), 1);
+        assert_eq!(attention_splits(SPAN, 12, 1056), 1);
+        assert_eq!(attention_splits(SPAN + 1, 12, 1056), 2);
+        assert_eq!(attention_splits(100 * SPAN, 12, 1056), BATCH_ATT_SPLITS);
+        // 64 rows of 12 heads fill 768 of a 1056-block wave: a second span would not fit
+        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 1056), 1);
+        assert_eq!(attention_splits(3 * SPAN, 32 * 12, 1056), 2);
+        // no limit: as many spans as the positions ask for
+        assert_eq!(attention_splits(3 * SPAN, 256 * 12, 0), 3);
+    }
+
+    #[test]
+    fn steps_round_up_to_their_bucket() {
+        assert_eq!(bucket(3), 4);
+        assert_eq!(bucket(9), 16);
+        assert_eq!(bucket(65), 96);
+        assert_eq!(bucket(MAX_ROWS), MAX_ROWS);
     }
 }

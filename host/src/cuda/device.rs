@@ -52,6 +52,9 @@ pub struct Tuning {
     pub batch_gemm: bool,
     /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
     pub run_ahead: bool,
+    /// Blocks of the batched attention the GPU runs in one wave, past which a step's rows are
+    /// not cut into more spans (`_BATCH_WAVE=N`; 0: no limit; default 8 an SM).
+    pub batch_wave: Option<usize>,
     /// How long a context waiting for a batched step spins before it parks
     /// (`_SPIN_US`, 0 by default).
     pub spin: std::time::Duration,
@@ -96,6 +99,9 @@ impl Tuning {
                 epi: has("epi"),
             },
             run_ahead: !off("NO_RUN_AHEAD"),
+            batch_wave: std::env::var("WASI_NN_HOST_BATCH_WAVE")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             batch_gemm: std::env::var_os("WASI_NN_HOST_BATCH_GEMM").is_some(),
             spin: std::time::Duration::from_micros(
                 std::env::var("WASI_NN_HOST_SPIN_US")
@@ -121,6 +127,8 @@ pub struct Gpu {
     /// Thread-block clusters (sm_90+): decode's LayerNorm, QKV and attention as one kernel per
     /// layer, a cluster per head; `Some(chosen)` with the switch's (blocks, threads) if set.
     pub(crate) clusters: Option<Option<(u32, u32)>>,
+    /// Streaming multiprocessors.
+    sms: usize,
     /// Held while a session is created or destroyed and while a graph is captured:
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
@@ -168,6 +176,11 @@ impl Gpu {
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .ctx("loading the kernels")?;
         let clusters = (major >= 9 && tuning.fused_attention).then_some(tuning.decode_cluster);
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .ctx("multiprocessor count")?;
         Ok(Gpu {
             ctx,
             module,
@@ -175,6 +188,7 @@ impl Gpu {
             pdl: major >= 9 && tuning.pdl,
             tensor_cores: major >= 8,
             clusters,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
             tuning,
             setup: Mutex::new(()),
         })
@@ -186,6 +200,11 @@ impl Gpu {
 
     pub fn tuning(&self) -> &Tuning {
         &self.tuning
+    }
+
+    /// Streaming multiprocessors.
+    pub fn sms(&self) -> usize {
+        self.sms
     }
 
     /// Whether the fused decode kernel (thread-block clusters, sm_90+) is in use.
