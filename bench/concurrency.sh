@@ -14,6 +14,8 @@
 #   --levels "1 4 16"  the concurrencies instead (overrides --256)
 #   --max-tokens N     tokens per request (default 128)
 #   --requests N       requests per client (default: 4 up to 16 streams, 2 up to 64, then 1)
+#   --duration S       instead: each client sends requests back to back for S seconds (a
+#                      sustained load; the first wave and the last tail weigh little in it)
 #   --out PREFIX       output files PREFIX.jsonl and PREFIX.svg (default
 #                      concurrency-DEVICE-DTYPE); PREFIX.jsonl is emptied first unless --append
 #   --append           add to PREFIX.jsonl (e.g. a second dtype on the same chart)
@@ -25,7 +27,7 @@
 # measures serving, not allocation.
 # Exits non-zero if any level failed or its texts differed from the single-stream texts.
 set -uo pipefail
-positional=() levels="1 4 16 64" extra="" max_tokens=128 requests="" out="" append=0 peer=""
+positional=() levels="1 4 16 64" extra="" max_tokens=128 requests="" duration="" out="" append=0 peer=""
 port=18123
 while [ $# -gt 0 ]; do
   case $1 in
@@ -33,6 +35,7 @@ while [ $# -gt 0 ]; do
     --levels) levels=$2; extra=""; shift ;;
     --max-tokens) max_tokens=$2; shift ;;
     --requests) requests=$2; shift ;;
+    --duration) duration=$2; shift ;;
     --out) out=$2; shift ;;
     --append) append=1 ;;
     --peer) peer=$2; shift ;;
@@ -92,7 +95,9 @@ fi
 failed=0
 for c in $levels $extra; do
   r=${requests:-$(( c <= 16 ? 4 : c <= 64 ? 2 : 1 ))}
-  if ! "$loadgen" --url "$url" --concurrency "$c" --requests "$r" --max-tokens "$max_tokens" \
+  load=(--requests "$r")
+  [ -n "$duration" ] && load=(--duration "$duration")
+  if ! "$loadgen" --url "$url" --concurrency "$c" "${load[@]}" --max-tokens "$max_tokens" \
       --label "$label" --json-out "$jsonl"; then
     echo "loadgen at $c streams failed" >&2
     failed=1

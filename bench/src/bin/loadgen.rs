@@ -1,6 +1,8 @@
 //! Load generator for the completions service, measured as its users see it.
 //!
-//! N concurrent clients each stream `--requests` greedy completions back to back. Every
+//! N concurrent clients each stream `--requests` greedy completions back to back (or, with
+//! `--duration S`, start new ones until S seconds have passed: a sustained load whose rate
+//! the first wave's prompts and the last requests' tail weigh little in). Every
 //! stream of a round gets its own prompt (client `c` in round `r` takes prompt
 //! `(r * N + c) % P` of `--prompts P`), so a server that mixed streams up would show it.
 //! Before the concurrent phase each prompt used runs once alone, one stream at a time, and
@@ -12,8 +14,8 @@
 //! request to the first streamed piece with text) and the gap between successive streamed
 //! pieces of one stream, as percentiles over all requests; `texts_equal_single_stream`.
 //!
-//! Usage: loadgen --url URL --concurrency N --requests M --max-tokens T [--prompts P]
-//!        [--json-out FILE] [--label TEXT] [--no-check]
+//! Usage: loadgen --url URL --concurrency N (--requests M | --duration S) --max-tokens T
+//!        [--prompts P] [--json-out FILE] [--label TEXT] [--no-check]
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -30,6 +32,10 @@ struct Args {
     /// Requests per client, sent back to back.
     #[arg(long, default_value_t = 4)]
     requests: usize,
+    /// Instead of `--requests`: each client starts requests back to back until this many
+    /// seconds have passed since the concurrent phase began (the ones under way finish).
+    #[arg(long, value_name = "SECONDS")]
+    duration: Option<f64>,
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
     /// Distinct prompts (default: one per client). The first ones come from a built-in list,
@@ -204,10 +210,20 @@ fn main() -> Result<()> {
     if args.concurrency == 0 || args.requests == 0 {
         bail!("--concurrency and --requests must be at least 1");
     }
-    let total = args.concurrency * args.requests;
+    let duration = match args.duration {
+        Some(d) if !(d.is_finite() && d > 0.0) => {
+            bail!("--duration must be a positive number of seconds")
+        }
+        Some(d) => Some(Duration::from_secs_f64(d)),
+        None => None,
+    };
     let prompts = args.prompts.unwrap_or(args.concurrency).max(1);
     let prompt_of = |client: usize, round: usize| (round * args.concurrency + client) % prompts;
-    let used = prompts.min(total);
+    // a timed run may come round to every prompt
+    let used = match duration {
+        Some(_) => prompts,
+        None => prompts.min(args.concurrency * args.requests),
+    };
 
     // The reference texts: each prompt alone, one stream at a time (also the warm-up).
     let mut reference = Vec::new();
@@ -231,7 +247,12 @@ fn main() -> Result<()> {
                 let args = &args;
                 scope.spawn(move || -> Result<Vec<Done>> {
                     let agent = agent();
-                    (0..args.requests)
+                    let rounds = match duration {
+                        Some(_) => usize::MAX,
+                        None => args.requests,
+                    };
+                    (0..rounds)
+                        .take_while(|_| duration.is_none_or(|d| start.elapsed() < d))
                         .map(|round| {
                             let k = prompt_of(client, round);
                             let stream =
@@ -255,10 +276,11 @@ fn main() -> Result<()> {
             .collect()
     });
     let seconds = start.elapsed().as_secs_f64();
-    let mut done = Vec::with_capacity(total);
+    let mut done = Vec::new();
     for r in results {
         done.extend(r?);
     }
+    let total = done.len();
 
     let (mut gaps, mut ttfts, mut tokens, mut equal) = (Vec::new(), Vec::new(), 0, 0);
     for d in &done {
@@ -286,6 +308,7 @@ fn main() -> Result<()> {
     let mut report = serde_json::json!({
         "concurrency": args.concurrency, "requests": total, "prompts": used,
         "max_tokens": args.max_tokens, "seconds": seconds,
+        "duration_s": args.duration,
         "requests_per_s": total as f64 / seconds, "tokens": tokens,
         "tokens_per_s": tokens as f64 / seconds,
         "ttft_ms_p50": percentile(&ttfts, 0.5), "ttft_ms_p99": percentile(&ttfts, 0.99),

@@ -363,7 +363,10 @@ impl CudaBatch {
             let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
             sizes.dedup();
             for padded in sizes {
-                for splits in 1..=BATCH_ATT_SPLITS {
+                // the spans a step of this size can ask for
+                let most =
+                    attention_splits(usize::MAX, padded * self.exec.config.n_head, self.wave());
+                for splits in 1..=most {
                     for prompts in [false, true] {
                         self.capture(b, (padded, splits, prompts), layer_floats);
                     }
@@ -371,6 +374,12 @@ impl CudaBatch {
             }
             Ok(())
         })
+    }
+
+    /// Blocks of the batched attention the GPU runs at once (see [`attention_splits`]).
+    fn wave(&self) -> usize {
+        let gpu = &self.exec.gpu;
+        gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms())
     }
 
     /// `f` with the step's buffers (made at first use) locked.
@@ -574,9 +583,7 @@ impl CudaBatch {
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
         }
-        let gpu = &self.exec.gpu;
-        let wave = gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms());
-        let splits = attention_splits(longest, padded * self.exec.config.n_head, wave);
+        let splits = attention_splits(longest, padded * self.exec.config.n_head, self.wave());
         let key = (padded, splits, prompts);
         let stream = b.stream().clone();
         let t0 = Instant::now();
