@@ -1,9 +1,10 @@
-//! The LM head of a batched CPU step: a few rows (the step's contexts) against the
-//! `[vocab, C]` embedding matrix, the largest weights by far (72% of the embedded model's).
+//! The products of a batched CPU step of a few rows (the step's contexts): the LM head against
+//! the `[vocab, C]` embedding matrix (72% of the embedded model's weights) and, for models
+//! whose layers are small enough to copy, every layer's four products.
 //!
 //! Through the `gemm` crate a step of 4-16 rows took 5-12 ms on this machine's 2 cores
 //! against 2 ms for one row's matrix-vector product, whichever way round the product was given
-//! to it (it rearranges its operands on every call). [`PackedHead`] packs the matrix once, at
+//! to it (it rearranges its operands on every call). [`Packed`] packs a matrix once, at
 //! load, into panels of
 //! [`PANEL`] columns (`[C][PANEL]` each, the last one padded with zeros), and a step streams
 //! every panel once for all its rows: each panel's columns in registers, each row's value
@@ -18,11 +19,11 @@ pub const PANEL: usize = 16;
 /// Rows of one register block (each with two accumulators).
 const BLOCK_ROWS: usize = 4;
 
-/// Panels one task takes.
+/// Most panels one task takes (small matrices are cut finer, so every thread has work).
 const PANELS_PER_TASK: usize = 32;
 
-/// A `[n_out, n_in]` row-major weight matrix packed for [`PackedHead::matmul`].
-pub struct PackedHead {
+/// A `[n_out, n_in]` row-major weight matrix packed for [`Packed::matmul`].
+pub struct Packed {
     panels: Vec<f32>,
     n_out: usize,
     n_in: usize,
@@ -31,7 +32,7 @@ pub struct PackedHead {
 /// Where the tasks write: each its own columns of every row.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
-// SAFETY: the tasks write disjoint column ranges of the output (see `PackedHead::matmul`).
+// SAFETY: the tasks write disjoint column ranges of the output (see `Packed::matmul`).
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
@@ -42,7 +43,7 @@ impl Out {
     }
 }
 
-impl PackedHead {
+impl Packed {
     /// `w` packed, or None where the kernel cannot run (no AVX2 and FMA).
     pub fn new(w: &[f32], n_out: usize, n_in: usize) -> Option<Self> {
         if !available() || w.len() != n_out * n_in || n_in == 0 {
@@ -68,19 +69,29 @@ impl PackedHead {
         })
     }
 
-    /// `out[rows, n_out] = x[rows, n_in] W^T` (row-major).
-    pub fn matmul(&self, out: &mut [f32], x: &[f32]) {
+    /// Bytes of the packed copy.
+    pub fn bytes(&self) -> usize {
+        4 * self.panels.len()
+    }
+
+    /// `out[rows, n_out] (+)= x[rows, n_in] W^T` (row-major), added to what `out` holds
+    /// when `accumulate`.
+    pub fn matmul(&self, out: &mut [f32], x: &[f32], accumulate: bool) {
         let (n_in, n_out) = (self.n_in, self.n_out);
         let rows = x.len() / n_in;
         assert!(
             x.len() == rows * n_in && out.len() == rows * n_out,
-            "packed head shapes"
+            "packed product shapes"
         );
         let target = Out(out.as_mut_ptr());
-        let tasks = self.panels.par_chunks(n_in * PANEL * PANELS_PER_TASK);
+        let count = n_out.div_ceil(PANEL);
+        let per_task = count
+            .div_ceil(4 * rayon::current_num_threads())
+            .clamp(1, PANELS_PER_TASK);
+        let tasks = self.panels.par_chunks(n_in * PANEL * per_task);
         tasks.enumerate().for_each(|(t, panels)| {
             for (i, panel) in panels.chunks(n_in * PANEL).enumerate() {
-                let first = (t * PANELS_PER_TASK + i) * PANEL;
+                let first = (t * per_task + i) * PANEL;
                 let cols = PANEL.min(n_out - first);
                 let mut r = 0;
                 while r < rows {
@@ -100,9 +111,16 @@ impl PackedHead {
                     for (j, sum) in sums.iter().take(take).enumerate() {
                         let dst = target.at((r + j) * n_out + first);
                         // SAFETY: row r + j < rows and columns first..first + cols <= n_out
-                        // are inside `out` (checked above); no other task writes these
+                        // are inside `out` (checked above); no other task touches these
                         // columns (each task has its own panels).
-                        unsafe { std::ptr::copy_nonoverlapping(sum.as_ptr(), dst, cols) };
+                        unsafe {
+                            let dst = std::slice::from_raw_parts_mut(dst, cols);
+                            if accumulate {
+                                dst.iter_mut().zip(sum).for_each(|(d, s)| *d += s);
+                            } else {
+                                dst.copy_from_slice(&sum[..cols]);
+                            }
+                        }
                     }
                     r += take;
                 }
@@ -170,7 +188,7 @@ unsafe fn panel_block<const R: usize>(
     _: usize,
     _: &mut [[f32; PANEL]; BLOCK_ROWS],
 ) {
-    unreachable!("PackedHead::new refuses to pack without AVX2 and FMA")
+    unreachable!("Packed::new refuses to pack without AVX2 and FMA")
 }
 
 #[cfg(test)]
@@ -185,7 +203,7 @@ mod tests {
         let w: Vec<f32> = (0..n_out * n_in)
             .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 1e-3)
             .collect();
-        let Some(packed) = PackedHead::new(&w, n_out, n_in) else {
+        let Some(packed) = Packed::new(&w, n_out, n_in) else {
             eprintln!("skipped: no AVX2 and FMA here");
             return;
         };
@@ -194,12 +212,24 @@ mod tests {
                 .map(|i| ((i * 31 % 97) as f32 - 48.0) * 1e-2)
                 .collect();
             let mut out = vec![f32::NAN; rows * n_out];
-            packed.matmul(&mut out, &x);
+            packed.matmul(&mut out, &x, false);
+            // accumulating: onto a known start, out = start + x W^T
+            let start = |r: usize, i: usize| ((r * 13 + i * 7) % 11) as f64 - 5.0;
+            let mut added: Vec<f32> = (0..rows * n_out)
+                .map(|j| start(j / n_out, j % n_out) as f32)
+                .collect();
+            packed.matmul(&mut added, &x, true);
             for r in 0..rows {
                 for i in 0..n_out {
                     let want: f64 = (0..n_in)
                         .map(|k| w[i * n_in + k] as f64 * x[r * n_in + k] as f64)
                         .sum();
+                    let sum = added[r * n_out + i] as f64;
+                    assert!(
+                        (sum - start(r, i) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "accumulated row {r} col {i}: {sum} vs {want} + {}",
+                        start(r, i)
+                    );
                     let got = out[r * n_out + i] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
