@@ -268,6 +268,16 @@ impl BatchModel for CpuBatch {
     }
 
     fn step(&self, items: &mut [StepItem<'_, CpuSeq>]) {
+        // The step runs on one of rayon's threads: its many parallel loops then fork and join
+        // inside the pool, where a loop called from the leader's own thread (outside the
+        // pool) would hand itself over to a worker and wait to be woken, every time.
+        rayon::scope(|_| self.run_step(items))
+    }
+}
+
+impl CpuBatch {
+    /// One batched step (see [`BatchModel::step`]), on the calling thread.
+    fn run_step(&self, items: &mut [StepItem<'_, CpuSeq>]) {
         let w = &*self.weights;
         let cfg = w.config;
         let c = cfg.n_embd;
