@@ -10,7 +10,8 @@
 //! step: the whole `[vocab, C]` matrix for the head).
 //!
 //! The arithmetic is that of the specification ([`super::CpuModel::forward`]) with the sums of
-//! the products in the GEMM's order: logits agree with it within 1e-4 (tested).
+//! the products in the kernels' order and GELU's `tanh` through an exponential of ours (within
+//! 1e-6): logits agree with it within 1e-4 (tested). The whole step runs on a rayon thread.
 
 use super::skinny::Packed;
 use super::{attention_row, layer_norm, CpuKvCache};
