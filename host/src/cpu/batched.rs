@@ -407,32 +407,42 @@ impl CpuBatch {
         let mut normed = vec![0.0f32; picked.len()];
         layer_norm_rows(&mut normed, &picked, &w.lnf_w, &w.lnf_b);
         let v = cfg.vocab_size;
-        let mut logits = vec![0.0f32; wanted.len() * v];
-        match &self.head {
-            Some(head) if (1..=PACKED_ROWS).contains(&wanted.len()) => {
-                head.matmul(&mut logits, &normed, false)
-            }
-            _ if !wanted.is_empty() => matmul(&mut logits, &normed, &w.wte, c, v, false),
-            _ => {}
-        }
-        let mut rows_out = logits.chunks_exact(v);
+        // Each context's logits buffer sized for its rows (a decode's stays [V] from step to
+        // step, so nothing is allocated or cleared), its rows in the order of `wanted`.
+        let mut dests: Vec<&mut [f32]> = Vec::with_capacity(wanted.len());
         for item in active.iter_mut() {
             let seq = &mut *item.seq;
-            if item.first_chunk {
-                seq.logits.clear();
-            }
-            if item.all_positions {
-                for _ in 0..item.tokens.len() {
-                    if let Some(row) = rows_out.next() {
-                        seq.logits.extend_from_slice(row);
-                    }
-                }
-            } else if item.last_chunk {
-                if let Some(row) = rows_out.next() {
+            let rows = match (item.all_positions, item.last_chunk) {
+                (true, _) => item.tokens.len(),
+                (false, true) => 1,
+                (false, false) => 0,
+            };
+            // an all-positions extend keeps its earlier chunks' rows
+            let keep = match item.all_positions && !item.first_chunk {
+                true => seq.logits.len(),
+                false => 0,
+            };
+            if rows == 0 {
+                if item.first_chunk {
                     seq.logits.clear();
-                    seq.logits.extend_from_slice(row);
+                }
+                continue;
+            }
+            seq.logits.resize(keep + rows * v, 0.0);
+            dests.extend(seq.logits[keep..].chunks_exact_mut(v));
+        }
+        match &self.head {
+            Some(head) if (1..=PACKED_ROWS).contains(&wanted.len()) => {
+                head.matmul_rows(&mut dests, &normed)
+            }
+            _ if !wanted.is_empty() => {
+                let mut logits = vec![0.0f32; wanted.len() * v];
+                matmul(&mut logits, &normed, &w.wte, c, v, false);
+                for (dst, row) in dests.iter_mut().zip(logits.chunks_exact(v)) {
+                    dst.copy_from_slice(row);
                 }
             }
+            _ => {}
         }
     }
 }

@@ -29,7 +29,7 @@ pub struct Packed {
     n_in: usize,
 }
 
-/// Where the tasks write: each its own columns of every row.
+/// The start of an output row; the tasks write their own columns of every row.
 #[derive(Clone, Copy)]
 struct Out(*mut f32);
 // SAFETY: the tasks write disjoint column ranges of the output (see `Packed::matmul`).
@@ -77,13 +77,42 @@ impl Packed {
     /// `out[rows, n_out] (+)= x[rows, n_in] W^T` (row-major), added to what `out` holds
     /// when `accumulate`.
     pub fn matmul(&self, out: &mut [f32], x: &[f32], accumulate: bool) {
-        let (n_in, n_out) = (self.n_in, self.n_out);
-        let rows = x.len() / n_in;
+        let rows = x.len() / self.n_in;
         assert!(
-            x.len() == rows * n_in && out.len() == rows * n_out,
+            x.len() == rows * self.n_in && out.len() == rows * self.n_out,
             "packed product shapes"
         );
-        let target = Out(out.as_mut_ptr());
+        let starts: Vec<Out> = out
+            .chunks_exact_mut(self.n_out)
+            .map(|row| Out(row.as_mut_ptr()))
+            .collect();
+        // SAFETY: one start per row of x, each a distinct n_out-long row of `out` (checked).
+        unsafe { self.run(&starts, x, accumulate) };
+    }
+
+    /// Row r of `x[rows, n_in] W^T` into `outs[r]` (each `n_out` long): rows that live in
+    /// different buffers (each context's logits), written where they are read.
+    pub fn matmul_rows(&self, outs: &mut [&mut [f32]], x: &[f32]) {
+        let rows = x.len() / self.n_in;
+        assert!(
+            x.len() == rows * self.n_in
+                && outs.len() == rows
+                && outs.iter().all(|row| row.len() == self.n_out),
+            "packed product shapes"
+        );
+        let starts: Vec<Out> = outs.iter_mut().map(|row| Out(row.as_mut_ptr())).collect();
+        // SAFETY: one start per row of x, each a distinct `&mut` row of n_out floats (checked).
+        unsafe { self.run(&starts, x, false) };
+    }
+
+    /// The product with row r's `n_out` outputs at `starts[r]`, one start per row of `x`.
+    ///
+    /// # Safety
+    /// Each start points at `n_out` writable floats that nothing else touches during the call,
+    /// and `x` holds `starts.len()` rows of `n_in`.
+    unsafe fn run(&self, starts: &[Out], x: &[f32], accumulate: bool) {
+        let (n_in, n_out) = (self.n_in, self.n_out);
+        let rows = starts.len();
         let count = n_out.div_ceil(PANEL);
         let per_task = count
             .div_ceil(4 * rayon::current_num_threads())
@@ -109,9 +138,9 @@ impl Packed {
                         }
                     }
                     for (j, sum) in sums.iter().take(take).enumerate() {
-                        let dst = target.at((r + j) * n_out + first);
-                        // SAFETY: row r + j < rows and columns first..first + cols <= n_out
-                        // are inside `out` (checked above); no other task touches these
+                        let dst = starts[r + j].at(first);
+                        // SAFETY: row r + j has n_out floats at its start (the caller's
+                        // promise) and first + cols <= n_out; no other task touches these
                         // columns (each task has its own panels).
                         unsafe {
                             let dst = std::slice::from_raw_parts_mut(dst, cols);
