@@ -248,6 +248,16 @@ mod tests {
                 .map(|j| start(j / n_out, j % n_out) as f32)
                 .collect();
             packed.matmul(&mut added, &x, true);
+            // rows in buffers of their own: the same values as the rows of one buffer
+            let mut own: Vec<Vec<f32>> = vec![vec![f32::NAN; n_out]; rows];
+            let mut dests: Vec<&mut [f32]> = own.iter_mut().map(|row| &mut row[..]).collect();
+            packed.matmul_rows(&mut dests, &x);
+            for (r, row) in own.iter().enumerate() {
+                assert!(
+                    row[..] == out[r * n_out..][..n_out],
+                    "row {r} in its own buffer"
+                );
+            }
             for r in 0..rows {
                 for i in 0..n_out {
                     let want: f64 = (0..n_in)
