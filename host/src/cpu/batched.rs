@@ -228,7 +228,8 @@ fn gelu_approx(x: f32) -> f32 {
 
 /// e^x without branches: x clamped to [-87, 88] (e^x stays a normal float), x = n ln2 + r
 /// with |r| <= ln2 / 2 (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), e^r by its
-/// Taylor polynomial of degree 6 (relative error ~1e-7), 2^n through the exponent bits.
+/// Taylor polynomial of degree 6 (within 5e-7 of `expf`, relative, from 0 down to -87 in a
+/// check made when it was written), 2^n through the exponent bits.
 #[inline(always)]
 fn exp_approx(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;

@@ -82,12 +82,10 @@ impl Packed {
             x.len() == rows * self.n_in && out.len() == rows * self.n_out,
             "packed product shapes"
         );
-        let starts: Vec<Out> = out
-            .chunks_exact_mut(self.n_out)
-            .map(|row| Out(row.as_mut_ptr()))
-            .collect();
-        // SAFETY: one start per row of x, each a distinct n_out-long row of `out` (checked).
-        unsafe { self.run(&starts, x, accumulate) };
+        let (base, n_out) = (Out(out.as_mut_ptr()), self.n_out);
+        // SAFETY: row r < rows starts r * n_out floats into `out`, which holds rows * n_out
+        // (checked); the rows are distinct.
+        unsafe { self.run(rows, |r| base.at(r * n_out), x, accumulate) };
     }
 
     /// Row r of `x[rows, n_in] W^T` into `outs[r]` (each `n_out` long): rows that live in
@@ -102,17 +100,22 @@ impl Packed {
         );
         let starts: Vec<Out> = outs.iter_mut().map(|row| Out(row.as_mut_ptr())).collect();
         // SAFETY: one start per row of x, each a distinct `&mut` row of n_out floats (checked).
-        unsafe { self.run(&starts, x, false) };
+        unsafe { self.run(rows, |r| starts[r].at(0), x, false) };
     }
 
-    /// The product with row r's `n_out` outputs at `starts[r]`, one start per row of `x`.
+    /// The product of the `rows` rows of `x`, row r's `n_out` outputs at `start(r)`.
     ///
     /// # Safety
-    /// Each start points at `n_out` writable floats that nothing else touches during the call,
-    /// and `x` holds `starts.len()` rows of `n_in`.
-    unsafe fn run(&self, starts: &[Out], x: &[f32], accumulate: bool) {
+    /// `x` holds `rows` rows of `n_in`; for each r < rows, `start(r)` points at `n_out`
+    /// writable floats that no other row's and nothing else touches during the call.
+    unsafe fn run(
+        &self,
+        rows: usize,
+        start: impl Fn(usize) -> *mut f32 + Sync,
+        x: &[f32],
+        accumulate: bool,
+    ) {
         let (n_in, n_out) = (self.n_in, self.n_out);
-        let rows = starts.len();
         let count = n_out.div_ceil(PANEL);
         let per_task = count
             .div_ceil(4 * rayon::current_num_threads())
@@ -138,7 +141,7 @@ impl Packed {
                         }
                     }
                     for (j, sum) in sums.iter().take(take).enumerate() {
-                        let dst = starts[r + j].at(first);
+                        let dst = start(r + j).wrapping_add(first);
                         // SAFETY: row r + j has n_out floats at its start (the caller's
                         // promise) and first + cols <= n_out; no other task touches these
                         // columns (each task has its own panels).

@@ -68,11 +68,11 @@ const SPAN: usize = 64;
 /// no more than keep the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no
 /// limit). Past a wave, more spans only add blocks that wait for a free SM, and the combine.
 fn attention_splits(longest: usize, row_heads: usize, wave: usize) -> usize {
-    let mut splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
-    while wave > 0 && splits > 1 && row_heads * splits > wave {
-        splits -= 1;
+    let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
+    match wave {
+        0 => splits,
+        _ => splits.min(wave / row_heads.max(1)).max(1),
     }
-    splits
 }
 
 /// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
