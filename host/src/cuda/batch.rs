@@ -26,6 +26,15 @@
 //! overwrites the guessed position; a step always waits for the work run ahead before it
 //! launches anything, and a context dropped while it is under way waits for it too.
 //!
+//! **Late rows.** A step whose contexts mostly hit may also carry rows no one guessed: a new
+//! request's prompt, a token other than the argmax. Run in a pass of their own, they would
+//! hold up every context of the step for a whole pass. Instead they join the pass run ahead
+//! for the hits, and the step returns without waiting for them: their contexts' positions
+//! advance at once, and the guest's first read of their logits or argmax waits for the pass
+//! (resolving it, if no step has yet). When the next step resolves the pass, a late context
+//! that is not back yet gets its own next step run ahead with that argmax, with the next
+//! pass, so it is a hit again when it comes back.
+//!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
 //! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.
@@ -51,8 +60,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Most rows of one batched pass (a step with more runs several, in order).
-pub const MAX_ROWS: usize = 256;
+/// Most rows of one batched pass (a step with more runs several, in order): 256 streams'
+/// decodes and a prompt's late rows beside them.
+pub const MAX_ROWS: usize = 320;
 
 /// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
 /// token; longer ones run on their session's own stream (the prefill path's tensor-core
@@ -106,6 +116,8 @@ struct Idle {
     ahead: Mutex<Ahead>,
     /// The batched step's stream, once made.
     stream: OnceLock<Arc<CudaStream>>,
+    /// The batched step's buffers, made at the first batched step.
+    buffers: Mutex<Option<StepBuffers>>,
     /// The next context's serial number.
     serials: AtomicU64,
 }
@@ -114,6 +126,63 @@ impl Idle {
     fn ahead(&self) -> MutexGuard<'_, Ahead> {
         // plain bookkeeping, consistent even if a holder panicked
         self.ahead.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The argmax keys of the first `n` rows of the last batched pass (waits for it).
+    fn read_keys(&self, n: usize) -> Result<Vec<u64>, EngineError> {
+        let guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        let b = guard
+            .as_ref()
+            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
+        Ok(b.keys.read(b.stream(), n)?)
+    }
+
+    /// Wait for the pass run ahead, if one is under way, and keep its results: the guesses'
+    /// for the contexts' next steps, the late rows' for their contexts to read (and a guess
+    /// of their next step, for the next pass run ahead).
+    fn resolve(&self, ahead: &mut Ahead) {
+        let Some(flight) = ahead.in_flight.take() else {
+            return;
+        };
+        let waited = Instant::now();
+        let keys = self.read_keys(flight.n);
+        // the pass ended while we waited: its time is known
+        if waited.elapsed() > Duration::from_micros(20) {
+            ahead.took = flight.launched.elapsed();
+        }
+        if let Some((begin, end)) = &ahead.events {
+            // both events are behind the keys just read: no wait
+            ahead.gpu_time = begin.elapsed_ms(end).map_or(Duration::ZERO, |ms| {
+                Duration::from_secs_f32(ms.max(0.0) / 1e3)
+            });
+        }
+        let keys = match keys {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!("a step run ahead failed: {e}");
+                for late in flight.late {
+                    ahead.late_done.insert(late.serial, None);
+                }
+                return;
+            }
+        };
+        let key = |row: usize| argmax_row(keys.get(row).copied().unwrap_or(0));
+        for r in flight.rows {
+            let guess = Guess {
+                position: r.position,
+                token: r.token,
+                argmax: key(r.row),
+            };
+            ahead.ready.insert(r.serial, guess);
+        }
+        for late in flight.late {
+            let argmax = key(late.row);
+            ahead.late_done.insert(late.serial, Some(argmax));
+            if let Some(mut next) = late.next {
+                next.token = argmax;
+                ahead.follow.insert(late.serial, next);
+            }
+        }
     }
 }
 
@@ -126,9 +195,31 @@ struct AheadRow {
     row: usize,
 }
 
+/// A context's rows in a pass run ahead whose step did not wait for them (see the module
+/// docs): its guest reads their result once the pass is resolved.
+struct LateRow {
+    serial: u64,
+    /// The row of its last token.
+    row: usize,
+    /// Its next step, to run ahead with the argmax (a greedy context with room left).
+    next: Option<Follow>,
+}
+
+/// A step to run ahead for a context that is not in the step launching it: its rows were
+/// late, and its guest is still reading their result. Addresses as [`Rows`].
+struct Follow {
+    token: u32,
+    position: usize,
+    k: u64,
+    v: u64,
+    logits: u64,
+    layer_floats: usize,
+}
+
 /// A step run ahead that is launched and not yet waited for.
 struct InFlight {
     rows: Vec<AheadRow>,
+    late: Vec<LateRow>,
     /// Rows of the pass (its argmax keys to read).
     n: usize,
     launched: Instant,
@@ -145,6 +236,11 @@ struct Guess {
 struct Ahead {
     in_flight: Option<InFlight>,
     ready: HashMap<u64, Guess>,
+    /// The argmax of late rows resolved, until their context's next step (None: the pass
+    /// failed).
+    late_done: HashMap<u64, Option<u32>>,
+    /// Steps to run ahead, with the next pass, for contexts whose late rows were resolved.
+    follow: HashMap<u64, Follow>,
     /// How long the last pass run ahead took, as the step that waited for it saw it.
     took: Duration,
     /// Events around the pass in flight (made at the first), and the GPU time of the last
@@ -154,6 +250,8 @@ struct Ahead {
     /// Contexts that came back with the guessed token, and those that did not.
     hits: u64,
     misses: u64,
+    /// Rows that ran late.
+    late: u64,
 }
 
 /// One context's state: its session, and its reservation in the pool (given back with it).
@@ -163,6 +261,9 @@ pub struct CudaSeq {
     serial: u64,
     /// The guest read logits since the last step (it samples: no step is run ahead for it).
     read_logits: AtomicBool,
+    /// Its last rows ran late (in a pass run ahead its step did not wait for): their argmax
+    /// is in `Ahead::late_done` once the pass is resolved, and the logits are not read before.
+    late: AtomicBool,
 }
 
 impl CudaSeq {
@@ -177,6 +278,27 @@ impl CudaSeq {
             .as_mut()
             .ok_or_else(|| EngineError::device("session already released"))
     }
+
+    /// The argmax of this context's late rows (None when its last rows were not late),
+    /// waiting for their pass if it is still under way.
+    fn settle(&self) -> Result<Option<u32>, EngineError> {
+        if !self.late.load(Ordering::Acquire) {
+            return Ok(None);
+        }
+        let mut ahead = self.idle.ahead();
+        let in_flight = ahead
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.late.iter().any(|l| l.serial == self.serial));
+        if in_flight {
+            self.idle.resolve(&mut ahead);
+        }
+        match ahead.late_done.get(&self.serial) {
+            Some(Some(argmax)) => Ok(Some(*argmax)),
+            Some(None) => Err(EngineError::device("the batched step failed")),
+            None => Err(EngineError::device("the batched step's result is lost")),
+        }
+    }
 }
 
 impl Drop for CudaSeq {
@@ -185,12 +307,15 @@ impl Drop for CudaSeq {
             // a step run ahead may still be writing this context's cache and logits
             let mut ahead = self.idle.ahead();
             ahead.ready.remove(&self.serial);
-            // its row is taken out of the pass in flight too, or resolving the pass would
-            // keep a guess for a context that never comes back
+            ahead.late_done.remove(&self.serial);
+            ahead.follow.remove(&self.serial);
+            // its rows are taken out of the pass in flight too, or resolving the pass would
+            // keep a result for a context that never comes back
             let running = ahead.in_flight.as_mut().is_some_and(|f| {
-                let before = f.rows.len();
+                let before = f.rows.len() + f.late.len();
                 f.rows.retain(|r| r.serial != self.serial);
-                f.rows.len() < before
+                f.late.retain(|l| l.serial != self.serial);
+                f.rows.len() + f.late.len() < before
             });
             if running {
                 let synced = self.idle.stream.get().map(|s| s.synchronize());
@@ -227,14 +352,19 @@ impl SeqState for CudaSeq {
     }
     fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
+        self.settle()?;
         self.session()?.logits_now()
     }
     fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
+        self.settle()?;
         self.session()?.all_logits_now()
     }
     fn argmax(&self) -> Result<u32, EngineError> {
-        self.session()?.argmax_now()
+        match self.settle()? {
+            Some(argmax) => Ok(argmax),
+            None => self.session()?.argmax_now(),
+        }
     }
 }
 
@@ -317,7 +447,6 @@ impl StepBuffers {
 pub struct CudaBatch {
     exec: Arc<ExecutorInner>,
     idle: Arc<Idle>,
-    buffers: Mutex<Option<StepBuffers>>,
 }
 
 impl CudaBatch {
@@ -333,9 +462,9 @@ impl CudaBatch {
                 session_bytes: CudaSession::device_bytes(&cfg, capacity),
                 ahead: Mutex::new(Ahead::default()),
                 stream: OnceLock::new(),
+                buffers: Mutex::new(None),
                 serials: AtomicU64::new(0),
             }),
-            buffers: Mutex::new(None),
             exec,
         }
     }
@@ -387,7 +516,7 @@ impl CudaBatch {
         &self,
         f: impl FnOnce(&mut StepBuffers) -> Result<R, EngineError>,
     ) -> Result<R, EngineError> {
-        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.idle.buffers.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             let made = StepBuffers::new(&self.exec)?;
             let _ = self.idle.stream.set(made.stream().clone());
@@ -649,40 +778,6 @@ impl CudaBatch {
         Ok(())
     }
 
-    /// Wait for the step run ahead, if one is under way, and keep its results for the
-    /// contexts' next steps.
-    fn resolve_ahead(&self, ahead: &mut Ahead) {
-        let Some(flight) = ahead.in_flight.take() else {
-            return;
-        };
-        let waited = Instant::now();
-        let keys = self.with_buffers(|b| Ok(b.keys.read(b.stream(), flight.n)?));
-        // the pass ended while we waited: its time is known
-        if waited.elapsed() > Duration::from_micros(20) {
-            ahead.took = flight.launched.elapsed();
-        }
-        if let Some((begin, end)) = &ahead.events {
-            // both events are behind the keys just read: no wait
-            ahead.gpu_time = begin.elapsed_ms(end).map_or(Duration::ZERO, |ms| {
-                Duration::from_secs_f32(ms.max(0.0) / 1e3)
-            });
-        }
-        match keys {
-            Ok(keys) => {
-                for r in flight.rows {
-                    let key = keys.get(r.row).copied().unwrap_or(0);
-                    let guess = Guess {
-                        position: r.position,
-                        token: r.token,
-                        argmax: argmax_row(key),
-                    };
-                    ahead.ready.insert(r.serial, guess);
-                }
-            }
-            Err(e) => tracing::warn!("a step run ahead failed: {e}"),
-        }
-    }
-
     /// Record the start (or the end) of the pass run ahead on the batched step's stream;
     /// false when there is no stream or no event (the pass then goes untimed).
     fn time_pass(&self, ahead: &mut Ahead, start: bool) -> bool {
@@ -704,52 +799,173 @@ impl CudaBatch {
         event.record(stream).is_ok()
     }
 
-    /// Launch the next step of `items[which]` now, each with its argmax as its token (see
-    /// the module docs); returns how many rows it runs.
+    /// The step's batched items (`batched`, in order) as batched passes, waited for; a lone
+    /// decode runs its session's captured decode step instead (and moves to `own`).
+    fn run_batched(
+        &self,
+        items: &mut [StepItem<'_, CudaSeq>],
+        batched: &mut Vec<usize>,
+        own: &mut Vec<usize>,
+    ) {
+        if let [i] = batched[..] {
+            if items[i].tokens.len() == 1 {
+                // a lone decode keeps its own captured decode step
+                let item = &mut items[i];
+                let token = item.tokens;
+                item.error = item
+                    .seq
+                    .session_mut()
+                    .and_then(|s| s.extend_chunk(token, false, false))
+                    .err();
+                own.push(i);
+                batched.clear();
+            }
+        }
+        if batched.is_empty() {
+            return;
+        }
+        let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| batched.binary_search(i).is_ok())
+            .map(|(_, item)| item)
+            .collect();
+        // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
+        let mut start = 0;
+        while start < rows.len() {
+            let (mut end, mut count) = (start, 0);
+            while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
+                count += rows[end].tokens.len();
+                end += 1;
+            }
+            let group = &mut rows[start..end];
+            if let Err(e) = self.run_rows(group) {
+                let message = e.to_string();
+                for item in group.iter_mut() {
+                    item.error = Some(EngineError::device(format!("batched step: {message}")));
+                }
+            }
+            start = end;
+        }
+    }
+
+    /// Launch the pass run ahead (see the module docs): the next step of `items[guesses]`,
+    /// each with its argmax as its token; the next step of contexts not in this step whose
+    /// late rows were resolved (`follows`); and the rows of `items[late]`, which this step
+    /// does not wait for (`greedy[i]`: a step may be run ahead after them). Returns the rows
+    /// it runs; on an error nothing was launched.
     fn launch_ahead(
         &self,
         ahead: &mut Ahead,
-        items: &[StepItem<'_, CudaSeq>],
-        which: &[usize],
+        items: &mut [StepItem<'_, CudaSeq>],
+        guesses: &[usize],
+        late: &[usize],
+        greedy: &[bool],
+        follows: Vec<(u64, Follow)>,
     ) -> Result<usize, EngineError> {
-        // each context's serial, its next token (its argmax) and its session
-        let mut picks = Vec::with_capacity(which.len());
-        for &i in which.iter().take(MAX_ROWS) {
+        // each guess: its context's serial, its next token (its argmax), position, addresses
+        let mut picks = Vec::with_capacity(guesses.len());
+        for &i in guesses {
             let seq = &*items[i].seq;
             let session = seq.session()?;
-            picks.push((seq.serial, session.argmax_now()?, session));
+            let (k, v, _) = session.row_addresses();
+            let rows = (k, v, session.ahead_logits(), session.layer_floats());
+            picks.push((seq.serial, session.argmax_now()?, session.len(), rows));
         }
-        let inputs: Vec<Rows<'_>> = picks
-            .iter()
-            .map(|(_, token, session)| {
-                let (k, v, _) = session.row_addresses();
-                Rows {
-                    k,
-                    v,
-                    logits: session.ahead_logits(),
-                    start: session.len(),
-                    tokens: std::slice::from_ref(token),
-                    layer_floats: session.layer_floats(),
-                }
-            })
-            .collect();
+        let mut inputs = Vec::with_capacity(picks.len() + follows.len() + late.len());
+        for (_, token, start, (k, v, logits, layer_floats)) in &picks {
+            inputs.push(Rows {
+                k: *k,
+                v: *v,
+                logits: *logits,
+                start: *start,
+                tokens: std::slice::from_ref(token),
+                layer_floats: *layer_floats,
+            });
+        }
+        for (_, f) in &follows {
+            inputs.push(Rows {
+                k: f.k,
+                v: f.v,
+                logits: f.logits,
+                start: f.position,
+                tokens: std::slice::from_ref(&f.token),
+                layer_floats: f.layer_floats,
+            });
+        }
+        for &i in late {
+            let session = items[i].seq.session()?;
+            let (k, v, logits) = session.row_addresses();
+            inputs.push(Rows {
+                k,
+                v,
+                logits,
+                start: session.len(),
+                tokens: items[i].tokens,
+                layer_floats: session.layer_floats(),
+            });
+        }
         let launched = Instant::now();
         let timed = self.time_pass(ahead, true);
         let (n, last_rows) = self.with_buffers(|b| self.launch_rows(b, &inputs))?;
         if timed {
             self.time_pass(ahead, false);
         }
-        let rows = picks
+        drop(inputs);
+        let mut last = last_rows.into_iter();
+        let mut rows: Vec<AheadRow> = picks
             .iter()
-            .zip(last_rows)
-            .map(|(&(serial, token, session), row)| AheadRow {
+            .zip(last.by_ref())
+            .map(|(&(serial, token, position, _), row)| AheadRow {
                 serial,
-                position: session.len(),
+                position,
                 token,
                 row,
             })
             .collect();
-        ahead.in_flight = Some(InFlight { rows, n, launched });
+        rows.extend(
+            follows
+                .iter()
+                .zip(last.by_ref())
+                .map(|((serial, f), row)| AheadRow {
+                    serial: *serial,
+                    position: f.position,
+                    token: f.token,
+                    row,
+                }),
+        );
+        let mut late_rows = Vec::with_capacity(late.len());
+        for (&i, row) in late.iter().zip(last) {
+            let item = &mut items[i];
+            let added = item.tokens.len();
+            let seq = &mut *item.seq;
+            let serial = seq.serial;
+            let Ok(session) = seq.session_mut() else {
+                continue;
+            };
+            session.advanced_late(added);
+            let room = session.len() < session.capacity();
+            let next = (greedy[i] && room).then(|| {
+                let (k, v, _) = session.row_addresses();
+                Follow {
+                    token: 0,
+                    position: session.len(),
+                    k,
+                    v,
+                    logits: session.ahead_logits(),
+                    layer_floats: session.layer_floats(),
+                }
+            });
+            seq.late.store(true, Ordering::Release);
+            late_rows.push(LateRow { serial, row, next });
+        }
+        ahead.late += late_rows.len() as u64;
+        ahead.in_flight = Some(InFlight {
+            rows,
+            late: late_rows,
+            n,
+            launched,
+        });
         Ok(n)
     }
 }
@@ -802,6 +1018,7 @@ impl BatchModel for CudaBatch {
             idle: self.idle.clone(),
             serial: self.idle.serials.fetch_add(1, Ordering::Relaxed),
             read_logits: AtomicBool::new(false),
+            late: AtomicBool::new(false),
         })
     }
 
@@ -810,9 +1027,22 @@ impl BatchModel for CudaBatch {
         // Whatever was run ahead is finished before anything else is launched; the contexts
         // that came back with the guessed token take its results.
         let mut ahead = self.idle.ahead();
-        self.resolve_ahead(&mut ahead);
+        self.idle.resolve(&mut ahead);
         let resolved = started.elapsed();
         let pass_gpu = ahead.gpu_time;
+        // contexts whose last rows ran late take their result (their guests may not have read
+        // it), and need no step run ahead from outside
+        for item in items.iter_mut() {
+            let serial = item.seq.serial;
+            ahead.follow.remove(&serial);
+            if !item.seq.late.swap(false, Ordering::AcqRel) {
+                continue;
+            }
+            match (ahead.late_done.remove(&serial), item.seq.session_mut()) {
+                (Some(Some(argmax)), Ok(session)) => session.set_argmax(argmax),
+                _ => item.error = Some(EngineError::device("the batched step failed")),
+            }
+        }
         let mut hit = vec![false; items.len()];
         for (i, item) in items.iter_mut().enumerate() {
             let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
@@ -822,7 +1052,7 @@ impl BatchModel for CudaBatch {
                 && item.first_chunk
                 && !item.all_positions
                 && item.seq.len() == guess.position;
-            if let (true, Ok(session)) = (same, item.seq.session_mut()) {
+            if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
                 session.advanced_ahead(guess.argmax);
                 hit[i] = true;
                 ahead.hits += 1;
@@ -830,6 +1060,7 @@ impl BatchModel for CudaBatch {
                 ahead.misses += 1;
             }
         }
+        let hits = hit.iter().filter(|&&h| h).count();
         // Long prompts (and prompts asking for every position's logits) start on their own
         // streams at once; decodes and short prompts go through the batched step, one row a
         // token (a short prompt always does, alone or not, so its logits don't depend on its
@@ -838,7 +1069,7 @@ impl BatchModel for CudaBatch {
         let mut batched = Vec::new();
         let alone = items.len() == 1;
         for (i, item) in items.iter_mut().enumerate() {
-            if hit[i] {
+            if hit[i] || item.error.is_some() {
                 continue;
             }
             let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
@@ -857,44 +1088,17 @@ impl BatchModel for CudaBatch {
             }
         }
         let launched = started.elapsed();
-        if let [i] = batched[..] {
-            if items[i].tokens.len() == 1 {
-                // a lone decode keeps its own captured decode step
-                let item = &mut items[i];
-                let token = item.tokens;
-                item.error = item
-                    .seq
-                    .session_mut()
-                    .and_then(|s| s.extend_chunk(token, false, false))
-                    .err();
-                own.push(i);
-                batched.clear();
-            }
-        }
-        if !batched.is_empty() {
-            let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| batched.binary_search(i).is_ok())
-                .map(|(_, item)| item)
-                .collect();
-            // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
-            let mut start = 0;
-            while start < rows.len() {
-                let (mut end, mut count) = (start, 0);
-                while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
-                    count += rows[end].tokens.len();
-                    end += 1;
-                }
-                let group = &mut rows[start..end];
-                if let Err(e) = self.run_rows(group) {
-                    let message = e.to_string();
-                    for item in group.iter_mut() {
-                        item.error = Some(EngineError::device(format!("batched step: {message}")));
-                    }
-                }
-                start = end;
-            }
+        // With hits, the batched rows join the pass run ahead for them, and the step does
+        // not wait for them: they run late (see the module docs).
+        let run_ahead = self.exec.gpu.tuning().run_ahead;
+        let late_tokens: usize = batched.iter().map(|&i| items[i].tokens.len()).sum();
+        let others = items.len() - batched.len();
+        let merge = run_ahead
+            && hits > 0
+            && !batched.is_empty()
+            && others + ahead.follow.len() + late_tokens <= MAX_ROWS;
+        if !merge {
+            self.run_batched(items, &mut batched, &mut own);
         }
         // everything of this step is done before its contexts see their results
         for &i in &own {
@@ -905,33 +1109,44 @@ impl BatchModel for CudaBatch {
         }
         // the next step of the greedy contexts, run ahead (not for a lone one: its own
         // captured decode step is faster than a batched pass)
-        let next: Vec<usize> = items
+        let greedy: Vec<bool> = items
             .iter()
-            .enumerate()
-            .filter(|(_, item)| {
+            .map(|item| {
                 let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
-                let room = item.seq.session().is_ok_and(|s| s.len() < s.capacity());
-                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled && room
+                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
             })
-            .map(|(i, _)| i)
             .collect();
-        let run_ahead = match next.len() >= 2 && self.exec.gpu.tuning().run_ahead {
-            true => self.launch_ahead(&mut ahead, items, &next),
+        let late = if merge { batched.clone() } else { Vec::new() };
+        let guesses: Vec<usize> = (0..items.len())
+            .filter(|&i| {
+                let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
+                greedy[i] && room && !late.contains(&i)
+            })
+            .collect();
+        let follows: Vec<(u64, Follow)> = ahead.follow.drain().collect();
+        let launch = run_ahead && (merge || guesses.len() + follows.len() >= 2);
+        let run_ahead_rows = match launch {
+            true => self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows),
             false => Ok(0),
         };
-        let (hits, misses) = (ahead.hits, ahead.misses);
+        let (total_hits, misses) = (ahead.hits, ahead.misses);
         drop(ahead);
-        let run_ahead = run_ahead.unwrap_or_else(|e| {
+        let run_ahead_rows = run_ahead_rows.unwrap_or_else(|e| {
             tracing::warn!("running a step ahead failed: {e}");
+            for &i in &late {
+                let message = format!("batched step: {e}");
+                items[i].error.get_or_insert(EngineError::device(message));
+            }
             0
         });
         tracing::debug!(
             items = items.len(),
-            hit = hit.iter().filter(|&&h| h).count(),
+            hit = hits,
             batched = batched.len(),
+            late = late.len(),
             own = own.len(),
-            run_ahead,
-            hits,
+            run_ahead = run_ahead_rows,
+            hits = total_hits,
             misses,
             resolve_us = resolved.as_micros() as u64,
             pass_gpu_us = pass_gpu.as_micros() as u64,
@@ -946,7 +1161,14 @@ impl BatchModel for CudaBatch {
         AheadCounts {
             hits: ahead.hits,
             misses: ahead.misses,
-            kept: ahead.ready.len() + ahead.in_flight.as_ref().map_or(0, |f| f.rows.len()),
+            late: ahead.late,
+            kept: ahead.ready.len()
+                + ahead.late_done.len()
+                + ahead.follow.len()
+                + ahead
+                    .in_flight
+                    .as_ref()
+                    .map_or(0, |f| f.rows.len() + f.late.len()),
         }
     }
 

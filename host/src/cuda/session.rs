@@ -874,6 +874,20 @@ impl CudaSession {
         self.cached_argmax = Some(argmax);
     }
 
+    /// A batched pass that this step does not wait for appends `added` positions (their
+    /// logits go to the buffer read next, their argmax comes with [`Self::set_argmax`]).
+    pub(crate) fn advanced_late(&mut self, added: usize) {
+        self.len += added;
+        self.all_rows = 0;
+        self.in_spare = false;
+        self.cached_argmax = None;
+    }
+
+    /// The argmax of the last position's logits, known on the host.
+    pub(crate) fn set_argmax(&mut self, argmax: u32) {
+        self.cached_argmax = Some(argmax);
+    }
+
     /// Where a step run ahead writes this session's next logits: the buffer not being read.
     pub(crate) fn ahead_logits(&self) -> u64 {
         match self.in_spare {

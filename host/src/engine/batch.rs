@@ -222,6 +222,8 @@ pub struct BatchStats {
 pub struct AheadCounts {
     pub hits: u64,
     pub misses: u64,
+    /// Rows that ran late: in a pass run ahead, their step not waiting for them.
+    pub late: u64,
     /// Results run ahead (launched or done) kept for contexts that have not come back yet:
     /// none once every context is gone.
     pub kept: usize,
@@ -243,6 +245,8 @@ pub struct BatchCounts {
     /// did not (models that run steps ahead; see [`BatchModel::ahead_counts`]).
     pub ahead_hits: u64,
     pub ahead_misses: u64,
+    /// Rows that ran late (see [`AheadCounts::late`]).
+    pub ahead_late: u64,
     /// Results run ahead kept for contexts now.
     pub ahead_kept: usize,
 }
@@ -263,6 +267,7 @@ impl BatchStats {
             gather_seconds: self.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             ahead_hits: 0,
             ahead_misses: 0,
+            ahead_late: 0,
             ahead_kept: 0,
         }
     }
@@ -300,6 +305,7 @@ impl<M: BatchModel> Batcher<M> {
         BatchCounts {
             ahead_hits: ahead.hits,
             ahead_misses: ahead.misses,
+            ahead_late: ahead.late,
             ahead_kept: ahead.kept,
             ..self.stats.counts()
         }
