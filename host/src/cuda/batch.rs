@@ -957,6 +957,7 @@ impl CudaBatch {
                 }
             });
             seq.late.store(true, Ordering::Release);
+            item.late = true;
             late_rows.push(LateRow { serial, row, next });
         }
         ahead.late += late_rows.len() as u64;

@@ -10,7 +10,8 @@
 //! at once, on its own thread, as before. It only gives the contexts of the previous step,
 //! whose guests are choosing their next token, a moment (at most that step's time, 2 ms at
 //! most) to come back, so the streams stay in one step instead of splitting into two that
-//! alternate. A long prompt is cut into chunks of at most
+//! alternate (not those whose rows the model left running past the step, [`StepItem::late`]:
+//! they come back only after that work). A long prompt is cut into chunks of at most
 //! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
 //!
 //! Each context's state (its KV cache and last logits, a [`BatchModel::Seq`]) moves into the
@@ -90,6 +91,10 @@ pub struct StepItem<'a, S> {
     pub first_chunk: bool,
     pub last_chunk: bool,
     pub error: Option<EngineError>,
+    /// Set by the model: the step returns before this item's rows ran (their results come
+    /// when the context reads them), so its context will not be back within a step's time
+    /// and the next step does not wait for it.
+    pub late: bool,
 }
 
 /// Where a request's outcome goes, and the thread waiting for it.
@@ -181,6 +186,7 @@ struct Scheduled<S> {
     request: Request<S>,
     take: usize,
     error: Option<EngineError>,
+    late: bool,
 }
 
 struct State<S> {
@@ -435,6 +441,7 @@ impl<M: BatchModel> Batcher<M> {
                 request,
                 take,
                 error,
+                late,
             } in batch.into_iter().rev()
             {
                 let mut r = request;
@@ -445,7 +452,9 @@ impl<M: BatchModel> Batcher<M> {
                 }
                 r.done += take;
                 if r.done >= r.tokens.len() {
-                    state.returning.insert(r.ticket);
+                    if !late {
+                        state.returning.insert(r.ticket);
+                    }
                     slots.push(r.slot.clone());
                     done.push((r.slot, r.seq, Ok(())));
                 } else {
@@ -495,6 +504,7 @@ impl<M: BatchModel> Batcher<M> {
                 request,
                 take,
                 error: None,
+                late: false,
             });
         }
         state.queue = kept;
@@ -513,19 +523,23 @@ impl<M: BatchModel> Batcher<M> {
                     all_positions: r.all_positions,
                     seq: &mut r.seq,
                     error: None,
+                    late: false,
                 }
             })
             .collect();
         let ran =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.step(&mut items)));
-        let errors: Vec<Option<EngineError>> = match ran {
-            Ok(()) => items.into_iter().map(|item| item.error).collect(),
+        let outcomes: Vec<(Option<EngineError>, bool)> = match ran {
+            Ok(()) => items
+                .into_iter()
+                .map(|item| (item.error, item.late))
+                .collect(),
             Err(_) => {
                 drop(items);
                 tracing::error!("a batched step panicked; its contexts get an error");
                 batch
                     .iter()
-                    .map(|_| Some(EngineError::device("the batched step failed")))
+                    .map(|_| (Some(EngineError::device("the batched step failed")), false))
                     .collect()
             }
         };
@@ -533,8 +547,9 @@ impl<M: BatchModel> Batcher<M> {
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.items.fetch_add(n, Ordering::Relaxed);
         self.stats.largest.fetch_max(n, Ordering::Relaxed);
-        for (scheduled, error) in batch.iter_mut().zip(errors) {
+        for (scheduled, (error, late)) in batch.iter_mut().zip(outcomes) {
             scheduled.error = error;
+            scheduled.late = late;
         }
     }
 }
