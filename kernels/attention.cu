@@ -1,4 +1,5 @@
-// Causal attention over the KV cache (f32, [n_ctx, C] per layer, head h at columns h*hd..).
+// Causal attention over the KV cache ([n_ctx, C] per layer, head h at columns h*hd..; f32, or fp16
+// with bf16 weights: `KvOf` in common.cuh; kernels without weights come as `_f32` and `_bf16`).
 //
 // Decode (one query) is split across blocks (flash-decoding): block (h, chunk) scores its
 // ATT_CHUNK positions, keeps its max, sum of exponentials and weighted sum of values; a second
@@ -24,12 +25,13 @@ __device__ __forceinline__ float exp_in_place(float* scores, int count, float m,
 
 // Score of one cached position against q (in shared memory): the `parts` threads of a
 // position each take hd/parts dimensions, all loads issued before the sums.
-__device__ __forceinline__ float partial_dot(const float* kr, const float* qs, int hd, int part, int parts) {
+template <typename KV>
+__device__ __forceinline__ float partial_dot(const KV* kr, const float* qs, int hd, int part, int parts) {
     float acc = 0.0f;
     int span = hd / parts;
 #pragma unroll 8
     for (int d = part * span; d < (part + 1) * span; d += 4) {
-        float4 kv = *reinterpret_cast<const float4*>(kr + d);
+        float4 kv = kv_get4(kr + d);
         acc += kv.x * qs[d] + kv.y * qs[d + 1] + kv.z * qs[d + 2] + kv.w * qs[d + 3];
     }
     return acc;
@@ -38,9 +40,9 @@ __device__ __forceinline__ float partial_dot(const float* kr, const float* qs, i
 // partial layout per (h, chunk): [max, sum, out[hd]]
 // Block (h, chunk) of ATT_THREADS threads: 4 threads per position score ATT_CHUNK positions;
 // then threads split over (dimension, quarter of the positions) for the weighted values.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_decode_partial(float* partial, const float* q, const float* k_cache, const float* v_cache,
-                             const int* pos_ptr, int c, int hd, int max_chunks) {
+template <typename KV>
+__device__ void attention_decode_partial_impl(float* partial, const float* q, const KV* k_cache, const KV* v_cache,
+                                              const int* pos_ptr, int c, int hd, int max_chunks) {
     __shared__ float qs[MAX_HD];
     __shared__ float p[ATT_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
@@ -75,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         int d = idx % hd, g = idx / hd;
         float acc = 0.0f;
 #pragma unroll 8
-        for (int jj = g; jj < count; jj += 4) acc += p[jj] * v_cache[(size_t)(first + jj) * c + h * hd + d];
+        for (int jj = g; jj < count; jj += 4) acc += p[jj] * kv_get(v_cache + (size_t)(first + jj) * c + h * hd + d);
         acc_s[g][d] = acc;
     }
     __syncthreads();
@@ -83,6 +85,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         part[2 + d] = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
     if (threadIdx.x == 0) { part[0] = m; part[1] = sum; }
 }
+#define ATTENTION_DECODE_PARTIAL(NAME, KV)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
+        NAME(float* partial, const float* q, const void* k_cache, const void* v_cache, const int* pos_ptr,  \
+             int c, int hd, int max_chunks) {                                                              \
+        attention_decode_partial_impl(partial, q, static_cast<const KV*>(k_cache),                         \
+                                      static_cast<const KV*>(v_cache), pos_ptr, c, hd, max_chunks);        \
+    }
+ATTENTION_DECODE_PARTIAL(attention_decode_partial_f32, float)
+ATTENTION_DECODE_PARTIAL(attention_decode_partial_bf16, kv16_t)
 
 // One block per head: rescale each chunk by exp(m_chunk - M) and normalise.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
@@ -124,8 +135,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 
 template <typename W>
 __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w, const W* bias, const W* ln_w,
-                                          const W* ln_b, float* k_cache, float* v_cache, const int* pos_ptr, int c,
-                                          int hd) {
+                                          const W* ln_b, void* k_cache_p, void* v_cache_p, const int* pos_ptr,
+                                          int c, int hd) {
+    typedef typename KvOf<W>::T KV;
+    KV* k_cache = static_cast<KV*>(k_cache_p);
+    KV* v_cache = static_cast<KV*>(v_cache_p);
     extern __shared__ __align__(16) float dyn[];
     __shared__ __align__(16) float qkv_s[3 * MAX_HD];
     __shared__ float part_s[MAX_HD + 2];  // this block's (max, sum of exponentials, weighted values)
@@ -163,10 +177,12 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
             float v = warp_sum(acc[r]) + load1(bias + orow[r]);
             int lr = g + r;
             if (lr < r1) {
+                // the new key and value as the cache keeps them, as every other kernel reads them
+                if (lr >= hd) v = kv_kept(k_cache, v);
                 if (lane < n) peer_store(peer_addr(qkv_s + lr, lane), v);
                 if (lane == 0 && lr >= hd) {
-                    float* cache = lr < 2 * hd ? k_cache : v_cache;
-                    cache[(size_t)pos * c + h * hd + lr % hd] = v;
+                    KV* cache = lr < 2 * hd ? k_cache : v_cache;
+                    kv_put(cache + (size_t)pos * c + h * hd + lr % hd, v);
                 }
             }
         }
@@ -184,8 +200,8 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
         float s = 0.0f;
         if (j < count) {
             int p = first + j;
-            const float* kr = p == pos ? qkv_s + hd : k_cache + (size_t)p * c + h * hd;
-            s = partial_dot(kr, qkv_s, hd, quarter, 4);
+            s = p == pos ? partial_dot(qkv_s + hd, qkv_s, hd, quarter, 4)
+                         : partial_dot(k_cache + (size_t)p * c + h * hd, qkv_s, hd, quarter, 4);
         }
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -205,8 +221,8 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
 #pragma unroll 4
         for (int j = grp; j < count; j += groups) {
             int p = first + j;
-            const float* vr = p == pos ? qkv_s + 2 * hd : v_cache + (size_t)p * c + h * hd;
-            float4 vv = *reinterpret_cast<const float4*>(vr + 4 * d4);
+            float4 vv = p == pos ? *reinterpret_cast<const float4*>(qkv_s + 2 * hd + 4 * d4)
+                                 : kv_get4(v_cache + (size_t)p * c + h * hd + 4 * d4);
             float pj = scores[j];
             a.x += pj * vv.x; a.y += pj * vv.y; a.z += pj * vv.z; a.w += pj * vv.w;
         }
@@ -250,7 +266,7 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
 #define DECODE_QKV_ATTENTION(NAME, W)                                                                      \
     extern "C" __global__ void __launch_bounds__(DA_THREADS)                                              \
         NAME(float* out, const float* x, const W* w, const W* bias, const W* ln_w, const W* ln_b,          \
-             float* k_cache, float* v_cache, const int* pos_ptr, int c, int hd) {                          \
+             void* k_cache, void* v_cache, const int* pos_ptr, int c, int hd) {                            \
         decode_qkv_attention_impl(out, x, w, bias, ln_w, ln_b, k_cache, v_cache, pos_ptr, c, hd);          \
     }
 DECODE_QKV_ATTENTION(decode_qkv_attention_f32, float)
@@ -258,9 +274,9 @@ DECODE_QKV_ATTENTION(decode_qkv_attention_bf16, bf16_t)
 
 // Prefill: q rows in qkv [rows, 3C] (q = first C columns), row t at position start + t.
 // Grid (n_head, rows), ATT_THREADS threads; dynamic shared memory holds start + rows scores.
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_prefill(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start, int c,
-                      int hd) {
+template <typename KV>
+__device__ void attention_prefill_impl(float* out, const float* qkv, const KV* k_cache, const KV* v_cache, int start,
+                                       int c, int hd) {
     extern __shared__ float scores[];
     __shared__ float qs[MAX_HD];
     __shared__ float acc_s[4][MAX_HD];
@@ -293,13 +309,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         int d = idx % hd, g = idx / hd;
         float acc = 0.0f;
 #pragma unroll 8
-        for (int j = g; j < len; j += 4) acc += scores[j] * v_cache[(size_t)j * c + h * hd + d];
+        for (int j = g; j < len; j += 4) acc += scores[j] * kv_get(v_cache + (size_t)j * c + h * hd + d);
         acc_s[g][d] = acc;
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         out[(size_t)t * c + h * hd + d] = (acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d]) / sum;
 }
+#define ATTENTION_PREFILL(NAME, KV)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
+        NAME(float* out, const float* qkv, const void* k_cache, const void* v_cache, int start, int c, int hd) { \
+        attention_prefill_impl(out, qkv, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), start, \
+                               c, hd);                                                                         \
+    }
+ATTENTION_PREFILL(attention_prefill_f32, float)
+ATTENTION_PREFILL(attention_prefill_bf16, kv16_t)
 
 // Prefill, tiled (flash-attention style, CUDA cores): block (h, q-tile) of 128 threads holds
 // 32 queries; key/value tiles of 32 positions pass through shared memory once per q-tile, with
@@ -308,9 +332,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // at a time. Needs hd <= 64 and hd % 16 == 0.
 #define FA_K 32
 #define FA_HD 64
-extern "C" __global__ void __launch_bounds__(128)
-    attention_prefill_tiled(float* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
-                            int rows, int c, int hd) {
+template <typename KV>
+__device__ void attention_prefill_tiled_impl(float* out, const float* qkv, const KV* k_cache, const KV* v_cache,
+                                             int start, int rows, int c, int hd) {
     __shared__ __align__(16) float qs[FA_Q][FA_HD + 4];
     __shared__ __align__(16) float ks[FA_K][FA_HD + 4];
     __shared__ __align__(16) float vs[FA_K][FA_HD];
@@ -349,8 +373,8 @@ extern "C" __global__ void __launch_bounds__(128)
             int idx = u * 128 + tid, r = idx / quads, d = (idx % quads) * 4;
             bool in = idx < FA_K * quads && k0 + r < keys;
             size_t at = (size_t)(k0 + r) * c + h * hd + d;
-            kreg[u] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
-            vreg[u] = in ? *reinterpret_cast<const float4*>(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            kreg[u] = in ? kv_get4(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+            vreg[u] = in ? kv_get4(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         __syncthreads();
 #pragma unroll
@@ -422,12 +446,22 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 }
 
+#define ATTENTION_PREFILL_TILED(NAME, KV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128)                                                          \
+        NAME(float* out, const float* qkv, const void* k_cache, const void* v_cache, int start, int rows, int c, \
+             int hd) {                                                                                        \
+        attention_prefill_tiled_impl(out, qkv, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), \
+                                     start, rows, c, hd);                                                     \
+    }
+ATTENTION_PREFILL_TILED(attention_prefill_tiled_f32, float)
+ATTENTION_PREFILL_TILED(attention_prefill_tiled_bf16, kv16_t)
+
 // Prefill on tensor cores (sm_80+, bf16 mode, hd == 64): flash attention with
 // mma.sync.m16n8k16 (fp16 inputs, f32 accumulators). Block (h, q-tile) holds 64 queries in
 // 8 warps: warp w of group g (w = warp % 4, g = warp / 4) owns query rows 16w..16w+15 and the
 // key tiles of 64 positions with tile index % 2 == g, so a long row's keys are shared by two
 // warps; the two partial softmaxes are merged at the end. Keys and values are read from the
-// f32 cache and rounded to fp16 into shared memory (the next pair of tiles' loads are in
+// fp16 cache into shared memory (the next pair of tiles' loads are in
 // flight during this pair's math). Each thread owns rows r and r+8 of its warp's 16 (the mma
 // score and output fragments), so the online softmax needs only shuffles within a quad.
 // fp16 rather than bf16 keeps 3 more mantissa bits in Q·K^T and P·V (values are clamped to
@@ -628,23 +662,23 @@ __device__ __forceinline__ void tc_merge_store(float o[8][4], float m[2], float 
     }
 }
 
-// Rows k0..k0+127 of one head's keys and values from the f32 cache (zeros past `keys`): 8
+// Rows k0..k0+127 of one head's keys and values from the fp16 cache (zeros past `keys`): 8
 // float4 each per thread.
-__device__ __forceinline__ void tc_load_tiles(float4 kr[8], float4 vr[8], const float* k_cache,
-                                              const float* v_cache, int k0, int keys, int c, int h) {
+__device__ __forceinline__ void tc_load_tiles(float4 kr[8], float4 vr[8], const kv16_t* k_cache,
+                                              const kv16_t* v_cache, int k0, int keys, int c, int h) {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         int idx = i * TC_THREADS + threadIdx.x, p = k0 + (idx >> 4), d = (idx & 15) * 4;
         size_t at = (size_t)p * c + h * TC_HD + d;
         bool in = p < keys;
-        kr[i] = in ? *reinterpret_cast<const float4*>(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
-        vr[i] = in ? *reinterpret_cast<const float4*>(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        kr[i] = in ? kv_get4(k_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        vr[i] = in ? kv_get4(v_cache + at) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
 // With `start_ptr`, the first position is read from device memory instead of `start`.
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    attention_prefill_mma(void* out, const float* qkv, const float* k_cache, const float* v_cache, int start,
+    attention_prefill_mma(void* out, const float* qkv, const kv16_t* k_cache, const kv16_t* v_cache, int start,
                           int rows, int c, int out_bf16, const int* start_ptr) {
     // [2 tiles][keys][dims] fp16; reused at the end for group 1's partial results
     __shared__ __align__(16) unsigned short ks[2][TC_K][TC_LD];
@@ -701,8 +735,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 
 // Prefill on tensor cores from bf16 rows (sm_80+, bf16 mode, hd == 64): the prompt's queries,
 // keys and values are read from the QKV product's bf16 rows ([rows, 3C], its bias added), the
-// keys and values of a prefix before `start` from the f32 cache (rounded to bf16 on the way),
-// and the block's own 64 positions are appended to the cache (bf16 widened: exact). Same
+// keys and values of a prefix before `start` from the fp16 cache (rounded to bf16 on the way),
+// and the block's own 64 positions are appended to the cache (bf16 into fp16: exact in its range). Same
 // layout as `attention_prefill_mma` (8 warps: 4 x 16 query rows, 2 groups of key tiles), but
 // bf16 mma and no conversions: the prompt's tiles stream into shared memory with cp.async,
 // double-buffered (128 keys a stage), so no registers hold loads in flight. Scores stay in
@@ -732,18 +766,18 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
-// Eight bf16 (16 bytes) widened into f32 at `dst` (16-byte aligned).
-__device__ __forceinline__ void store_widened8(float* dst, uint4 v) {
-    reinterpret_cast<float4*>(dst)[0] = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
-                                                    __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
-    reinterpret_cast<float4*>(dst)[1] = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
-                                                    __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+// Eight bf16 (16 bytes) into the fp16 cache at `dst` (16-byte aligned; exact in fp16's range).
+__device__ __forceinline__ void store_widened8(kv16_t* dst, uint4 v) {
+    kv_put4(dst, make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                             __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u)));
+    kv_put4(dst + 4, make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                 __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u)));
 }
 
 // Keys and values k0..k0+FA_KEYS-1 of head h into stage `st`: the prompt's with cp.async, a
-// prefix's from the f32 cache (loaded, rounded, stored), zeros past `keys`. Commits one group.
+// prefix's from the fp16 cache (loaded, rounded to bf16, stored), zeros past `keys`. Commits one group.
 __device__ __forceinline__ void fa_load_stage(unsigned short (*ks)[TC_LD], unsigned short (*vs)[TC_LD],
-                                              const bf16_t* qkv, const float* k_cache, const float* v_cache,
+                                              const bf16_t* qkv, const kv16_t* k_cache, const kv16_t* v_cache,
                                               int start, int k0, int keys, int c, int h) {
 #pragma unroll
     for (int i = 0; i < FA_KEYS * 8 / TC_THREADS; i++) {
@@ -755,9 +789,8 @@ __device__ __forceinline__ void fa_load_stage(unsigned short (*ks)[TC_LD], unsig
             cp_async16(&vs[r][d], src + c, in);
         } else {
             size_t at = (size_t)p * c + h * TC_HD + d;
-            const float4* kp = reinterpret_cast<const float4*>(k_cache + at);
-            const float4* vp = reinterpret_cast<const float4*>(v_cache + at);
-            float4 ka = kp[0], kb = kp[1], va = vp[0], vb = vp[1];
+            float4 ka = kv_get4(k_cache + at), kb = kv_get4(k_cache + at + 4);
+            float4 va = kv_get4(v_cache + at), vb = kv_get4(v_cache + at + 4);
             *reinterpret_cast<uint4*>(&ks[r][d]) =
                 make_uint4(pack_bf16_rn(ka.x, ka.y), pack_bf16_rn(ka.z, ka.w), pack_bf16_rn(kb.x, kb.y),
                            pack_bf16_rn(kb.z, kb.w));
@@ -770,7 +803,7 @@ __device__ __forceinline__ void fa_load_stage(unsigned short (*ks)[TC_LD], unsig
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS)
-    attention_prefill_fresh(void* out, const bf16_t* qkv, float* k_cache, float* v_cache, int start, int rows,
+    attention_prefill_fresh(void* out, const bf16_t* qkv, kv16_t* k_cache, kv16_t* v_cache, int start, int rows,
                             int c, int out_bf16, const int* start_ptr) {
     extern __shared__ __align__(16) unsigned short fa_smem[];
     // [stage][key][dim] keys, then values

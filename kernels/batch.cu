@@ -2,7 +2,7 @@
 //
 // Each row brings its own token, position and KV cache through a table the host uploads before
 // the step (`tokens[r]`, `positions[r]`, the addresses `k_caches[r]` / `v_caches[r]` of its
-// layer-0 cache, `[capacity, C]` per layer, `layer_off` floats apart); a padding row (the step
+// layer-0 cache, `[capacity, C]` per layer, `layer_off` elements apart, f32 or fp16 per `KvOf`); a padding row (the step
 // rounded up to a captured graph's size) has position -1 and touches no cache and no output.
 //
 // The products go through cuBLAS over all rows. In bf16 mode their inputs are "split": each f32
@@ -120,18 +120,20 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 // holds the row's own position first appends the row's key and value (head h) to the row's
 // cache there (without, `batch_append_kv` did it for every row before: rows of one prompt read
 // each other's keys). The
-// span is scored in chunks of ATT_CHUNK, 4 threads a position (as
-// `attention_decode_partial`), with a running max and sum. With one span the block writes the
+// span is scored in chunks of BA_CHUNK (one position a thread: few block-wide reductions, many
+// loads in flight), with a running max and sum. With one span the block writes the
 // normalised output to `out` as a product input (f32, or split); with several it leaves
 // [max, sum, out[hd]] for `batch_attention_combine`. A padding row touches no cache and
 // gives zeros.
+// Positions a block of the batched attention scores at once: one a thread.
+#define BA_CHUNK ATT_THREADS
 template <typename W>
 __device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
                                      const unsigned long long* v_caches, long long layer_off, int c, int hd,
                                      int rows, int split_out, int append) {
     __shared__ float qs[MAX_HD];
-    __shared__ float p[ATT_CHUNK];
+    __shared__ float p[BA_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
     pdl_launch_dependents();
@@ -149,34 +151,32 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
         }
         return;
     }
-    float* kc = reinterpret_cast<float*>(k_caches[r]) + layer_off + h * hd;
-    float* vc = reinterpret_cast<float*>(v_caches[r]) + layer_off + h * hd;
+    typedef typename KvOf<W>::T KV;
+    KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + h * hd;
+    KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + h * hd;
     int n3 = 3 * c;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         int col = h * hd + d;
         qs[d] = product_value(tmp, rows, r, col, n3, split_in) + load1(bias + col);
         if (append && end == len) {
-            kc[(size_t)(len - 1) * c + d] = product_value(tmp, rows, r, c + col, n3, split_in) + load1(bias + c + col);
-            vc[(size_t)(len - 1) * c + d] =
-                product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col);
+            kv_put(kc + (size_t)(len - 1) * c + d,
+                   product_value(tmp, rows, r, c + col, n3, split_in) + load1(bias + c + col));
+            kv_put(vc + (size_t)(len - 1) * c + d,
+                   product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col));
         }
     }
     __syncthreads();
     float scale = rsqrtf((float)hd);
-    int j = threadIdx.x >> 2, quarter = threadIdx.x & 3;
+    int j = threadIdx.x;  // this thread's position of each chunk
     float m_run = -INFINITY, sum_run = 0.0f;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // this thread's (dimension, position group) sums
-    for (int base = first; base < end; base += ATT_CHUNK) {
-        int count = min(ATT_CHUNK, end - base);
-        float sc = 0.0f;
-        if (j < count) sc = partial_dot(kc + (size_t)(base + j) * c, qs, hd, quarter, 4);
-        sc += __shfl_xor_sync(0xffffffffu, sc, 1);
-        sc += __shfl_xor_sync(0xffffffffu, sc, 2);
-        sc = j < count ? sc * scale : -INFINITY;
+    for (int base = first; base < end; base += BA_CHUNK) {
+        int count = min(BA_CHUNK, end - base);
+        float sc = j < count ? partial_dot(kc + (size_t)(base + j) * c, qs, hd, 0, 1) * scale : -INFINITY;
         float m = fmaxf(m_run, block_max(sc, scratch));
         float e = j < count ? __expf(sc - m) : 0.0f;
-        if (quarter == 0 && j < ATT_CHUNK) p[j] = e;
-        float sum = block_sum(quarter == 0 ? e : 0.0f, scratch);
+        p[j] = e;
+        float sum = block_sum(e, scratch);
         float rescale = __expf(m_run - m);
         sum_run = sum_run * rescale + sum;
         m_run = m;
@@ -187,7 +187,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
             if (idx < 4 * hd) {
                 int d = idx % hd, g = idx / hd;
                 float a = 0.0f;
-                for (int jj = g; jj < count; jj += 4) a += p[jj] * vc[(size_t)(base + jj) * c + d];
+                for (int jj = g; jj < count; jj += 4) a += p[jj] * kv_get(vc + (size_t)(base + jj) * c + d);
                 acc[i] = acc[i] * rescale + a;
             }
         }
@@ -229,12 +229,13 @@ __device__ void batch_append_kv_impl(const float* tmp, const W* bias, int split_
     pdl_wait();
     int r = blockIdx.y, pos = positions[r];
     if (pos < 0) return;
-    float* kc = reinterpret_cast<float*>(k_caches[r]) + layer_off + (size_t)pos * c;
-    float* vc = reinterpret_cast<float*>(v_caches[r]) + layer_off + (size_t)pos * c;
+    typedef typename KvOf<W>::T KV;
+    KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + (size_t)pos * c;
+    KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + (size_t)pos * c;
     for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < 2 * c; col += gridDim.x * blockDim.x) {
         float v = product_value(tmp, rows, r, c + col, 3 * c, split_in) + load1(bias + c + col);
-        if (col < c) kc[col] = v;
-        else vc[col - c] = v;
+        if (col < c) kv_put(kc + col, v);
+        else kv_put(vc + col - c, v);
     }
 }
 extern "C" __global__ void batch_append_kv_f32(const float* tmp, const float* bias, int split_in,

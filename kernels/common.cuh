@@ -1,5 +1,6 @@
 // Shared helpers for the GPT-2 kernels. Compiled with NVRTC at run time: no system headers.
-// Weights are `float` or bf16 stored as `unsigned short`; activations, KV cache and logits are f32.
+// Weights are `float` or bf16 stored as `unsigned short`; activations and logits are f32; the KV
+// cache is f32 with f32 weights and fp16 with bf16 weights (`KvOf`).
 #pragma once
 
 #ifndef INFINITY
@@ -36,6 +37,47 @@ __device__ __forceinline__ bf16_t f32_to_bf16_bits(float v) {
     u32 bits = __float_as_uint(v);
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (bf16_t)(bits >> 16);
+}
+
+// The KV cache's element for weights W: f32 with f32 weights; fp16 bits with bf16 weights, half
+// the bytes the attention reads (11 significant bits; values are clamped to fp16's range,
+// which GPT-2's keys and values are far inside).
+struct kv16_t {
+    unsigned short bits;
+};
+template <typename W> struct KvOf { typedef float T; };
+template <> struct KvOf<bf16_t> { typedef kv16_t T; };
+__device__ __forceinline__ unsigned short f32_to_f16_bits(float v) {
+    v = fminf(fmaxf(v, -65504.0f), 65504.0f);
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+__device__ __forceinline__ float kv_get(const float* p) { return *p; }
+__device__ __forceinline__ float kv_get(const kv16_t* p) { return f16_bits_to_f32(p->bits); }
+__device__ __forceinline__ void kv_put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kv_put(kv16_t* p, float v) { p->bits = f32_to_f16_bits(v); }
+// v as a cache of this element keeps it.
+__device__ __forceinline__ float kv_kept(const float*, float v) { return v; }
+__device__ __forceinline__ float kv_kept(const kv16_t*, float v) { return f16_bits_to_f32(f32_to_f16_bits(v)); }
+// Four consecutive elements (16-byte aligned f32, 8-byte aligned fp16) as f32.
+__device__ __forceinline__ float4 kv_get4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 kv_get4(const kv16_t* p) {
+    uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(f16_bits_to_f32((unsigned short)(u.x & 0xffffu)), f16_bits_to_f32((unsigned short)(u.x >> 16)),
+                       f16_bits_to_f32((unsigned short)(u.y & 0xffffu)), f16_bits_to_f32((unsigned short)(u.y >> 16)));
+}
+// Four f32 into four consecutive elements (aligned as kv_get4's).
+__device__ __forceinline__ void kv_put4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void kv_put4(kv16_t* p, float4 v) {
+    u32 lo = (u32)f32_to_f16_bits(v.x) | ((u32)f32_to_f16_bits(v.y) << 16);
+    u32 hi = (u32)f32_to_f16_bits(v.z) | ((u32)f32_to_f16_bits(v.w) << 16);
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
 
 // Eight weights from 16 bytes (bf16) or two 16-byte loads (f32), as f32.
@@ -293,15 +335,16 @@ __device__ __forceinline__ float peer_load(u32 addr) {
 
 // Write output column `o` of a row at absolute position `pos`. For EPI_QKV, `out` is the q
 // buffer (row stride c), k_cache/v_cache are [n_ctx, c].
-__device__ __forceinline__ void epilogue(int mode, float v, float* out_row, int o, int c, int pos,
-                                         float* k_cache, float* v_cache) {
+template <typename KV>
+__device__ __forceinline__ void epilogue(int mode, float v, float* out_row, int o, int c, int pos, KV* k_cache,
+                                         KV* v_cache) {
     switch (mode) {
         case EPI_STORE: out_row[o] = v; break;
         case EPI_GELU: out_row[o] = gelu_tanh(v); break;
         case EPI_RESIDUAL: out_row[o] += v; break;
         default:
             if (o < c) out_row[o] = v;
-            else if (o < 2 * c) k_cache[(size_t)pos * c + (o - c)] = v;
-            else v_cache[(size_t)pos * c + (o - 2 * c)] = v;
+            else if (o < 2 * c) kv_put(k_cache + (size_t)pos * c + (o - c), v);
+            else kv_put(v_cache + (size_t)pos * c + (o - 2 * c), v);
     }
 }

@@ -8,7 +8,10 @@
 
 template <typename W>
 __device__ void matmul_impl(float* out, const float* x, const W* w, const W* bias, int rows, int n, int k,
-                            int mode, int c, int start, float* k_cache, float* v_cache, int out_stride) {
+                            int mode, int c, int start, void* k_cache_p, void* v_cache_p, int out_stride) {
+    typedef typename KvOf<W>::T KV;
+    KV* k_cache = static_cast<KV*>(k_cache_p);
+    KV* v_cache = static_cast<KV*>(v_cache_p);
     __shared__ float xs[TK][TILE + 1];
     __shared__ float ws[TK][TILE + 1];
     pdl_launch_dependents();
@@ -53,7 +56,7 @@ __device__ void matmul_impl(float* out, const float* x, const W* w, const W* bia
 #define MATMUL(NAME, W)                                                                                \
     extern "C" __global__ void __launch_bounds__(256)                                                  \
         NAME(float* out, const float* x, const W* w, const W* bias, int rows, int n, int k, int mode,  \
-             int c, int start, float* k_cache, float* v_cache, int out_stride) {                       \
+             int c, int start, void* k_cache, void* v_cache, int out_stride) {                         \
         matmul_impl(out, x, w, bias, rows, n, k, mode, c, start, k_cache, v_cache, out_stride);        \
     }
 MATMUL(matmul_f32, float)
@@ -64,8 +67,11 @@ MATMUL(matmul_bf16, bf16_t)
 // Grid (column groups, rows): four columns per thread when n and out_stride allow it.
 template <typename W>
 __device__ void gemm_epilogue_impl(void* out_ptr, const float* tmp, const W* bias, int rows, int n, int mode,
-                                   int c, int start, float* k_cache, float* v_cache, int out_stride,
+                                   int c, int start, void* k_cache_p, void* v_cache_p, int out_stride,
                                    int out_bf16) {
+    typedef typename KvOf<W>::T KV;
+    KV* k_cache = static_cast<KV*>(k_cache_p);
+    KV* v_cache = static_cast<KV*>(v_cache_p);
     pdl_launch_dependents();
     pdl_wait();
     int vec = (n % 4 == 0 && out_stride % 4 == 0 && c % 4 == 0) ? 4 : 1;
@@ -93,12 +99,15 @@ __device__ void gemm_epilogue_impl(void* out_ptr, const float* tmp, const W* bia
             }
             continue;
         }
-        // f32: a row of out, or for EPI_QKV q / the key or value cache row at the position
-        float* o = static_cast<float*>(out_ptr) + (size_t)r * out_stride + col;
+        // for EPI_QKV, the key or value cache row at the position (f32 or fp16)
         if (mode == EPI_QKV && col >= c) {
-            float* cache = col < 2 * c ? k_cache : v_cache;
-            o = cache + (size_t)(start + r) * c + (col < 2 * c ? col - c : col - 2 * c);
+            KV* cache = (col < 2 * c ? k_cache : v_cache) + (size_t)(start + r) * c + (col < 2 * c ? col - c : col - 2 * c);
+            if (vec == 4) kv_put4(cache, make_float4(v[0], v[1], v[2], v[3]));
+            else kv_put(cache, v[0]);
+            continue;
         }
+        // f32: a row of out
+        float* o = static_cast<float*>(out_ptr) + (size_t)r * out_stride + col;
         if (mode == EPI_RESIDUAL) {
             for (int e = 0; e < vec; e++) v[e] += o[e];
         }
@@ -107,12 +116,12 @@ __device__ void gemm_epilogue_impl(void* out_ptr, const float* tmp, const W* bia
     }
 }
 extern "C" __global__ void gemm_epilogue_f32(void* out, const float* tmp, const float* bias, int rows, int n,
-                                             int mode, int c, int start, float* k_cache, float* v_cache,
+                                             int mode, int c, int start, void* k_cache, void* v_cache,
                                              int out_stride, int out_bf16) {
     gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride, out_bf16);
 }
 extern "C" __global__ void gemm_epilogue_bf16(void* out, const float* tmp, const bf16_t* bias, int rows, int n,
-                                              int mode, int c, int start, float* k_cache, float* v_cache,
+                                              int mode, int c, int start, void* k_cache, void* v_cache,
                                               int out_stride, int out_bf16) {
     gemm_epilogue_impl(out, tmp, bias, rows, n, mode, c, start, k_cache, v_cache, out_stride, out_bf16);
 }

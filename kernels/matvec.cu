@@ -23,7 +23,10 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
 template <typename W>
 __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bias, int n, int k,
                             const W* ln_w, const W* ln_b, int mode, int c, const int* pos_ptr,
-                            float* k_cache, float* v_cache, unsigned long long* best) {
+                            void* k_cache_p, void* v_cache_p, unsigned long long* best) {
+    typedef typename KvOf<W>::T KV;
+    KV* k_cache = static_cast<KV*>(k_cache_p);
+    KV* v_cache = static_cast<KV*>(v_cache_p);
     extern __shared__ __align__(16) float xs[];
     __shared__ float scratch[32];
     __shared__ unsigned long long block_best[MV_WARPS];
@@ -67,7 +70,7 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
 #define MATVEC(NAME, W)                                                                                 \
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                         \
         NAME(float* out, const float* x, const W* w, const W* bias, int n, int k, const W* ln_w,        \
-             const W* ln_b, int mode, int c, const int* pos_ptr, float* k_cache, float* v_cache,        \
+             const W* ln_b, int mode, int c, const int* pos_ptr, void* k_cache, void* v_cache,          \
              unsigned long long* best) {                                                               \
         matvec_impl(out, x, w, bias, n, k, ln_w, ln_b, mode, c, pos_ptr, k_cache, v_cache, best);       \
     }

@@ -40,6 +40,39 @@ fn bf16_round(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// Values rounded to fp16 (as the KV cache of bf16 weights keeps them).
+fn f16_round(values: &[f32]) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&x| half::f16::from_f32(x).to_f32())
+        .collect()
+}
+
+/// Values as fp16 bits, two to an f32 word (the first in the low half): what an fp16 cache
+/// holds, for an f32 buffer's upload.
+fn pack_f16(values: &[f32]) -> Vec<f32> {
+    values
+        .chunks(2)
+        .map(|pair| {
+            let bits = |i: usize| pair.get(i).map_or(0, |&x| half::f16::from_f32(x).to_bits());
+            f32::from_bits(u32::from(bits(0)) | (u32::from(bits(1)) << 16))
+        })
+        .collect()
+}
+
+/// The first `n` fp16 values of words packed as [`pack_f16`] packs them.
+fn unpack_f16(words: &[f32], n: usize) -> Vec<f32> {
+    words
+        .iter()
+        .flat_map(|w| {
+            let bits = w.to_bits();
+            [bits as u16, (bits >> 16) as u16]
+        })
+        .take(n)
+        .map(|h| half::f16::from_bits(h).to_f32())
+        .collect()
+}
+
 /// The buffers one kernel check needs (as a session holds them, one layer, the whole
 /// context), the launcher and the random inputs.
 struct Bench {
@@ -57,6 +90,8 @@ struct Bench {
     next: DevBuf<u64>,
     max_chunks: usize,
     blas: Option<Blas>,
+    /// The KV cache holds fp16 (bf16 weights; f32 otherwise).
+    kv16: bool,
     /// The session's plan: tensor-core prefill attention.
     tensor_cores: bool,
     tiled_attention: bool,
@@ -103,6 +138,7 @@ impl Bench {
                 .cublas
                 .then(|| Blas::new(&stream, t, c, tuning.cublaslt))
                 .flatten(),
+            kv16: l.dtype().kv_bytes() == 2,
             tensor_cores: plan.tensor_cores,
             tiled_attention: plan.tiled_attention,
             fused_decode: exec.gpu().fused_decode(),
@@ -144,11 +180,28 @@ impl Bench {
             B::V => &mut self.v_cache,
             B::Logits => &mut self.logits,
         };
-        buf.write(&stream, 0, values)
+        match which {
+            B::K | B::V if self.kv16 => buf.write(&stream, 0, &pack_f16(values)),
+            _ => buf.write(&stream, 0, values),
+        }
     }
 
     fn get(&self, which: B, n: usize) -> Result<Vec<f32>, CudaError> {
-        self.buf(which).read(self.l.stream(), n)
+        match which {
+            B::K | B::V if self.kv16 => {
+                let words = self.buf(which).read(self.l.stream(), n.div_ceil(2))?;
+                Ok(unpack_f16(&words, n))
+            }
+            _ => self.buf(which).read(self.l.stream(), n),
+        }
+    }
+
+    /// Values as the KV cache keeps them.
+    fn kept(&self, values: &[f32]) -> Vec<f32> {
+        match self.kv16 {
+            true => f16_round(values),
+            false => values.to_vec(),
+        }
     }
 
     /// Upload `tokens` to ids[1..], and with `first` the position to ids[0].
@@ -170,9 +223,10 @@ impl Bench {
     }
 
     fn kv(&self) -> KvLayer {
+        let bytes = self.l.dtype().kv_bytes();
         KvLayer {
-            k: self.k_cache.ptr(),
-            v: self.v_cache.ptr(),
+            k: self.k_cache.ptr().as_cached(bytes),
+            v: self.v_cache.ptr().as_cached(bytes),
         }
     }
 
@@ -737,7 +791,9 @@ fn check_one(
     // attention: random keys and values for the whole context, then decode at the last
     // position and prefill the last rows
     let len = cfg.n_ctx;
+    // as the cache keeps them (fp16 with bf16 weights)
     let (keys, values) = (b.random(len * c), b.random(len * c));
+    let (keys, values) = (b.kept(&keys), b.kept(&values));
     b.put(B::K, &keys)?;
     b.put(B::V, &values)?;
     let kv = b.kv();
@@ -863,8 +919,9 @@ fn check_one(
             let v_got = b.get(B::V, visible)?;
             let got = [&k_got[start * c..], &v_got[start * c..]].concat();
             let want = [&keys[start * c..visible], &values[start * c..visible]].concat();
+            // bf16 into fp16 is exact but for fp16's subnormals
             let name = format!("attention prefill bf16 rows appended start={start}");
-            report(&name, &got, &want, 0.0);
+            report(&name, &got, &want, if b.kv16 { 1e-6 } else { 0.0 });
         }
     }
 
@@ -895,8 +952,10 @@ fn check_one(
             cpu::layer_norm(&mut normed, &x, &lw.ln1_w, &lw.ln1_b);
             let mut qkv = vec![0.0; 3 * c];
             cpu::linear(&mut qkv, &normed, &lw.qkv_w, Some(&lw.qkv_b), c, 3 * c);
-            keys[pos * c..(pos + 1) * c].copy_from_slice(&qkv[c..2 * c]);
-            values[pos * c..(pos + 1) * c].copy_from_slice(&qkv[2 * c..]);
+            // the new key and value as the cache keeps them (the kernel attends to those too)
+            let kept = b.kept(&qkv[c..]);
+            keys[pos * c..(pos + 1) * c].copy_from_slice(&kept[..c]);
+            values[pos * c..(pos + 1) * c].copy_from_slice(&kept[c..]);
             let mut want = vec![0.0; c];
             let visible = (pos + 1) * c;
             let cache = (&keys[..visible], &values[..visible]);
@@ -907,7 +966,8 @@ fn check_one(
             let v_row = b.get(B::V, visible)?;
             let appended = [&k_row[pos * c..], &v_row[pos * c..]].concat();
             let name = format!("decode qkv+attention cache append pos={pos}");
-            report(&name, &appended, &qkv[c..], 1e-4);
+            // fp16: a value on a rounding edge may go either way (one fp16 step, < 1e-3)
+            report(&name, &appended, &kept, if b.kv16 { 1e-3 } else { 1e-4 });
         }
     }
     Ok(())
@@ -937,11 +997,12 @@ fn check_batch_attention(
     let tmp_values = b.random(product_rows * 3 * c);
     let tmp = DevBuf::from_host(&stream, &tmp_values, "product rows")?;
     let mut caches = Vec::new();
+    let upload = |values: &[f32]| match b.kv16 {
+        true => DevBuf::from_host(&stream, &pack_f16(values), "KV cache"),
+        false => DevBuf::from_host(&stream, values, "KV cache"),
+    };
     for _ in 0..rows {
-        caches.push((
-            DevBuf::from_host(&stream, keys, "keys")?,
-            DevBuf::from_host(&stream, values, "values")?,
-        ));
+        caches.push((upload(keys)?, upload(values)?));
     }
     let ints: Vec<i32> = std::iter::repeat_n(0, rows)
         .chain(positions.iter().copied())
@@ -991,8 +1052,9 @@ fn check_batch_attention(
         qkv.iter_mut().zip(qkv_b.0).for_each(|(a, bias)| *a += bias);
         let visible = (p + 1) * c;
         let (mut k, mut v) = (keys[..visible].to_vec(), values[..visible].to_vec());
-        k[p * c..].copy_from_slice(&qkv[c..2 * c]);
-        v[p * c..].copy_from_slice(&qkv[2 * c..]);
+        let kept = b.kept(&qkv[c..]);
+        k[p * c..].copy_from_slice(&kept[..c]);
+        v[p * c..].copy_from_slice(&kept[c..]);
         cpu::attention(
             &mut want[r * c..(r + 1) * c],
             &qkv,
@@ -1027,7 +1089,10 @@ fn check_batch_attention(
     }
     // the appended keys: row 5's cache holds its key at its position
     let (r, p) = (5, positions[5] as usize);
-    let got_k = caches[r].0.read(&stream, t * c)?;
+    let got_k = match b.kv16 {
+        true => unpack_f16(&caches[r].0.read(&stream, (t * c).div_ceil(2))?, t * c),
+        false => caches[r].0.read(&stream, t * c)?,
+    };
     let mut k_want: Vec<f32> = tmp_values[r * 3 * c + c..r * 3 * c + 2 * c].to_vec();
     if split {
         let lo = &tmp_values[(rows + r) * 3 * c + c..(rows + r) * 3 * c + 2 * c];
@@ -1040,8 +1105,8 @@ fn check_batch_attention(
     report(
         "attention batched appended key",
         &got_k[p * c..(p + 1) * c],
-        &k_want,
-        1e-6,
+        &b.kept(&k_want),
+        if b.kv16 { 1e-3 } else { 1e-6 },
     );
     Ok(())
 }

@@ -45,6 +45,7 @@ fn a_batched_step_equals_each_context_alone() {
             first_chunk: true,
             last_chunk: true,
             error: None,
+            late: false,
         })
         .collect();
     batch.step(&mut items);
@@ -74,6 +75,7 @@ fn a_batched_step_equals_each_context_alone() {
                 first_chunk: true,
                 last_chunk: true,
                 error: None,
+                late: false,
             })
             .collect();
         batch.step(&mut items);

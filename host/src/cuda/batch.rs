@@ -452,14 +452,14 @@ pub struct CudaBatch {
 impl CudaBatch {
     pub(crate) fn new(exec: Arc<ExecutorInner>, pool: Arc<KvPool>, max_idle: usize) -> Self {
         let cfg = exec.config;
-        let per_position = 2 * cfg.n_layer * cfg.n_embd * 4;
+        let per_position = 2 * cfg.n_layer * cfg.n_embd * exec.dtype.kv_bytes();
         let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position.max(1));
         Self {
             idle: Arc::new(Idle {
                 sessions: Mutex::new(Vec::new()),
                 max_idle,
                 pool,
-                session_bytes: CudaSession::device_bytes(&cfg, capacity),
+                session_bytes: CudaSession::device_bytes(&cfg, exec.dtype, capacity),
                 ahead: Mutex::new(Ahead::default()),
                 stream: OnceLock::new(),
                 buffers: Mutex::new(None),

@@ -15,6 +15,11 @@ pub type Bf16 = u16;
 #[derive(Clone, Copy, Debug)]
 pub enum Stored {}
 
+/// KV-cache elements: f32, or fp16 bits with bf16 weights (the kernels of the executor's dtype
+/// read them; see `KvOf` in `kernels/common.cuh`).
+#[derive(Clone, Copy, Debug)]
+pub enum Cached {}
+
 /// `len` elements of `T` at device address `addr`. Plain data: the allocation it points into
 /// must outlive every launch that uses it (the session or executor owns it).
 pub struct DevPtr<T> {
@@ -73,6 +78,12 @@ impl<T: DeviceRepr> DevPtr<T> {
     /// The view from element `offset` on.
     pub fn skip(self, offset: usize) -> Self {
         self.skip_bytes(offset, std::mem::size_of::<T>())
+    }
+
+    /// The same bytes as KV-cache elements of `element_bytes` each.
+    pub fn as_cached(self, element_bytes: usize) -> DevPtr<Cached> {
+        let bytes = self.len * std::mem::size_of::<T>();
+        DevPtr::new(self.addr, bytes / element_bytes.max(1))
     }
 
     /// The same bytes as elements of another type.

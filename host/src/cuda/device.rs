@@ -257,7 +257,7 @@ impl Gpu {
             layernorm: f(&format!("layernorm_{suffix}"))?,
             matvec: f(&format!("matvec_{suffix}"))?,
             matmul: f(&format!("matmul_{suffix}"))?,
-            att_partial: f("attention_decode_partial")?,
+            att_partial: f(&format!("attention_decode_partial_{suffix}"))?,
             att_combine: f("attention_decode_combine")?,
             decode_qkv_att: {
                 let func = f(&format!("decode_qkv_attention_{suffix}"))?;
@@ -269,8 +269,8 @@ impl Gpu {
                 }
                 func
             },
-            att_prefill: f("attention_prefill")?,
-            att_prefill_tiled: f("attention_prefill_tiled")?,
+            att_prefill: f(&format!("attention_prefill_{suffix}"))?,
+            att_prefill_tiled: f(&format!("attention_prefill_tiled_{suffix}"))?,
             att_prefill_mma: f("attention_prefill_mma")?,
             att_prefill_fresh: {
                 let func = f("attention_prefill_fresh")?;

@@ -89,7 +89,7 @@ impl CudaExecutor {
         let kernels = Arc::new(gpu.kernels(dtype)?);
         let weights = DevWeights::upload(&gpu.ctx.default_stream(), weights, dtype)?;
         // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
-        let session_bytes = session::CudaSession::device_bytes(&config, config.n_ctx);
+        let session_bytes = session::CudaSession::device_bytes(&config, dtype, config.n_ctx);
         let max_idle = ((8usize << 30) / session_bytes.max(1))
             .clamp(1, 64)
             .max(options.warm_contexts);

@@ -52,8 +52,8 @@ pub struct CudaSession {
     /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
     capacity: usize,
     len: usize,
-    k_cache: DevBuf<f32>, // [L, capacity, C]
-    v_cache: DevBuf<f32>,
+    k_cache: DevBuf<u8>, // [L, capacity, C] elements of the dtype's `kv_bytes`
+    v_cache: DevBuf<u8>,
     x: DevBuf<f32>,   // residual stream [capacity, C]
     h: DevBuf<f32>,   // LayerNorm / attention output [capacity, C]
     qkv: DevBuf<f32>, // [capacity, 3C]
@@ -104,16 +104,16 @@ impl CudaSession {
     /// Device bytes a session of `capacity` positions allocates in [`Self::new`] (its KV
     /// cache, activations, logits, and cuBLAS's scratch with cuBLASLt's workspace; not the
     /// all-position logits, made only when asked for): what the KV pool reserves for it.
-    pub(crate) fn device_bytes(cfg: &Gpt2Config, capacity: usize) -> usize {
+    pub(crate) fn device_bytes(cfg: &Gpt2Config, dtype: GpuDtype, capacity: usize) -> usize {
         let (c, l, v) = (cfg.n_embd, cfg.n_layer, cfg.vocab_size);
         let chunks = capacity.div_ceil(ATT_CHUNK as usize);
-        let f32s = 2 * l * capacity * c // keys and values
-            + capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
+        let kv = 2 * l * capacity * c * dtype.kv_bytes(); // keys and values
+        let f32s = capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
             + cfg.n_head * chunks * (cfg.head_dim() + 2) // attention partials
             + 2 * v // logits, spare
             + capacity * 4 * c; // cuBLAS's f32 scratch
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
-        4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
+        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
     }
 
     pub(crate) fn new(exec: Arc<ExecutorInner>) -> Result<Self, CudaError> {
@@ -121,7 +121,7 @@ impl CudaSession {
         let _setup = gpu.setup_lock();
         let cfg = exec.config;
         let c = cfg.n_embd;
-        let per_position = 2 * cfg.n_layer * c * 4;
+        let per_position = 2 * cfg.n_layer * c * exec.dtype.kv_bytes();
         let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position);
         if capacity == 0 {
             return Err(CudaError::unavailable(format!(
@@ -131,7 +131,7 @@ impl CudaSession {
         }
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
         let max_chunks = capacity.div_ceil(ATT_CHUNK as usize);
-        let kv = cfg.n_layer * capacity * c;
+        let kv = cfg.n_layer * capacity * c * exec.dtype.kv_bytes();
         let tuning = gpu.tuning();
         let blas = tuning
             .cublas
@@ -205,8 +205,9 @@ impl CudaSession {
 
     fn kv_layer(&self, l: usize) -> KvLayer {
         let per_layer = self.capacity * self.exec.config.n_embd;
-        let layer = |buf: &DevBuf<f32>| {
-            let p = buf.ptr().skip(l * per_layer);
+        let bytes = self.exec.dtype.kv_bytes();
+        let layer = |buf: &DevBuf<u8>| {
+            let p = buf.ptr().skip(l * per_layer * bytes);
             DevPtr::new(p.addr(), per_layer)
         };
         KvLayer {

@@ -26,6 +26,14 @@ pub enum GpuDtype {
 }
 
 impl GpuDtype {
+    /// Bytes of one element of the KV cache: f32 with f32 weights, fp16 with bf16 weights.
+    pub fn kv_bytes(self) -> usize {
+        match self {
+            GpuDtype::F32 => 4,
+            GpuDtype::Bf16 => 2,
+        }
+    }
+
     /// Bytes of one stored weight.
     pub fn bytes(self) -> usize {
         match self {

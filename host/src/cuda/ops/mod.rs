@@ -12,7 +12,7 @@ pub mod embed_norm;
 pub mod matmul;
 pub mod matvec;
 
-use super::buffer::{DevPtr, Stored};
+use super::buffer::{Cached, DevPtr, Stored};
 use super::device::Gpu;
 use super::error::{CudaError, DriverContext};
 use crate::engine::GpuDtype;
@@ -54,11 +54,11 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("FA_SMEM", attention::FA_SMEM),
 ];
 
-/// One layer's KV cache, `[capacity, C]` each.
+/// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayer {
-    pub k: DevPtr<f32>,
-    pub v: DevPtr<f32>,
+    pub k: DevPtr<Cached>,
+    pub v: DevPtr<Cached>,
 }
 
 /// A LayerNorm's weight and bias.
