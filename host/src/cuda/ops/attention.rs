@@ -144,7 +144,7 @@ impl Launcher {
     }
 
     /// Tensor-core attention over the prompt's bf16 QKV rows (`qkv`, `[rows, 3C]`, bias
-    /// added), appending their keys and values to the f32 cache; a cached prefix is read from
+    /// added), appending their keys and values to the fp16 cache; a cached prefix is read from
     /// the cache. bf16 mode, head size 64, sm_80+.
     pub fn prefill_attention_fresh(&self, a: PrefillAttention, qkv: DevPtr<Bf16>) -> Result<(), CudaError> {
         let c = self.config.n_embd;
