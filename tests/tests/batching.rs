@@ -407,3 +407,70 @@ fn contexts_in_lockstep_never_wait_for_each_other_forever() {
         assert_eq!(*len, 3 + i + steps - 1, "context {i}");
     }
 }
+
+/// A model that marks the items of token 9 late (as if their rows ran on past the step) and
+/// takes 5 ms for such a step; a step with token 7 takes 50 ms.
+struct MarksLate;
+
+impl BatchModel for MarksLate {
+    type Seq = Positions;
+    fn new_seq(&self) -> Result<Positions, EngineError> {
+        Ok(Positions(0))
+    }
+    fn step(&self, items: &mut [StepItem<'_, Positions>]) {
+        for item in items.iter_mut() {
+            match item.tokens {
+                [7] => std::thread::sleep(std::time::Duration::from_millis(50)),
+                [9] => {
+                    item.late = true;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                _ => {}
+            }
+            item.seq.0 += item.tokens.len();
+        }
+    }
+}
+
+#[test]
+fn a_step_does_not_wait_for_contexts_whose_rows_ran_late() {
+    // B and C share a step in which C's rows run late. B comes straight back; C does not come
+    // back before B's next step is done. That step must not wait for C (no time spent
+    // gathering): C's guest is still waiting for its rows.
+    use wasi_nn_host::engine::batch::Batcher;
+    let batcher = Batcher::new(MarksLate, 128);
+    let (b_done, b_is_done) = std::sync::mpsc::channel();
+    let batcher = &batcher;
+    let (gathered_before, gathered_after) = std::thread::scope(|scope| {
+        // A's slow step: B and C queue meanwhile, and then share the next one
+        scope.spawn(|| {
+            let mut a = batcher.session().expect("session");
+            a.extend(&[7], false).expect("step");
+        });
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let c = scope.spawn(move || {
+            let mut c = batcher.session().expect("session");
+            c.extend(&[9], false).expect("step");
+            b_is_done.recv().expect("B's steps");
+            c.extend(&[1], false).expect("step");
+            c.len()
+        });
+        let b = scope.spawn(move || {
+            let mut b = batcher.session().expect("session");
+            b.extend(&[1], false).expect("step");
+            let before = batcher.counts().gather_seconds;
+            b.extend(&[1], false).expect("step");
+            let after = batcher.counts().gather_seconds;
+            b_done.send(()).expect("C waits");
+            (before, after)
+        });
+        let gathered = b.join().expect("B");
+        assert_eq!(c.join().expect("C"), 2);
+        gathered
+    });
+    assert_eq!(batcher.counts().largest, 2, "B and C shared a step");
+    assert_eq!(
+        gathered_after, gathered_before,
+        "B's step waited for C, whose rows ran late"
+    );
+}
