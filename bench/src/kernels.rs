@@ -803,17 +803,7 @@ fn check_one(
     } else {
         (false, 2e-4)
     };
-    let round = |v: &[f32]| {
-        v.iter()
-            .map(|&x| {
-                if tc {
-                    half::f16::from_f32(x).to_f32()
-                } else {
-                    x
-                }
-            })
-            .collect::<Vec<f32>>()
-    };
+    let round = |v: &[f32]| if tc { f16_round(v) } else { v.to_vec() };
     let (keys_r, values_r) = (round(&keys), round(&values));
     let mut qkv = Vec::new();
     // a whole prompt (a partial last tile), then a few rows after a long prefix

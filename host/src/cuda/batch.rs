@@ -202,18 +202,44 @@ struct LateRow {
     /// The row of its last token.
     row: usize,
     /// Its next step, to run ahead with the argmax (a greedy context with room left).
-    next: Option<Follow>,
+    next: Option<NextStep>,
 }
 
-/// A step to run ahead for a context that is not in the step launching it: its rows were
-/// late, and its guest is still reading their result. Addresses as [`Rows`].
-struct Follow {
+/// A context's next step to run ahead: one token at its next position, its logits into the
+/// buffer its guest is not reading. Taken from its session by the step launching it, or kept
+/// for a context whose rows ran late and that is not in that step.
+struct NextStep {
     token: u32,
     position: usize,
     k: u64,
     v: u64,
     logits: u64,
     layer_floats: usize,
+}
+
+impl NextStep {
+    fn of(session: &CudaSession, token: u32) -> Self {
+        let (k, v, _) = session.row_addresses();
+        Self {
+            token,
+            position: session.len(),
+            k,
+            v,
+            logits: session.ahead_logits(),
+            layer_floats: session.layer_floats(),
+        }
+    }
+
+    fn rows(&self) -> Rows<'_> {
+        Rows {
+            k: self.k,
+            v: self.v,
+            logits: self.logits,
+            start: self.position,
+            tokens: std::slice::from_ref(&self.token),
+            layer_floats: self.layer_floats,
+        }
+    }
 }
 
 /// A step run ahead that is launched and not yet waited for.
@@ -240,7 +266,7 @@ struct Ahead {
     /// failed).
     late_done: HashMap<u64, Option<u32>>,
     /// Steps to run ahead, with the next pass, for contexts whose late rows were resolved.
-    follow: HashMap<u64, Follow>,
+    follow: HashMap<u64, NextStep>,
     /// How long the last pass run ahead took, as the step that waited for it saw it.
     took: Duration,
     /// Events around the pass in flight (made at the first), and the GPU time of the last
@@ -861,38 +887,17 @@ impl CudaBatch {
         guesses: &[usize],
         late: &[usize],
         greedy: &[bool],
-        follows: Vec<(u64, Follow)>,
+        follows: Vec<(u64, NextStep)>,
     ) -> Result<usize, EngineError> {
-        // each guess: its context's serial, its next token (its argmax), position, addresses
-        let mut picks = Vec::with_capacity(guesses.len());
+        // each guess: its context's serial and next step, with its argmax as the token
+        let mut picks = Vec::with_capacity(guesses.len() + follows.len());
         for &i in guesses {
             let seq = &*items[i].seq;
             let session = seq.session()?;
-            let (k, v, _) = session.row_addresses();
-            let rows = (k, v, session.ahead_logits(), session.layer_floats());
-            picks.push((seq.serial, session.argmax_now()?, session.len(), rows));
+            picks.push((seq.serial, NextStep::of(session, session.argmax_now()?)));
         }
-        let mut inputs = Vec::with_capacity(picks.len() + follows.len() + late.len());
-        for (_, token, start, (k, v, logits, layer_floats)) in &picks {
-            inputs.push(Rows {
-                k: *k,
-                v: *v,
-                logits: *logits,
-                start: *start,
-                tokens: std::slice::from_ref(token),
-                layer_floats: *layer_floats,
-            });
-        }
-        for (_, f) in &follows {
-            inputs.push(Rows {
-                k: f.k,
-                v: f.v,
-                logits: f.logits,
-                start: f.position,
-                tokens: std::slice::from_ref(&f.token),
-                layer_floats: f.layer_floats,
-            });
-        }
+        picks.extend(follows);
+        let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
             let session = items[i].seq.session()?;
             let (k, v, logits) = session.row_addresses();
@@ -913,27 +918,16 @@ impl CudaBatch {
         }
         drop(inputs);
         let mut last = last_rows.into_iter();
-        let mut rows: Vec<AheadRow> = picks
+        let rows: Vec<AheadRow> = picks
             .iter()
             .zip(last.by_ref())
-            .map(|(&(serial, token, position, _), row)| AheadRow {
-                serial,
-                position,
-                token,
+            .map(|((serial, next), row)| AheadRow {
+                serial: *serial,
+                position: next.position,
+                token: next.token,
                 row,
             })
             .collect();
-        rows.extend(
-            follows
-                .iter()
-                .zip(last.by_ref())
-                .map(|((serial, f), row)| AheadRow {
-                    serial: *serial,
-                    position: f.position,
-                    token: f.token,
-                    row,
-                }),
-        );
         let mut late_rows = Vec::with_capacity(late.len());
         for (&i, row) in late.iter().zip(last) {
             let item = &mut items[i];
@@ -945,17 +939,8 @@ impl CudaBatch {
             };
             session.advanced_late(added);
             let room = session.len() < session.capacity();
-            let next = (greedy[i] && room).then(|| {
-                let (k, v, _) = session.row_addresses();
-                Follow {
-                    token: 0,
-                    position: session.len(),
-                    k,
-                    v,
-                    logits: session.ahead_logits(),
-                    layer_floats: session.layer_floats(),
-                }
-            });
+            // the token is the argmax, known when the pass is resolved
+            let next = (greedy[i] && room).then(|| NextStep::of(session, 0));
             seq.late.store(true, Ordering::Release);
             item.late = true;
             late_rows.push(LateRow { serial, row, next });
@@ -1117,24 +1102,28 @@ impl BatchModel for CudaBatch {
                 item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
             })
             .collect();
-        let late = if merge { batched.clone() } else { Vec::new() };
-        let guesses: Vec<usize> = (0..items.len())
+        let late: &[usize] = if merge { &batched } else { &[] };
+        let mut guesses: Vec<usize> = (0..items.len())
             .filter(|&i| {
                 let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
-                greedy[i] && room && !late.contains(&i)
+                greedy[i] && room && late.binary_search(&i).is_err()
             })
             .collect();
-        let follows: Vec<(u64, Follow)> = ahead.follow.drain().collect();
+        // one pass holds them all when merged; otherwise the first that fit
+        let late_rows = if merge { late_tokens } else { 0 };
+        guesses.truncate(MAX_ROWS - late_rows);
+        let room = MAX_ROWS - late_rows - guesses.len();
+        let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
         let launch = run_ahead && (merge || guesses.len() + follows.len() >= 2);
         let run_ahead_rows = match launch {
-            true => self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows),
+            true => self.launch_ahead(&mut ahead, items, &guesses, late, &greedy, follows),
             false => Ok(0),
         };
         let (total_hits, misses) = (ahead.hits, ahead.misses);
         drop(ahead);
         let run_ahead_rows = run_ahead_rows.unwrap_or_else(|e| {
             tracing::warn!("running a step ahead failed: {e}");
-            for &i in &late {
+            for &i in late {
                 let message = format!("batched step: {e}");
                 items[i].error.get_or_insert(EngineError::device(message));
             }
