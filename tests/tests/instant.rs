@@ -6,7 +6,7 @@
 use integration_tests::*;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Duration;
 use wasi_nn_host::runtime::{
     has_init_export, GuestModule, Host, HostBuilder, HostError, InstancePool, RunOptions,
@@ -15,6 +15,14 @@ use wasi_nn_host::runtime::{
 use wasi_nn_host::Device;
 
 /// A host with the default model and both modules: (plain, pre-initialised).
+/// The tests of this file run side by side, except the one that times a run's time limit: it
+/// runs alone (on a 2-core machine the others' runs delayed its timed-out run past its bound).
+static TIMED_ALONE: RwLock<()> = RwLock::new(());
+
+fn beside_others() -> RwLockReadGuard<'static, ()> {
+    TIMED_ALONE.read().unwrap_or_else(|p| p.into_inner())
+}
+
 fn host() -> &'static (Host, GuestModule, GuestModule) {
     static HOST: OnceLock<(Host, GuestModule, GuestModule)> = OnceLock::new();
     HOST.get_or_init(|| {
@@ -113,6 +121,7 @@ fn assert_same(host: &Host, plain: &GuestModule, pre: &GuestModule, options: &Ru
 
 #[test]
 fn the_snapshot_lost_its_init_export_and_the_plain_module_keeps_it() {
+    let _shared = beside_others();
     let (_, plain, pre) = host();
     assert!(has_init_export(plain.module().expect("a module")));
     assert!(!has_init_export(pre.module().expect("a module")));
@@ -120,6 +129,7 @@ fn the_snapshot_lost_its_init_export_and_the_plain_module_keeps_it() {
 
 #[test]
 fn the_preinitialised_guest_gives_the_plain_guests_outputs() {
+    let _shared = beside_others();
     let (host, plain, pre) = host();
     let cases: &[&[&str]] = &[
         // greedy, streamed and as JSON
@@ -186,6 +196,7 @@ fn the_preinitialised_guest_gives_the_plain_guests_outputs() {
 
 #[test]
 fn the_preinitialised_guest_sees_the_files_granted_to_its_run() {
+    let _shared = beside_others();
     let (host, plain, pre) = host();
     let args = [
         "--perplexity",
@@ -210,6 +221,7 @@ fn the_preinitialised_guest_sees_the_files_granted_to_its_run() {
 
 #[test]
 fn the_on_demand_allocator_runs_both_modules_alike() {
+    let _shared = beside_others();
     let (host, plain, pre) = pooled_host(None);
     assert_eq!(host.instance_pool(), None);
     assert_same(
@@ -222,6 +234,7 @@ fn the_on_demand_allocator_runs_both_modules_alike() {
 
 #[test]
 fn the_pool_keeps_serving_after_many_runs() {
+    let _shared = beside_others();
     let pool = InstancePool {
         max_instances: 2,
         ..Default::default()
@@ -272,6 +285,7 @@ fn the_pool_keeps_serving_after_many_runs() {
 
 #[test]
 fn a_full_pool_says_busy_and_serves_again_once_a_run_ends() {
+    let _shared = beside_others();
     let pool = InstancePool {
         max_instances: 1,
         ..Default::default()
@@ -332,6 +346,7 @@ fn fails(result: Result<RunOutcome, HostError>) -> bool {
 
 #[test]
 fn the_memory_cap_holds_for_both_modules() {
+    let _shared = beside_others();
     let (host, plain, pre) = host();
     for module in [plain, pre] {
         // below what the guest needs to start
@@ -357,6 +372,7 @@ fn the_memory_cap_holds_for_both_modules() {
 
 #[test]
 fn pool_limits_hold_for_both_modules() {
+    let _alone = TIMED_ALONE.write().unwrap_or_else(|p| p.into_inner());
     // slots of 40 MiB: the pool's own cap on every instance
     let pool = InstancePool {
         max_instances: 2,
