@@ -278,6 +278,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
 }
 
+// The tokens of rows launched before the pass that picks them had ended: tokens[r] = the id of
+// keys[feeds[r]] (the argmax key `batch_logits` left for that row of the pass before, still in
+// `keys` until this pass's embedding clears them), for each row with 0 <= feeds[r] < max_rows.
+// One thread a row, before the pass and after the one it reads.
+extern "C" __global__ void __launch_bounds__(256)
+    batch_feed(int* tokens, const int* feeds, const unsigned long long* keys, int rows, int max_rows, int v) {
+    pdl_wait();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    int f = feeds[r];
+    if (f < 0 || f >= max_rows) return;
+    unsigned long long key = keys[f];
+    u32 id = key == 0ull ? 0u : 0xffffffffu - (u32)key;
+    tokens[r] = id < (u32)v ? (int)id : 0;
+}
+
 // The LM head's rows (`tmp`, `[rows or 2 * rows, ld]`, ld >= V) into each row's logits
 // buffer (`dst[r]`, V floats), and their argmax into keys[r] (cleared by the embedding; see
 // `argmax_key`). Grid (column blocks, rows); a padding row is skipped.

@@ -277,6 +277,8 @@ pub struct BatchCheckReport {
     pub ahead_misses: u64,
     /// Rows that ran late (in a pass run ahead, their step not waiting for them).
     pub ahead_late: u64,
+    /// Passes run ahead launched before the pass in flight had ended.
+    pub ahead_early: u64,
     /// Results run ahead still kept once every context is gone (must be none).
     pub ahead_kept: usize,
     pub tolerance: f32,
@@ -406,7 +408,9 @@ pub fn compare_batched(
     let ahead_hits = counts.ahead_hits - counts_before.ahead_hits;
     let ahead_misses = counts.ahead_misses - counts_before.ahead_misses;
     let ahead_late = counts.ahead_late - counts_before.ahead_late;
+    let ahead_early = counts.ahead_early - counts_before.ahead_early;
     let run_ahead = std::env::var_os("WASI_NN_HOST_NO_RUN_AHEAD").is_none();
+    let early = run_ahead && std::env::var_os("WASI_NN_HOST_NO_EARLY_LAUNCH").is_none();
     let (mut decode_error, mut alone_error, mut ids_differ, mut disagree) = (0.0f32, 0.0f32, 0, 0);
     let mut bad_id_refused = false;
     for (i, result) in together.into_iter().enumerate() {
@@ -442,12 +446,14 @@ pub fn compare_batched(
         ahead_hits,
         ahead_misses,
         ahead_late,
+        ahead_early,
         ahead_kept: counts.ahead_kept,
         tolerance,
         passed: decode_error <= tolerance
             && counts.ahead_kept == 0
             && (streams < 3 || !run_ahead || ahead_hits > 0)
             && (streams < 4 || !run_ahead || ahead_late > 0)
+            && (streams < 3 || !early || ahead_early > 0)
             && alone_error <= tolerance
             && ids_differ == 0
             && disagree == 0

@@ -35,12 +35,23 @@
 //! that is not back yet gets its own next step run ahead with that argmax, with the next
 //! pass, so it is a hit again when it comes back.
 //!
+//! **Two passes.** A step whose contexts came back with the tokens the pass in flight runs for
+//! them need not wait for that pass before it launches the next: each hit's next row takes as
+//! its token the argmax of its row in the pass in flight, read from that pass's keys on the
+//! GPU (`batch_feed`, before the next pass's embedding clears them), and everything else of
+//! the step runs late in the same pass. Only then does the step wait for the pass in flight
+//! (its keys come back through page-locked memory, copied right behind it, so the wait does
+//! not include the pass just launched) and hand out its argmax. The GPU goes from one pass to
+//! the next without waiting for the host. A step that has work for a session's own stream (a
+//! long prompt, a lone decode), or a context whose late rows are in the pass in flight, waits
+//! first, as above.
+//!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
 //! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.
 
 use super::blas::Blas;
-use super::buffer::{Act, DevBuf, DevPtr};
+use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
     batch_gemm_parts, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
@@ -55,8 +66,8 @@ use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -96,6 +107,8 @@ pub fn bucket(rows: usize) -> usize {
 }
 
 /// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it).
+/// Every session of a batch has the same cache layout (`layer_floats`), which the graph
+/// bakes in.
 type GraphKey = (usize, usize, bool);
 
 /// Floats between two rows of the LM head's product, and the product's N: V rounded up to
@@ -120,21 +133,14 @@ struct Idle {
     buffers: Mutex<Option<StepBuffers>>,
     /// The next context's serial number.
     serials: AtomicU64,
+    /// Contexts open (made and not yet dropped).
+    live: AtomicUsize,
 }
 
 impl Idle {
     fn ahead(&self) -> MutexGuard<'_, Ahead> {
         // plain bookkeeping, consistent even if a holder panicked
         self.ahead.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The argmax keys of the first `n` rows of the last batched pass (waits for it).
-    fn read_keys(&self, n: usize) -> Result<Vec<u64>, EngineError> {
-        let guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
-        let b = guard
-            .as_ref()
-            .ok_or_else(|| EngineError::device("batched step buffers missing"))?;
-        Ok(b.keys.read(b.stream(), n)?)
     }
 
     /// Wait for the pass run ahead, if one is under way, and keep its results: the guesses'
@@ -145,17 +151,21 @@ impl Idle {
             return;
         };
         let waited = Instant::now();
-        let keys = self.read_keys(flight.n);
+        // the copy of the pass's keys (queued behind it; a pass launched after it may be
+        // running already)
+        let keys = flight.keys.wait();
         // the pass ended while we waited: its time is known
         if waited.elapsed() > Duration::from_micros(20) {
             ahead.took = flight.launched.elapsed();
         }
-        if let Some((begin, end)) = &ahead.events {
+        if let Some((begin, end)) = &flight.timing {
             // both events are behind the keys just read: no wait
             ahead.gpu_time = begin.elapsed_ms(end).map_or(Duration::ZERO, |ms| {
                 Duration::from_secs_f32(ms.max(0.0) / 1e3)
             });
         }
+        ahead.spare_keys.push(flight.keys);
+        ahead.spare_timing.extend(flight.timing);
         let keys = match keys {
             Ok(keys) => keys,
             Err(e) => {
@@ -191,6 +201,8 @@ struct AheadRow {
     serial: u64,
     position: usize,
     token: u32,
+    /// The token is fed on the GPU and not known yet (see [`NextStep::fed`]).
+    fed: bool,
     /// The row of the batched pass.
     row: usize,
 }
@@ -210,6 +222,9 @@ struct LateRow {
 /// for a context whose rows ran late and that is not in that step.
 struct NextStep {
     token: u32,
+    /// The token is the argmax of this row of the pass launched before, fed on the GPU (that
+    /// pass was not resolved when this one was launched; `token` is set once it is).
+    fed: Option<usize>,
     position: usize,
     k: u64,
     v: u64,
@@ -222,6 +237,7 @@ impl NextStep {
         let (k, v, _) = session.row_addresses();
         Self {
             token,
+            fed: None,
             position: session.len(),
             k,
             v,
@@ -237,6 +253,7 @@ impl NextStep {
             logits: self.logits,
             start: self.position,
             tokens: std::slice::from_ref(&self.token),
+            fed: self.fed,
             layer_floats: self.layer_floats,
         }
     }
@@ -249,6 +266,10 @@ struct InFlight {
     /// Rows of the pass (its argmax keys to read).
     n: usize,
     launched: Instant,
+    /// The copy of its argmax keys to the host, queued right behind it.
+    keys: HostCopy<u64>,
+    /// Events around it on the GPU (for its time in the trace), when they could be made.
+    timing: Option<(CudaEvent, CudaEvent)>,
 }
 
 /// The result of a step run ahead for one context, kept until the context's next step.
@@ -269,15 +290,19 @@ struct Ahead {
     follow: HashMap<u64, NextStep>,
     /// How long the last pass run ahead took, as the step that waited for it saw it.
     took: Duration,
-    /// Events around the pass in flight (made at the first), and the GPU time of the last
-    /// pass resolved between them: what the batched pass itself costs, for the trace.
-    events: Option<(CudaEvent, CudaEvent)>,
+    /// The GPU time of the last pass resolved, between its events: what the batched pass
+    /// itself costs, for the trace.
     gpu_time: Duration,
+    /// Host buffers for passes' keys and event pairs, kept for the next passes.
+    spare_keys: Vec<HostCopy<u64>>,
+    spare_timing: Vec<(CudaEvent, CudaEvent)>,
     /// Contexts that came back with the guessed token, and those that did not.
     hits: u64,
     misses: u64,
     /// Rows that ran late.
     late: u64,
+    /// Passes launched before the pass in flight had ended.
+    early: u64,
 }
 
 /// One context's state: its session, and its reservation in the pool (given back with it).
@@ -352,6 +377,7 @@ impl Drop for CudaSeq {
             }
         }
         self.idle.pool.release(self.idle.session_bytes);
+        self.idle.live.fetch_sub(1, Ordering::Relaxed);
         if let Some(mut session) = self.session.take() {
             // nothing of this sequence stays readable, nor in flight, when it is reused
             if session.synchronize().is_err() {
@@ -406,7 +432,8 @@ struct StepBuffers {
     /// The LM head's product rows `[2 * MAX_ROWS, head_ld(V)]`.
     head: DevBuf<f32>,
     partial: DevBuf<f32>,
-    /// Tokens `[MAX_ROWS]` then positions `[MAX_ROWS]`.
+    /// Tokens `[MAX_ROWS]`, positions `[MAX_ROWS]`, then the rows of the pass before whose
+    /// argmax is a row's token (`[MAX_ROWS]`, -1: none; see [`NextStep::fed`]).
     ints: DevBuf<i32>,
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
@@ -438,7 +465,7 @@ impl StepBuffers {
                 MAX_ROWS * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
                 "batched attention scratch",
             )?,
-            ints: DevBuf::zeros(&stream, 2 * MAX_ROWS, "batched step table")?,
+            ints: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
             launcher,
@@ -490,6 +517,7 @@ impl CudaBatch {
                 stream: OnceLock::new(),
                 buffers: Mutex::new(None),
                 serials: AtomicU64::new(0),
+                live: AtomicUsize::new(0),
             }),
             exec,
         }
@@ -579,6 +607,11 @@ impl CudaBatch {
     /// The pool the contexts' KV caches are reserved from.
     pub fn kv_pool(&self) -> &Arc<KvPool> {
         &self.idle.pool
+    }
+
+    /// Contexts open now.
+    pub fn live(&self) -> usize {
+        self.idle.live.load(Ordering::Relaxed)
     }
 
     /// The kernels of one batched step over the table's rows.
@@ -715,17 +748,27 @@ impl CudaBatch {
         inputs: &[Rows<'_>],
     ) -> Result<(usize, Vec<usize>), EngineError> {
         let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        // a pass of no rows would capture its bucket's graph with no context's cache layout
+        if n == 0 {
+            return Err(EngineError::device("a batched pass of no rows"));
+        }
         let padded = bucket(n);
         let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
-        let mut ints = vec![0i32; 2 * MAX_ROWS];
+        let mut ints = vec![0i32; 3 * MAX_ROWS];
         let mut addrs = vec![0u64; 3 * MAX_ROWS];
         ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
+        ints[2 * MAX_ROWS..].fill(-1);
+        let mut fed = false;
         let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
         let mut last_rows = Vec::with_capacity(inputs.len());
         for input in inputs {
             for (i, &token) in input.tokens.iter().enumerate() {
                 ints[r] = token as i32;
                 ints[MAX_ROWS + r] = (input.start + i) as i32;
+                if let (Some(source), 1) = (input.fed, input.tokens.len()) {
+                    ints[2 * MAX_ROWS + r] = source as i32;
+                    fed = true;
+                }
                 addrs[r] = input.k;
                 addrs[MAX_ROWS + r] = input.v;
                 // logits for the input's last row only
@@ -746,6 +789,11 @@ impl CudaBatch {
         b.addrs.write(&stream, 0, &addrs)?;
         self.capture(b, key, layer_floats);
         let table = b.table(padded, layer_floats);
+        if fed {
+            // the pass before has left its keys; this pass's embedding clears them
+            b.launcher
+                .batch_feed(&table, b.ints.ptr().skip(2 * MAX_ROWS))?;
+        }
         let t1 = Instant::now();
         let graphed = match b.graphs.get(&key).filter(|_| !b.graphs_failed) {
             Some(graph) => {
@@ -781,6 +829,7 @@ impl CudaBatch {
                 logits,
                 start: session.len(),
                 tokens: item.tokens,
+                fed: None,
                 layer_floats: session.layer_floats(),
             });
         }
@@ -804,25 +853,19 @@ impl CudaBatch {
         Ok(())
     }
 
-    /// Record the start (or the end) of the pass run ahead on the batched step's stream;
-    /// false when there is no stream or no event (the pass then goes untimed).
-    fn time_pass(&self, ahead: &mut Ahead, start: bool) -> bool {
-        let Some(stream) = self.idle.stream.get() else {
-            return false;
-        };
-        if ahead.events.is_none() {
-            let make = || {
-                stream
-                    .context()
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            };
-            ahead.events = make().and_then(|a| Ok((a, make()?))).ok();
+    /// A pair of events to time a pass with: a spare one, or new ones (None when there is
+    /// no stream yet or no event could be made; the pass then goes untimed).
+    fn timing(&self, ahead: &mut Ahead) -> Option<(CudaEvent, CudaEvent)> {
+        if let Some(pair) = ahead.spare_timing.pop() {
+            return Some(pair);
         }
-        let Some((begin, end)) = &ahead.events else {
-            return false;
+        let stream = self.idle.stream.get()?;
+        let make = || {
+            stream
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
         };
-        let event = if start { begin } else { end };
-        event.record(stream).is_ok()
+        make().and_then(|a| Ok((a, make()?))).ok()
     }
 
     /// The step's batched items (`batched`, in order) as batched passes, waited for; a lone
@@ -876,25 +919,33 @@ impl CudaBatch {
     }
 
     /// Launch the pass run ahead (see the module docs): the next step of `items[guesses]`,
-    /// each with its argmax as its token; the next step of contexts not in this step whose
+    /// each with its argmax as its token (the argmax of a row of the pass in flight, fed on
+    /// the GPU, for a guess that names one); the next step of contexts not in this step whose
     /// late rows were resolved (`follows`); and the rows of `items[late]`, which this step
-    /// does not wait for (`greedy[i]`: a step may be run ahead after them). Returns the rows
-    /// it runs; on an error nothing was launched.
+    /// does not wait for (`greedy[i]`: a step may be run ahead after them). Returns the pass
+    /// for the caller to keep; on an error nothing was launched.
     fn launch_ahead(
         &self,
         ahead: &mut Ahead,
         items: &mut [StepItem<'_, CudaSeq>],
-        guesses: &[usize],
+        guesses: &[(usize, Option<usize>)],
         late: &[usize],
         greedy: &[bool],
         follows: Vec<(u64, NextStep)>,
-    ) -> Result<usize, EngineError> {
+    ) -> Result<InFlight, EngineError> {
         // each guess: its context's serial and next step, with its argmax as the token
         let mut picks = Vec::with_capacity(guesses.len() + follows.len());
-        for &i in guesses {
+        for &(i, fed) in guesses {
             let seq = &*items[i].seq;
             let session = seq.session()?;
-            picks.push((seq.serial, NextStep::of(session, session.argmax_now()?)));
+            let next = match fed {
+                Some(row) => NextStep {
+                    fed: Some(row),
+                    ..NextStep::of(session, 0)
+                },
+                None => NextStep::of(session, session.argmax_now()?),
+            };
+            picks.push((seq.serial, next));
         }
         picks.extend(follows);
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
@@ -907,15 +958,31 @@ impl CudaBatch {
                 logits,
                 start: session.len(),
                 tokens: items[i].tokens,
+                fed: None,
                 layer_floats: session.layer_floats(),
             });
         }
         let launched = Instant::now();
-        let timed = self.time_pass(ahead, true);
-        let (n, last_rows) = self.with_buffers(|b| self.launch_rows(b, &inputs))?;
-        if timed {
-            self.time_pass(ahead, false);
-        }
+        let timing = self.timing(ahead);
+        let spare = ahead.spare_keys.pop();
+        let (n, last_rows, keys) = self.with_buffers(|b| {
+            let stream = b.stream().clone();
+            let mut keys = match spare {
+                Some(keys) => keys,
+                None => HostCopy::new(&stream, MAX_ROWS)?,
+            };
+            // timing is best-effort: an event that failed to record reads as no time
+            if let Some((begin, _)) = &timing {
+                let _ = begin.record(&stream);
+            }
+            let (n, last_rows) = self.launch_rows(b, &inputs)?;
+            // the keys come back behind the pass, while the next pass may already run
+            keys.start(&stream, &b.keys, n)?;
+            if let Some((_, end)) = &timing {
+                let _ = end.record(&stream);
+            }
+            Ok((n, last_rows, keys))
+        })?;
         drop(inputs);
         let mut last = last_rows.into_iter();
         let rows: Vec<AheadRow> = picks
@@ -925,6 +992,7 @@ impl CudaBatch {
                 serial: *serial,
                 position: next.position,
                 token: next.token,
+                fed: next.fed.is_some(),
                 row,
             })
             .collect();
@@ -946,13 +1014,214 @@ impl CudaBatch {
             late_rows.push(LateRow { serial, row, next });
         }
         ahead.late += late_rows.len() as u64;
-        ahead.in_flight = Some(InFlight {
+        Ok(InFlight {
             rows,
             late: late_rows,
             n,
             launched,
-        });
-        Ok(n)
+            keys,
+            timing,
+        })
+    }
+}
+
+impl CudaBatch {
+    /// Whether this step may launch its pass run ahead before the pass in flight has ended
+    /// (see the module docs, "Two passes"): there is one, some contexts came back with the
+    /// token it runs for them, every other item is rows of the batched step (nothing on a
+    /// session's own stream, which the pass in flight may still be writing), no context's
+    /// late rows are in it (their guests read them first), and everything fits one pass.
+    /// Then, for each item, the row of the pass in flight whose results it takes.
+    fn early_hits(
+        &self,
+        ahead: &Ahead,
+        items: &[StepItem<'_, CudaSeq>],
+    ) -> Option<Vec<Option<usize>>> {
+        let tuning = self.exec.gpu.tuning();
+        let flight = ahead.in_flight.as_ref()?;
+        if !tuning.run_ahead || !tuning.early_launch || items.len() < 2 {
+            return None;
+        }
+        let rows: HashMap<u64, &AheadRow> = flight.rows.iter().map(|r| (r.serial, r)).collect();
+        let late: HashSet<u64> = flight.late.iter().map(|l| l.serial).collect();
+        let mut total = ahead.follow.len();
+        let mut hits = Vec::with_capacity(items.len());
+        for item in items {
+            let serial = item.seq.serial;
+            if late.contains(&serial) || item.tokens.len() > BATCHED_PROMPT || item.all_positions {
+                return None;
+            }
+            total += item.tokens.len();
+            let hit = rows.get(&serial).filter(|r| {
+                !r.fed
+                    && item.error.is_none()
+                    && item.first_chunk
+                    && item.tokens == [r.token]
+                    && item.seq.len() == r.position
+            });
+            hits.push(hit.map(|r| r.row));
+        }
+        (total <= MAX_ROWS && hits.iter().any(Option::is_some)).then_some(hits)
+    }
+
+    /// A step whose pass run ahead is launched before the pass in flight ends (`early[i]`:
+    /// the row of that pass whose results item i takes; see [`Self::early_hits`]). The
+    /// contexts that hit advance at once; the next pass feeds their tokens from the keys of
+    /// the pass in flight on the GPU; then the step waits for the pass in flight and hands
+    /// out its argmax.
+    fn step_early(
+        &self,
+        mut ahead: MutexGuard<'_, Ahead>,
+        items: &mut [StepItem<'_, CudaSeq>],
+        early: &[Option<usize>],
+        started: Instant,
+    ) {
+        take_late(&mut ahead, items);
+        let mut hit = vec![false; items.len()];
+        let mut fed = vec![None; items.len()];
+        for (i, item) in items.iter_mut().enumerate() {
+            let serial = item.seq.serial;
+            if let (Some(row), None) = (early[i], &item.error) {
+                if let Ok(session) = item.seq.session_mut() {
+                    // its argmax comes when the pass in flight is resolved, below
+                    session.advanced_ahead_pending();
+                    (hit[i], fed[i]) = (true, Some(row));
+                    ahead.hits += 1;
+                }
+                continue;
+            }
+            // a guess resolved in an earlier step (the context was not in the last one)
+            let Some(guess) = ahead.ready.remove(&serial) else {
+                continue;
+            };
+            let same = item.tokens == [guess.token]
+                && item.first_chunk
+                && !item.all_positions
+                && item.seq.len() == guess.position;
+            if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
+                session.advanced_ahead(guess.argmax);
+                hit[i] = true;
+                ahead.hits += 1;
+            } else {
+                ahead.misses += 1;
+            }
+        }
+        let hits = hit.iter().filter(|&&h| h).count();
+        // every other item's rows run late in the next pass
+        let mut late = Vec::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            if hit[i] || item.error.is_some() {
+                continue;
+            }
+            match item.seq.session().and_then(|s| s.admit(item.tokens)) {
+                Ok(()) => late.push(i),
+                Err(e) => item.error = Some(e),
+            }
+        }
+        let greedy: Vec<bool> = items
+            .iter()
+            .map(|item| {
+                let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
+                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
+            })
+            .collect();
+        let guesses: Vec<(usize, Option<usize>)> = (0..items.len())
+            .filter(|&i| {
+                let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
+                hit[i] && greedy[i] && room
+            })
+            .map(|i| (i, fed[i]))
+            .collect();
+        let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
+        let room = MAX_ROWS.saturating_sub(late_tokens + guesses.len());
+        let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
+        let next = match guesses.is_empty() && late.is_empty() && follows.is_empty() {
+            // nothing to run ahead (every context sampled): only the wait below
+            true => Err(EngineError::device("nothing to run ahead")),
+            false => {
+                let next = self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows);
+                ahead.early += u64::from(next.is_ok());
+                if let Err(e) = &next {
+                    tracing::warn!("running a step ahead failed: {e}");
+                    for &i in &late {
+                        let message = format!("batched step: {e}");
+                        items[i].error.get_or_insert(EngineError::device(message));
+                    }
+                }
+                next
+            }
+        };
+        let launched = started.elapsed();
+        // now the pass in flight: its argmax for the contexts that hit it, and the tokens the
+        // next pass was fed
+        self.idle.resolve(&mut ahead);
+        let resolved = started.elapsed();
+        let mut next = next.ok();
+        for (i, item) in items.iter_mut().enumerate() {
+            let serial = item.seq.serial;
+            let guess = ahead.ready.remove(&serial);
+            if fed[i].is_none() {
+                // a context that came back with another token than the one run for it
+                if guess.is_some() {
+                    ahead.misses += 1;
+                }
+                continue;
+            }
+            match (guess, item.seq.session_mut()) {
+                (Some(guess), Ok(session)) => {
+                    session.set_argmax(guess.argmax);
+                    if let Some(row) = next
+                        .as_mut()
+                        .and_then(|n| n.rows.iter_mut().find(|r| r.serial == serial))
+                    {
+                        (row.token, row.fed) = (guess.argmax, false);
+                    }
+                }
+                _ => {
+                    item.error = Some(EngineError::device("the batched step failed"));
+                    if let Some(n) = next.as_mut() {
+                        n.rows.retain(|r| r.serial != serial);
+                    }
+                }
+            }
+        }
+        let run_ahead_rows = next.as_ref().map_or(0, |n| n.n);
+        if let Some(n) = next {
+            // rows whose token stayed unknown are no guess for anyone
+            let mut n = n;
+            n.rows.retain(|r| !r.fed);
+            ahead.in_flight = Some(n);
+        }
+        tracing::debug!(
+            items = items.len(),
+            hit = hits,
+            late = late.len(),
+            run_ahead = run_ahead_rows,
+            hits = ahead.hits,
+            misses = ahead.misses,
+            early = true,
+            resolve_us = resolved.as_micros() as u64,
+            pass_gpu_us = ahead.gpu_time.as_micros() as u64,
+            own_launch_us = launched.as_micros() as u64,
+            step_us = started.elapsed().as_micros() as u64,
+            "batched step"
+        );
+    }
+}
+
+/// Contexts whose last rows ran late take their result (their guests may not have read it),
+/// and need no step run ahead from outside.
+fn take_late(ahead: &mut Ahead, items: &mut [StepItem<'_, CudaSeq>]) {
+    for item in items.iter_mut() {
+        let serial = item.seq.serial;
+        ahead.follow.remove(&serial);
+        if !item.seq.late.swap(false, Ordering::AcqRel) {
+            continue;
+        }
+        match (ahead.late_done.remove(&serial), item.seq.session_mut()) {
+            (Some(Some(argmax)), Ok(session)) => session.set_argmax(argmax),
+            _ => item.error = Some(EngineError::device("the batched step failed")),
+        }
     }
 }
 
@@ -964,6 +1233,8 @@ struct Rows<'t> {
     logits: u64,
     start: usize,
     tokens: &'t [u32],
+    /// A lone token fed on the GPU from this row of the pass before (see [`NextStep::fed`]).
+    fed: Option<usize>,
     layer_floats: usize,
 }
 
@@ -999,6 +1270,7 @@ impl BatchModel for CudaBatch {
                 }
             },
         };
+        self.idle.live.fetch_add(1, Ordering::Relaxed);
         Ok(CudaSeq {
             session: Some(session),
             idle: self.idle.clone(),
@@ -1010,25 +1282,16 @@ impl BatchModel for CudaBatch {
 
     fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
         let started = Instant::now();
+        let mut ahead = self.idle.ahead();
+        if let Some(early) = self.early_hits(&ahead, items) {
+            return self.step_early(ahead, items, &early, started);
+        }
         // Whatever was run ahead is finished before anything else is launched; the contexts
         // that came back with the guessed token take its results.
-        let mut ahead = self.idle.ahead();
         self.idle.resolve(&mut ahead);
         let resolved = started.elapsed();
         let pass_gpu = ahead.gpu_time;
-        // contexts whose last rows ran late take their result (their guests may not have read
-        // it), and need no step run ahead from outside
-        for item in items.iter_mut() {
-            let serial = item.seq.serial;
-            ahead.follow.remove(&serial);
-            if !item.seq.late.swap(false, Ordering::AcqRel) {
-                continue;
-            }
-            match (ahead.late_done.remove(&serial), item.seq.session_mut()) {
-                (Some(Some(argmax)), Ok(session)) => session.set_argmax(argmax),
-                _ => item.error = Some(EngineError::device("the batched step failed")),
-            }
-        }
+        take_late(&mut ahead, items);
         let mut hit = vec![false; items.len()];
         for (i, item) in items.iter_mut().enumerate() {
             let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
@@ -1115,8 +1378,15 @@ impl BatchModel for CudaBatch {
         let room = MAX_ROWS - late_rows - guesses.len();
         let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
         let launch = run_ahead && (merge || guesses.len() + follows.len() >= 2);
+        let guesses: Vec<(usize, Option<usize>)> = guesses.into_iter().map(|i| (i, None)).collect();
         let run_ahead_rows = match launch {
-            true => self.launch_ahead(&mut ahead, items, &guesses, late, &greedy, follows),
+            true => self
+                .launch_ahead(&mut ahead, items, &guesses, late, &greedy, follows)
+                .map(|flight| {
+                    let n = flight.n;
+                    ahead.in_flight = Some(flight);
+                    n
+                }),
             false => Ok(0),
         };
         let (total_hits, misses) = (ahead.hits, ahead.misses);
@@ -1152,6 +1422,7 @@ impl BatchModel for CudaBatch {
             hits: ahead.hits,
             misses: ahead.misses,
             late: ahead.late,
+            early: ahead.early,
             kept: ahead.ready.len()
                 + ahead.late_done.len()
                 + ahead.follow.len()

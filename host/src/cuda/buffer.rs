@@ -3,7 +3,10 @@
 //! element type and length; offsets into it are checked.
 
 use super::error::{CudaError, DriverContext};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
+};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -181,5 +184,60 @@ impl<T: DeviceRepr> DevBuf<T> {
         T: ValidAsZeroBits,
     {
         stream.memset_zeros(&mut self.slice).ctx("clear")
+    }
+}
+
+/// A page-locked host buffer that a device buffer's first elements are copied into without
+/// the host waiting (stream-ordered), and the event that marks the copy done: the results
+/// of one batched pass, read while the stream already runs the next.
+pub struct HostCopy<T: DeviceRepr> {
+    host: PinnedHostSlice<T>,
+    done: CudaEvent,
+    count: usize,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits + Copy> HostCopy<T> {
+    /// Room for `len` elements (zeroed).
+    pub fn new(stream: &Arc<CudaStream>, len: usize) -> Result<Self, CudaError> {
+        let ctx = stream.context();
+        // SAFETY: the memory is zeroed below before anything reads it.
+        let mut host = unsafe { ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }
+            .ctx("page-locked host memory")?;
+        let ptr = host.as_mut_ptr().ctx("page-locked host memory")?;
+        // SAFETY: `ptr` holds `len.max(1)` elements of T, for which zero bits are valid.
+        unsafe { std::ptr::write_bytes(ptr, 0, len.max(1)) };
+        let done = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .ctx("an event")?;
+        Ok(Self {
+            host,
+            done,
+            count: 0,
+        })
+    }
+
+    /// Queue the copy of `src`'s first `count` elements on `stream` (the host does not wait).
+    pub fn start(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        src: &DevBuf<T>,
+        count: usize,
+    ) -> Result<(), CudaError> {
+        if count > self.host.len() || count > src.len() {
+            return Err(CudaError::Bounds("copy from the device"));
+        }
+        stream
+            .memcpy_dtoh(&src.slice.slice(0..count), &mut self.host)
+            .ctx("copy from the device")?;
+        self.done.record(stream).ctx("copy from the device")?;
+        self.count = count;
+        Ok(())
+    }
+
+    /// The elements of the last copy, once it is done (waits for it).
+    pub fn wait(&self) -> Result<Vec<T>, CudaError> {
+        self.done.synchronize().ctx("copy from the device")?;
+        let all = self.host.as_slice().ctx("copy from the device")?;
+        Ok(all[..self.count.min(all.len())].to_vec())
     }
 }

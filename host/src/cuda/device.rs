@@ -52,6 +52,13 @@ pub struct Tuning {
     pub batch_gemm: bool,
     /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
     pub run_ahead: bool,
+    /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
+    /// the GPU (`_NO_EARLY_LAUNCH` makes it wait for that pass first).
+    pub early_launch: bool,
+    /// Independent batchers ("lanes") the contexts are spread over, each with its own
+    /// batched-step stream, so their passes run side by side on the GPU (`_BATCH_LANES=N`,
+    /// 1 to 8; default 1).
+    pub batch_lanes: usize,
     /// Blocks of the batched attention the GPU runs in one wave, past which a step's rows are
     /// not cut into more spans (`_BATCH_WAVE=N`; 0: no limit; default 8 an SM).
     pub batch_wave: Option<usize>,
@@ -99,6 +106,12 @@ impl Tuning {
                 epi: has("epi"),
             },
             run_ahead: !off("NO_RUN_AHEAD"),
+            early_launch: !off("NO_EARLY_LAUNCH"),
+            batch_lanes: std::env::var("WASI_NN_HOST_BATCH_LANES")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(1)
+                .clamp(1, 8),
             batch_wave: std::env::var("WASI_NN_HOST_BATCH_WAVE")
                 .ok()
                 .and_then(|v| v.parse().ok()),
@@ -288,6 +301,7 @@ impl Gpu {
             batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
             batch_att_combine: f("batch_attention_combine")?,
             batch_logits: f("batch_logits")?,
+            batch_feed: f("batch_feed")?,
             batch_gemm: f("batch_gemm_bf16")?,
         })
     }

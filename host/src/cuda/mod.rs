@@ -36,7 +36,7 @@ pub use error::CudaError;
 pub use nvrtc::compile_kernels;
 pub use session::CudaSession;
 
-use crate::engine::batch::{Batcher, KvPool};
+use crate::engine::batch::{BatchCounts, Batcher, KvPool};
 use crate::engine::{EngineError, EngineOptions, Executor, GpuDtype, Session};
 use crate::model::{Gpt2Config, Gpt2Weights};
 use ops::Kernels;
@@ -59,7 +59,12 @@ pub(crate) struct ExecutorInner {
 /// the cuBLAS set-up and the decode-graph capture; a reused session starts empty).
 pub struct CudaExecutor {
     inner: Arc<ExecutorInner>,
-    batcher: Arc<Batcher<batch::CudaBatch>>,
+    /// Independent batchers ("lanes", `Tuning::batch_lanes`), each with its own batched-step
+    /// stream and buffers; a new context joins the lane with the fewest open. A batched pass
+    /// is a chain of small, dependent kernels that leaves most of the GPU idle at a time:
+    /// two lanes' passes run side by side and fill it, for two reads of the weights a
+    /// period instead of one. They share the KV pool.
+    lanes: Vec<Arc<Batcher<batch::CudaBatch>>>,
 }
 
 impl CudaExecutor {
@@ -90,9 +95,11 @@ impl CudaExecutor {
         let weights = DevWeights::upload(&gpu.ctx.default_stream(), weights, dtype)?;
         // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
         let session_bytes = session::CudaSession::device_bytes(&config, dtype, config.n_ctx);
-        let max_idle = ((8usize << 30) / session_bytes.max(1))
+        let lanes = gpu.tuning().batch_lanes;
+        let warm = options.warm_contexts.div_ceil(lanes);
+        let max_idle = ((8usize << 30) / session_bytes.max(1) / lanes)
             .clamp(1, 64)
-            .max(options.warm_contexts);
+            .max(warm);
         let pool_bytes = match options.kv_pool_bytes {
             Some(bytes) => bytes,
             None => error::DriverContext::ctx(gpu.ctx.mem_get_info(), "memory info")?.0 / 4 * 3,
@@ -105,23 +112,42 @@ impl CudaExecutor {
             weights,
             max_kv_bytes,
         });
-        let model = batch::CudaBatch::new(inner.clone(), KvPool::new(pool_bytes), max_idle);
-        model.warm(options.warm_contexts)?;
+        let pool = KvPool::new(pool_bytes);
+        let mut batchers = Vec::with_capacity(lanes);
+        for _ in 0..lanes {
+            let model = batch::CudaBatch::new(inner.clone(), pool.clone(), max_idle);
+            model.warm(warm)?;
+            batchers.push(Batcher::new(model, Self::MAX_STEP_TOKENS));
+        }
         Ok(Self {
             inner,
-            batcher: Batcher::new(model, Self::MAX_STEP_TOKENS),
+            lanes: batchers,
         })
     }
 
-    /// The batcher's counts (steps, items over all steps, the largest step).
+    /// The batchers' counts (steps, items over all steps, the largest step).
     pub fn batch_stats(&self) -> (usize, usize, usize) {
-        self.batcher.stats().get()
+        let c = self.counts();
+        (c.steps, c.items, c.largest)
+    }
+
+    /// Every lane's counts together.
+    fn counts(&self) -> BatchCounts {
+        self.lanes
+            .iter()
+            .map(|lane| lane.counts())
+            .fold(BatchCounts::default(), BatchCounts::with)
     }
 
     /// Bytes of the KV pool in use and its cap.
     pub fn kv_pool(&self) -> (usize, usize) {
-        let pool = self.batcher.model().kv_pool();
-        (pool.used(), pool.cap())
+        match self.lanes.first() {
+            Some(lane) => {
+                let pool = lane.model().kv_pool();
+                (pool.used(), pool.cap())
+            }
+            None => (0, 0),
+        }
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -161,10 +187,15 @@ impl Executor for CudaExecutor {
         self.inner.config
     }
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
-        self.batcher.session()
+        let lane = self
+            .lanes
+            .iter()
+            .min_by_key(|lane| lane.model().live())
+            .ok_or_else(|| EngineError::device("no batcher"))?;
+        lane.session()
     }
-    fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
-        Some(self.batcher.counts())
+    fn batch_counts(&self) -> Option<BatchCounts> {
+        Some(self.counts())
     }
 }
 

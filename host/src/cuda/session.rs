@@ -906,6 +906,15 @@ impl CudaSession {
         self.cached_argmax = Some(argmax);
     }
 
+    /// The step run ahead is this session's next step, and its pass is still under way: take
+    /// its position and logits now; its argmax comes with [`Self::set_argmax`].
+    pub(crate) fn advanced_ahead_pending(&mut self) {
+        self.len += 1;
+        self.all_rows = 0;
+        self.in_spare = !self.in_spare;
+        self.cached_argmax = None;
+    }
+
     /// Positions the KV cache holds.
     pub(crate) fn capacity(&self) -> usize {
         self.capacity

@@ -230,6 +230,8 @@ pub struct AheadCounts {
     pub misses: u64,
     /// Rows that ran late: in a pass run ahead, their step not waiting for them.
     pub late: u64,
+    /// Passes run ahead that were launched before the pass in flight had ended.
+    pub early: u64,
     /// Results run ahead (launched or done) kept for contexts that have not come back yet:
     /// none once every context is gone.
     pub kept: usize,
@@ -253,8 +255,28 @@ pub struct BatchCounts {
     pub ahead_misses: u64,
     /// Rows that ran late (see [`AheadCounts::late`]).
     pub ahead_late: u64,
+    /// Passes launched before the one in flight ended (see [`AheadCounts::early`]).
+    pub ahead_early: u64,
     /// Results run ahead kept for contexts now.
     pub ahead_kept: usize,
+}
+
+impl BatchCounts {
+    /// Two batchers' counts together (the largest step is the larger of the two).
+    pub fn with(self, other: Self) -> Self {
+        Self {
+            steps: self.steps + other.steps,
+            items: self.items + other.items,
+            largest: self.largest.max(other.largest),
+            step_seconds: self.step_seconds + other.step_seconds,
+            gather_seconds: self.gather_seconds + other.gather_seconds,
+            ahead_hits: self.ahead_hits + other.ahead_hits,
+            ahead_misses: self.ahead_misses + other.ahead_misses,
+            ahead_late: self.ahead_late + other.ahead_late,
+            ahead_early: self.ahead_early + other.ahead_early,
+            ahead_kept: self.ahead_kept + other.ahead_kept,
+        }
+    }
 }
 
 impl BatchStats {
@@ -274,6 +296,7 @@ impl BatchStats {
             ahead_hits: 0,
             ahead_misses: 0,
             ahead_late: 0,
+            ahead_early: 0,
             ahead_kept: 0,
         }
     }
@@ -312,6 +335,7 @@ impl<M: BatchModel> Batcher<M> {
             ahead_hits: ahead.hits,
             ahead_misses: ahead.misses,
             ahead_late: ahead.late,
+            ahead_early: ahead.early,
             ahead_kept: ahead.kept,
             ..self.stats.counts()
         }

@@ -280,6 +280,26 @@ impl Launcher {
         unsafe { self.launch(&self.kernels.batch_logits, cfg, 1, &mut args, "batched logits") }
     }
 
+    /// The tokens of the table's rows whose `feeds[r]` names a row of the pass before: the
+    /// argmax that pass left in `t.keys` (see `batch_feed` in `kernels/batch.cu`). Launched
+    /// after that pass and before this one's embedding clears the keys.
+    pub fn batch_feed(&self, t: &RowTable, feeds: DevPtr<i32>) -> Result<(), CudaError> {
+        t.check("batched token feed")?;
+        ensure(feeds.len() >= t.rows, "batched token feed")?;
+        let cfg = LaunchConfig {
+            grid_dim: (t.rows.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, max_rows) = (t.rows as i32, t.keys.len() as i32);
+        let v = self.config.vocab_size as i32;
+        let (tokens, feeds, keys) = (t.tokens.addr(), feeds.addr(), t.keys.addr());
+        // SAFETY: tokens and feeds hold rows i32, keys max_rows u64 (each feed is checked
+        // against it); the ids written are below V.
+        let mut args = kernel_args![&tokens, &feeds, &keys, &rows, &max_rows, &v];
+        unsafe { self.launch(&self.kernels.batch_feed, cfg, 1, &mut args, "batched token feed") }
+    }
+
     /// `out[z][m, n] = a[m, K slice z] w[n, K slice z]^T` for z < `parts` (bf16 inputs, f32
     /// planes of `m * n` one after the other, for a consumer that sums them): the batched
     /// step's skinny products on tensor cores, `None` when the shape does not fit the kernel's

@@ -90,6 +90,7 @@ pub struct Kernels {
     pub(crate) batch_append_kv: CudaFunction,
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
+    pub(crate) batch_feed: CudaFunction,
     pub(crate) batch_gemm: CudaFunction,
 }
 
