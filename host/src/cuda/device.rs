@@ -57,8 +57,11 @@ pub struct Tuning {
     pub early_launch: bool,
     /// Independent batchers ("lanes") the contexts are spread over, each with its own
     /// batched-step stream, so their passes run side by side on the GPU (`_BATCH_LANES=N`,
-    /// 1 to 8; default 1).
+    /// 1 to 8; default 2).
     pub batch_lanes: usize,
+    /// Contexts a lane takes before a new one goes to the next lane (`_LANE_FILL=N`; default
+    /// 128): below that many streams all share one lane's steps.
+    pub lane_fill: usize,
     /// Blocks of the batched attention the GPU runs in one wave, past which a step's rows are
     /// not cut into more spans (`_BATCH_WAVE=N`; 0: no limit; default 8 an SM).
     pub batch_wave: Option<usize>,
@@ -110,8 +113,13 @@ impl Tuning {
             batch_lanes: std::env::var("WASI_NN_HOST_BATCH_LANES")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(1)
+                .unwrap_or(2)
                 .clamp(1, 8),
+            lane_fill: std::env::var("WASI_NN_HOST_LANE_FILL")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(128)
+                .max(1),
             batch_wave: std::env::var("WASI_NN_HOST_BATCH_WAVE")
                 .ok()
                 .and_then(|v| v.parse().ok()),

@@ -60,10 +60,11 @@ pub(crate) struct ExecutorInner {
 pub struct CudaExecutor {
     inner: Arc<ExecutorInner>,
     /// Independent batchers ("lanes", `Tuning::batch_lanes`), each with its own batched-step
-    /// stream and buffers; a new context joins the lane with the fewest open. A batched pass
-    /// is a chain of small, dependent kernels that leaves most of the GPU idle at a time:
-    /// two lanes' passes run side by side and fill it, for two reads of the weights a
-    /// period instead of one. They share the KV pool.
+    /// stream, buffers and steps; a new context joins the first lane with fewer than
+    /// `Tuning::lane_fill` open, else the one with the fewest. Many streams in one lane wait
+    /// for each other at every step (the slowest guest of hundreds sets its pace); two
+    /// lanes halve that and run their passes side by side on the GPU. Fewer streams share
+    /// one lane, whose single pass a period reads the weights once. They share the KV pool.
     lanes: Vec<Arc<Batcher<batch::CudaBatch>>>,
 }
 
@@ -187,16 +188,27 @@ impl Executor for CudaExecutor {
         self.inner.config
     }
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError> {
-        let lane = self
-            .lanes
-            .iter()
-            .min_by_key(|lane| lane.model().live())
-            .ok_or_else(|| EngineError::device("no batcher"))?;
-        lane.session()
+        let live: Vec<usize> = self.lanes.iter().map(|l| l.model().live()).collect();
+        let lane = pick_lane(&live, self.inner.gpu.tuning().lane_fill);
+        self.lanes
+            .get(lane)
+            .ok_or_else(|| EngineError::device("no batcher"))?
+            .session()
     }
     fn batch_counts(&self) -> Option<BatchCounts> {
         Some(self.counts())
     }
+}
+
+/// The lane a new context joins, given each lane's open contexts: the first with fewer than
+/// `fill`, else the one with the fewest (the first of those).
+fn pick_lane(live: &[usize], fill: usize) -> usize {
+    live.iter().position(|&n| n < fill).unwrap_or_else(|| {
+        live.iter()
+            .enumerate()
+            .min_by_key(|&(_, &n)| n)
+            .map_or(0, |(i, _)| i)
+    })
 }
 
 /// The GPU's name and free memory, or why there is no usable GPU; for diagnostics.
@@ -207,4 +219,26 @@ pub fn describe() -> Result<String, EngineError> {
 /// The bytes of all weights stored as `dtype`.
 pub fn weight_bytes(config: &Gpt2Config, dtype: GpuDtype) -> usize {
     config.num_params() * dtype.bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_lane;
+
+    #[test]
+    fn contexts_fill_the_first_lane_then_spread_to_the_least_loaded() {
+        // one stream, and up to `fill`, share the first lane
+        assert_eq!(pick_lane(&[0, 0], 128), 0);
+        assert_eq!(pick_lane(&[127, 0], 128), 0);
+        // then the next lane with room
+        assert_eq!(pick_lane(&[128, 0], 128), 1);
+        assert_eq!(pick_lane(&[128, 127], 128), 1);
+        // a context gone from the first lane frees its room first
+        assert_eq!(pick_lane(&[127, 100], 128), 0);
+        // every lane full: the least loaded, the first of equals
+        assert_eq!(pick_lane(&[130, 128, 129], 128), 1);
+        assert_eq!(pick_lane(&[128, 128], 128), 0);
+        // one lane
+        assert_eq!(pick_lane(&[500], 128), 0);
+    }
 }
