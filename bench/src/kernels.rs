@@ -865,6 +865,7 @@ fn check_one(
     // whole context, a padding row) over the same cache, f32 or split bf16 output
     let qkv_b = (&lw.qkv_b[..], dl.qkv_b.ptr());
     check_batch_attention(b, dtype, (&keys, &values), qkv_b, report)?;
+    check_batch_feed(b, report)?;
 
     // the tensor-core attention reading the prompt's queries, keys and values from bf16
     // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees
@@ -960,6 +961,95 @@ fn check_one(
             report(&name, &appended, &kept, if b.kv16 { 1e-3 } else { 1e-4 });
         }
     }
+    Ok(())
+}
+
+/// The argmax key the LM head raises for `value` at column `col` (`argmax_key` in
+/// `kernels/matvec.cu`): larger values give larger keys, and of equal values the first
+/// column wins.
+fn argmax_key(value: f32, col: usize) -> u64 {
+    if value.is_nan() {
+        return 0;
+    }
+    let u = value.to_bits();
+    let ordered = if u & 0x8000_0000 != 0 {
+        !u
+    } else {
+        u | 0x8000_0000
+    };
+    (u64::from(ordered) << 32) | u64::from(u32::MAX - col as u32)
+}
+
+/// The token feed (`batch_feed`): a row whose feed names a row of the pass before takes that
+/// row's argmax, decoded from the key its LM head left (here made from random logits, and one
+/// key never raised, 0, which names token 0); a row without a feed, or with one past the
+/// keys' rows, keeps its token.
+fn check_batch_feed(
+    b: &mut Bench,
+    report: &mut impl FnMut(&str, &[f32], &[f32], f32),
+) -> Result<(), EngineError> {
+    let v = b.l.config().vocab_size;
+    let stream = b.l.stream().clone();
+    let before = 16;
+    // the pass before: each row's logits, their argmax and the key the LM head leaves
+    let mut keys = Vec::with_capacity(before);
+    let mut argmaxes = Vec::with_capacity(before);
+    for row in 0..before {
+        let logits = b.random(v);
+        let key = match row {
+            7 => 0, // a row whose key no logit raised
+            _ => (0..v)
+                .map(|col| argmax_key(logits[col], col))
+                .max()
+                .unwrap_or(0),
+        };
+        keys.push(key);
+        argmaxes.push(if row == 7 { 0 } else { argmax(&logits) as i32 });
+    }
+    let feeds: Vec<i32> = vec![-1, 0, 3, 15, 16, 2, -1, 7, 100, 1, 15, 0];
+    let rows = feeds.len();
+    let tokens: Vec<i32> = (0..rows).map(|r| ((r * 37 + 5) % v) as i32).collect();
+    let want: Vec<f32> = feeds
+        .iter()
+        .zip(&tokens)
+        .map(|(&f, &t)| match usize::try_from(f) {
+            Ok(f) if f < before => argmaxes[f] as f32,
+            _ => t as f32,
+        })
+        .collect();
+    // the table: tokens, positions, feeds; no caches (the feed touches none)
+    let ints: Vec<i32> = tokens
+        .iter()
+        .copied()
+        .chain(std::iter::repeat_n(0, rows))
+        .chain(feeds.iter().copied())
+        .collect();
+    let ints = DevBuf::from_host(&stream, &ints, "table")?;
+    let addrs = DevBuf::<u64>::zeros(&stream, 3 * rows, "table")?;
+    let keys_buf = DevBuf::from_host(&stream, &keys, "keys")?;
+    let (ip, ap) = (ints.ptr(), addrs.ptr());
+    let table = RowTable {
+        rows,
+        tokens: ip,
+        positions: ip.skip(rows),
+        k_caches: ap,
+        v_caches: ap.skip(rows),
+        logits: ap.skip(2 * rows),
+        keys: keys_buf.ptr(),
+        layer_floats: 0,
+    };
+    b.l.batch_feed(&table, ip.skip(2 * rows))?;
+    let got: Vec<f32> = ints
+        .read(&stream, rows)?
+        .iter()
+        .map(|&t| t as f32)
+        .collect();
+    report(
+        &format!("token feed rows={rows} keys={before}"),
+        &got,
+        &want,
+        0.0,
+    );
     Ok(())
 }
 
