@@ -964,6 +964,26 @@ fn check_one(
     Ok(())
 }
 
+/// The table of `rows` rows over `ints` (tokens, then positions) and `addrs` (key caches,
+/// value caches, logits buffers), `rows` each.
+fn row_table(
+    rows: usize,
+    (ints, addrs, keys): (&DevBuf<i32>, &DevBuf<u64>, &DevBuf<u64>),
+    layer_floats: usize,
+) -> RowTable {
+    let (ip, ap) = (ints.ptr(), addrs.ptr());
+    RowTable {
+        rows,
+        tokens: ip,
+        positions: ip.skip(rows),
+        k_caches: ap,
+        v_caches: ap.skip(rows),
+        logits: ap.skip(2 * rows),
+        keys: keys.ptr(),
+        layer_floats,
+    }
+}
+
 /// The argmax key the LM head raises for `value` at column `col` (`argmax_key` in
 /// `kernels/matvec.cu`): larger values give larger keys, and of equal values the first
 /// column wins.
@@ -1027,17 +1047,8 @@ fn check_batch_feed(
     let ints = DevBuf::from_host(&stream, &ints, "table")?;
     let addrs = DevBuf::<u64>::zeros(&stream, 3 * rows, "table")?;
     let keys_buf = DevBuf::from_host(&stream, &keys, "keys")?;
-    let (ip, ap) = (ints.ptr(), addrs.ptr());
-    let table = RowTable {
-        rows,
-        tokens: ip,
-        positions: ip.skip(rows),
-        k_caches: ap,
-        v_caches: ap.skip(rows),
-        logits: ap.skip(2 * rows),
-        keys: keys_buf.ptr(),
-        layer_floats: 0,
-    };
+    let table = row_table(rows, (&ints, &addrs, &keys_buf), 0);
+    let ip = ints.ptr();
     b.l.batch_feed(&table, ip.skip(2 * rows))?;
     let got: Vec<f32> = ints
         .read(&stream, rows)?
@@ -1096,17 +1107,7 @@ fn check_batch_attention(
     let ints = DevBuf::from_host(&stream, &ints, "table")?;
     let addrs = DevBuf::from_host(&stream, &addrs, "table")?;
     let keys_buf = DevBuf::<u64>::zeros(&stream, rows, "table")?;
-    let (ip, ap) = (ints.ptr(), addrs.ptr());
-    let table = RowTable {
-        rows,
-        tokens: ip,
-        positions: ip.skip(rows),
-        k_caches: ap,
-        v_caches: ap.skip(rows),
-        logits: ap.skip(2 * rows),
-        keys: keys_buf.ptr(),
-        layer_floats: t * c,
-    };
+    let table = row_table(rows, (&ints, &addrs, &keys_buf), t * c);
     let partial = DevBuf::<f32>::zeros(
         &stream,
         rows * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),

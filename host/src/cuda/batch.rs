@@ -1094,17 +1094,7 @@ impl CudaBatch {
             let Some(guess) = ahead.ready.remove(&serial) else {
                 continue;
             };
-            let same = item.tokens == [guess.token]
-                && item.first_chunk
-                && !item.all_positions
-                && item.seq.len() == guess.position;
-            if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
-                session.advanced_ahead(guess.argmax);
-                hit[i] = true;
-                ahead.hits += 1;
-            } else {
-                ahead.misses += 1;
-            }
+            hit[i] = take_guess(&mut ahead, item, guess);
         }
         let hits = hit.iter().filter(|&&h| h).count();
         // every other item's rows run late in the next pass
@@ -1118,13 +1108,7 @@ impl CudaBatch {
                 Err(e) => item.error = Some(e),
             }
         }
-        let greedy: Vec<bool> = items
-            .iter()
-            .map(|item| {
-                let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
-                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
-            })
-            .collect();
+        let greedy = greedy(items);
         let guesses: Vec<(usize, Option<usize>)> = (0..items.len())
             .filter(|&i| {
                 let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
@@ -1207,6 +1191,35 @@ impl CudaBatch {
             "batched step"
         );
     }
+}
+
+/// Whether `item` came back with the token `guess` was run with, at its position: then it
+/// takes the results run ahead (a hit); else the guess is dropped (a miss).
+fn take_guess(ahead: &mut Ahead, item: &mut StepItem<'_, CudaSeq>, guess: Guess) -> bool {
+    let same = item.tokens == [guess.token]
+        && item.first_chunk
+        && !item.all_positions
+        && item.seq.len() == guess.position;
+    if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
+        session.advanced_ahead(guess.argmax);
+        ahead.hits += 1;
+        true
+    } else {
+        ahead.misses += 1;
+        false
+    }
+}
+
+/// For each item, whether its next step may be run ahead: its guest read only the argmax
+/// since its last step (a sampling guest reads logits), and this step ends its request.
+fn greedy(items: &[StepItem<'_, CudaSeq>]) -> Vec<bool> {
+    items
+        .iter()
+        .map(|item| {
+            let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
+            item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
+        })
+        .collect()
 }
 
 /// Contexts whose last rows ran late take their result (their guests may not have read it),
@@ -1297,17 +1310,7 @@ impl BatchModel for CudaBatch {
             let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
                 continue;
             };
-            let same = item.tokens == [guess.token]
-                && item.first_chunk
-                && !item.all_positions
-                && item.seq.len() == guess.position;
-            if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
-                session.advanced_ahead(guess.argmax);
-                hit[i] = true;
-                ahead.hits += 1;
-            } else {
-                ahead.misses += 1;
-            }
+            hit[i] = take_guess(&mut ahead, item, guess);
         }
         let hits = hit.iter().filter(|&&h| h).count();
         // Long prompts (and prompts asking for every position's logits) start on their own
@@ -1358,13 +1361,7 @@ impl BatchModel for CudaBatch {
         }
         // the next step of the greedy contexts, run ahead (not for a lone one: its own
         // captured decode step is faster than a batched pass)
-        let greedy: Vec<bool> = items
-            .iter()
-            .map(|item| {
-                let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
-                item.error.is_none() && item.last_chunk && !item.all_positions && !sampled
-            })
-            .collect();
+        let greedy = greedy(items);
         let late: &[usize] = if merge { &batched } else { &[] };
         let mut guesses: Vec<usize> = (0..items.len())
             .filter(|&i| {
