@@ -23,8 +23,9 @@
 //! other logits buffer, so nothing the guest can still read changes. When a context comes
 //! back with exactly that token at that position, its step is already done (or under way):
 //! it takes the results and the buffers change roles. Any other call runs as usual and
-//! overwrites the guessed position; a step always waits for the work run ahead before it
-//! launches anything, and a context dropped while it is under way waits for it too.
+//! overwrites the guessed position; a step waits for the work run ahead before it launches
+//! anything on a session's own stream (the next batched pass may go first, see "Two
+//! passes"), and a context dropped while it is under way waits for it too.
 //!
 //! **Late rows.** A step whose contexts mostly hit may also carry rows no one guessed: a new
 //! request's prompt, a token other than the argmax. Run in a pass of their own, they would
