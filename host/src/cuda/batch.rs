@@ -1120,20 +1120,25 @@ impl CudaBatch {
         let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
         let room = MAX_ROWS.saturating_sub(late_tokens + guesses.len());
         let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
-        let next = match guesses.is_empty() && late.is_empty() && follows.is_empty() {
-            // nothing to run ahead (every context sampled): only the wait below
-            true => Err(EngineError::device("nothing to run ahead")),
+        // nothing to run ahead (every context sampled): only the wait below
+        let nothing = guesses.is_empty() && late.is_empty() && follows.is_empty();
+        let mut next = match nothing {
+            true => None,
             false => {
-                let next = self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows);
-                ahead.early += u64::from(next.is_ok());
-                if let Err(e) = &next {
-                    tracing::warn!("running a step ahead failed: {e}");
-                    for &i in &late {
-                        let message = format!("batched step: {e}");
-                        items[i].error.get_or_insert(EngineError::device(message));
+                match self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows) {
+                    Ok(flight) => {
+                        ahead.early += 1;
+                        Some(flight)
+                    }
+                    Err(e) => {
+                        tracing::warn!("running a step ahead failed: {e}");
+                        for &i in &late {
+                            let message = format!("batched step: {e}");
+                            items[i].error.get_or_insert(EngineError::device(message));
+                        }
+                        None
                     }
                 }
-                next
             }
         };
         let launched = started.elapsed();
@@ -1141,7 +1146,13 @@ impl CudaBatch {
         // next pass was fed
         self.idle.resolve(&mut ahead);
         let resolved = started.elapsed();
-        let mut next = next.ok();
+        // the next pass's row of each context fed a token
+        let fed_rows: HashMap<u64, usize> = next.as_ref().map_or_else(HashMap::new, |n| {
+            (n.rows.iter().enumerate())
+                .filter(|(_, r)| r.fed)
+                .map(|(at, r)| (r.serial, at))
+                .collect()
+        });
         for (i, item) in items.iter_mut().enumerate() {
             let serial = item.seq.serial;
             let guess = ahead.ready.remove(&serial);
@@ -1155,25 +1166,18 @@ impl CudaBatch {
             match (guess, item.seq.session_mut()) {
                 (Some(guess), Ok(session)) => {
                     session.set_argmax(guess.argmax);
-                    if let Some(row) = next
-                        .as_mut()
-                        .and_then(|n| n.rows.iter_mut().find(|r| r.serial == serial))
-                    {
+                    let row = (next.as_mut().zip(fed_rows.get(&serial)))
+                        .and_then(|(n, &at)| n.rows.get_mut(at));
+                    if let Some(row) = row {
                         (row.token, row.fed) = (guess.argmax, false);
                     }
                 }
-                _ => {
-                    item.error = Some(EngineError::device("the batched step failed"));
-                    if let Some(n) = next.as_mut() {
-                        n.rows.retain(|r| r.serial != serial);
-                    }
-                }
+                _ => item.error = Some(EngineError::device("the batched step failed")),
             }
         }
         let run_ahead_rows = next.as_ref().map_or(0, |n| n.n);
-        if let Some(n) = next {
+        if let Some(mut n) = next {
             // rows whose token stayed unknown are no guess for anyone
-            let mut n = n;
             n.rows.retain(|r| !r.fed);
             ahead.in_flight = Some(n);
         }

@@ -900,9 +900,7 @@ impl CudaSession {
     /// The step run ahead (one position, its logits in the other buffer) is this session's
     /// next step: take its results.
     pub(crate) fn advanced_ahead(&mut self, argmax: u32) {
-        self.len += 1;
-        self.all_rows = 0;
-        self.in_spare = !self.in_spare;
+        self.advanced_ahead_pending();
         self.cached_argmax = Some(argmax);
     }
 
