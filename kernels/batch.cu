@@ -40,8 +40,11 @@ __device__ __forceinline__ float product_value(const float* tmp, int rows, int r
 // The residual stream's update and the LayerNorm that follows it, one block per row: with
 // `tmp`, x[r] += product + bias (a projection's result); without, x[r] = wte[tokens[r]] +
 // wpe[positions[r]] (the embedding; zeros for a padding row; clears keys[r], the row's argmax
-// key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes, as `layernorm`)
-// into `out` as a product input (f32, or split).
+// key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes over the row held in
+// registers, as `layernorm`) into `out` as a product input (f32, or split). The weights (bias,
+// LayerNorm) are fetched before the wait on the previous kernel.
+// Elements of a row a thread holds: C <= RN_PER * 256 (the host refuses n_embd > 2048).
+#define RN_PER 8
 template <typename W>
 __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, const int* tokens,
                                          const int* positions, const W* wte, const W* wpe, const W* ln_w,
@@ -49,6 +52,15 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
                                          unsigned long long* keys) {
     __shared__ float scratch[32];
     pdl_launch_dependents();
+    float v[RN_PER], gain[RN_PER], shift[RN_PER], b[RN_PER];
+#pragma unroll
+    for (int u = 0; u < RN_PER; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        bool in = i < c;
+        gain[u] = in ? load1(ln_w + i) : 0.0f;
+        shift[u] = in ? load1(ln_b + i) : 0.0f;
+        b[u] = in && tmp != nullptr ? load1(bias + i) : 0.0f;
+    }
     pdl_wait();
     int r = blockIdx.x, pos = positions[r];
     float* xr = x + (size_t)r * c;
@@ -57,27 +69,37 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
         if (threadIdx.x == 0) keys[r] = 0ull;
         const W* te = wte + (size_t)tokens[r] * c;
         const W* pe = wpe + (size_t)(pos < 0 ? 0 : pos) * c;
-        for (int i = threadIdx.x; i < c; i += blockDim.x) {
-            float v = pos < 0 ? 0.0f : load1(te + i) + load1(pe + i);
-            xr[i] = v;
-            s += v;
+#pragma unroll
+        for (int u = 0; u < RN_PER; u++) {
+            int i = threadIdx.x + u * blockDim.x;
+            v[u] = i < c && pos >= 0 ? load1(te + i) + load1(pe + i) : 0.0f;
         }
     } else {
-        for (int i = threadIdx.x; i < c; i += blockDim.x) {
-            float v = xr[i] + (product_value(tmp, rows, r, i, c, split_in) + load1(bias + i));
-            xr[i] = v;
-            s += v;
+#pragma unroll
+        for (int u = 0; u < RN_PER; u++) {
+            int i = threadIdx.x + u * blockDim.x;
+            v[u] = i < c ? xr[i] + (product_value(tmp, rows, r, i, c, split_in) + b[u]) : 0.0f;
         }
+    }
+#pragma unroll
+    for (int u = 0; u < RN_PER; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        if (i < c) xr[i] = v[u];
+        s += v[u];
     }
     float mean = block_sum(s, scratch) / c;
     float var = 0.0f;
-    for (int i = threadIdx.x; i < c; i += blockDim.x) {
-        float d = xr[i] - mean;
+#pragma unroll
+    for (int u = 0; u < RN_PER; u++) {
+        float d = threadIdx.x + u * blockDim.x < c ? v[u] - mean : 0.0f;
         var += d * d;
     }
     float rstd = rsqrtf(block_sum(var, scratch) / c + 1e-5f);
-    for (int i = threadIdx.x; i < c; i += blockDim.x)
-        store_act(out, rows, r, i, c, (xr[i] - mean) * rstd * load1(ln_w + i) + load1(ln_b + i), split_out);
+#pragma unroll
+    for (int u = 0; u < RN_PER; u++) {
+        int i = threadIdx.x + u * blockDim.x;
+        if (i < c) store_act(out, rows, r, i, c, (v[u] - mean) * rstd * gain[u] + shift[u], split_out);
+    }
 }
 #define BATCH_RESIDUAL_NORM(name, W)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                          \
@@ -120,13 +142,32 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 // holds the row's own position first appends the row's key and value (head h) to the row's
 // cache there (without, `batch_append_kv` did it for every row before: rows of one prompt read
 // each other's keys). The
-// span is scored in chunks of BA_CHUNK (one position a thread: few block-wide reductions, many
-// loads in flight), with a running max and sum. With one span the block writes the
+// span is scored in chunks of BA_CHUNK (one position a thread: few block-wide reductions), with
+// a running max and sum. Thread (dimension pair, group g) sums the values of positions g, g +
+// 4, ... of a chunk, one serial sum per dimension, its loads all issued ahead of the sums; the
+// four groups meet at the end. Every sum is taken in the order the first version of this
+// kernel took it (one position a thread, then a dimension a thread), so results are bitwise
+// what they were: only the loads changed (16 bytes a key, 2 dimensions a value load).
+// With one span the block writes the
 // normalised output to `out` as a product input (f32, or split); with several it leaves
 // [max, sum, out[hd]] for `batch_attention_combine`. A padding row touches no cache and
 // gives zeros.
 // Positions a block of the batched attention scores at once: one a thread.
 #define BA_CHUNK ATT_THREADS
+// The dot product of a cached key row (hd elements, 16-byte aligned) with the query in shared
+// memory, summed as `partial_dot(kr, qs, hd, 0, 1)` sums it, from 16-byte loads.
+template <typename KV>
+__device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) {
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < hd; d += 8) {
+        float k[8];
+        kv_get8(kr + d, k);
+        acc += k[0] * qs[d] + k[1] * qs[d + 1] + k[2] * qs[d + 2] + k[3] * qs[d + 3];
+        acc += k[4] * qs[d + 4] + k[5] * qs[d + 5] + k[6] * qs[d + 6] + k[7] * qs[d + 7];
+    }
+    return acc;
+}
 template <typename W>
 __device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
@@ -168,11 +209,12 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     __syncthreads();
     float scale = rsqrtf((float)hd);
     int j = threadIdx.x;  // this thread's position of each chunk
+    int pairs = hd / 2;
     float m_run = -INFINITY, sum_run = 0.0f;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // this thread's (dimension, position group) sums
+    float2 acc[2] = {make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f)};  // per (pair, group) of this thread
     for (int base = first; base < end; base += BA_CHUNK) {
         int count = min(BA_CHUNK, end - base);
-        float sc = j < count ? partial_dot(kc + (size_t)(base + j) * c, qs, hd, 0, 1) * scale : -INFINITY;
+        float sc = j < count ? key_dot(kc + (size_t)(base + j) * c, qs, hd) * scale : -INFINITY;
         float m = fmaxf(m_run, block_max(sc, scratch));
         float e = j < count ? __expf(sc - m) : 0.0f;
         p[j] = e;
@@ -182,21 +224,32 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
         m_run = m;
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 2; i++) {
             int idx = threadIdx.x + i * blockDim.x;
-            if (idx < 4 * hd) {
-                int d = idx % hd, g = idx / hd;
-                float a = 0.0f;
-                for (int jj = g; jj < count; jj += 4) a += p[jj] * kv_get(vc + (size_t)(base + jj) * c + d);
-                acc[i] = acc[i] * rescale + a;
+            if (idx < 4 * pairs) {
+                int d = 2 * (idx % pairs), g = idx / pairs;
+                float2 a = make_float2(0.0f, 0.0f);
+#pragma unroll 16
+                for (int jj = g; jj < count; jj += 4) {
+                    float2 v = kv_get2(vc + (size_t)(base + jj) * c + d);
+                    float pj = p[jj];
+                    a.x += pj * v.x;
+                    a.y += pj * v.y;
+                }
+                acc[i].x = acc[i].x * rescale + a.x;
+                acc[i].y = acc[i].y * rescale + a.y;
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 2; i++) {
         int idx = threadIdx.x + i * blockDim.x;
-        if (idx < 4 * hd) acc_s[idx / hd][idx % hd] = acc[i];
+        if (idx < 4 * pairs) {
+            int d = 2 * (idx % pairs), g = idx / pairs;
+            acc_s[g][d] = acc[i].x;
+            acc_s[g][d + 1] = acc[i].y;
+        }
     }
     __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {

@@ -65,6 +65,28 @@ __device__ __forceinline__ void kv_put(kv16_t* p, float v) { p->bits = f32_to_f1
 // v as a cache of this element keeps it.
 __device__ __forceinline__ float kv_kept(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_kept(const kv16_t*, float v) { return f16_bits_to_f32(f32_to_f16_bits(v)); }
+// Eight consecutive elements (16-byte aligned) as f32: two 16-byte loads (f32) or one (fp16).
+__device__ __forceinline__ void kv_get8(const float* p, float out[8]) {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    u32 words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        out[2 * i] = f16_bits_to_f32((unsigned short)(words[i] & 0xffffu));
+        out[2 * i + 1] = f16_bits_to_f32((unsigned short)(words[i] >> 16));
+    }
+}
+// Two consecutive elements (8-byte aligned f32, 4-byte aligned fp16) as f32.
+__device__ __forceinline__ float2 kv_get2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 kv_get2(const kv16_t* p) {
+    u32 u = *reinterpret_cast<const u32*>(p);
+    return make_float2(f16_bits_to_f32((unsigned short)(u & 0xffffu)), f16_bits_to_f32((unsigned short)(u >> 16)));
+}
 // Four consecutive elements (16-byte aligned f32, 8-byte aligned fp16) as f32.
 __device__ __forceinline__ float4 kv_get4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 kv_get4(const kv16_t* p) {

@@ -100,6 +100,10 @@ enum Command {
         /// refused (by the KV pool's cap, then with the pool uncapped by the driver).
         #[arg(long)]
         out_of_memory: bool,
+        /// Seed of the random inputs (default: the process id, fresh inputs each run); the
+        /// same seed gives the same inputs, to compare two kernel builds' results.
+        #[arg(long)]
+        seed: Option<u64>,
     },
 }
 
@@ -153,9 +157,10 @@ fn main() -> Result<()> {
             steps,
             batched_only,
             out_of_memory,
+            seed,
         } => match out_of_memory {
             true => check_out_of_memory()?,
-            false => check_cuda(&models, prompt, steps, batched_only)?,
+            false => check_cuda(&models, prompt, steps, batched_only, seed)?,
         },
         Command::Startup {
             modules,
@@ -403,10 +408,11 @@ fn check_cuda(
     prompt_len: usize,
     steps: usize,
     batched_only: bool,
+    seed: Option<u64>,
 ) -> Result<()> {
     use wasi_nn_bench::checks;
     println!("GPU: {}", wasi_nn_host::cuda::describe()?);
-    let seed = std::process::id() as u64;
+    let seed = seed.unwrap_or_else(|| std::process::id() as u64);
     let (mut failed, mut total) = match batched_only {
         true => (0, 0),
         false => one_context_checks(models, prompt_len, steps, seed)?,
