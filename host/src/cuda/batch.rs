@@ -144,6 +144,29 @@ impl Idle {
         self.ahead.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The lock, once the pass in flight has ended if `holds` it (a pass with this caller's
+    /// rows), and with that pass resolved. The wait itself is outside the lock: the next
+    /// step may launch its pass before the one in flight ends (see "Two passes") only while
+    /// that pass is still in flight for it to resolve.
+    fn wait_for_pass(&self, holds: impl Fn(&InFlight) -> bool) -> MutexGuard<'_, Ahead> {
+        let ahead = self.ahead();
+        let Some((id, done)) = (ahead.in_flight.as_ref())
+            .filter(|f| holds(f))
+            .map(|f| (f.id, f.keys.done()))
+        else {
+            return ahead;
+        };
+        drop(ahead);
+        // an error shows when the pass is resolved
+        let _ = done.synchronize();
+        let mut ahead = self.ahead();
+        if ahead.in_flight.as_ref().is_some_and(|f| f.id == id) {
+            // it has ended: resolving it does not wait
+            self.resolve(&mut ahead);
+        }
+        ahead
+    }
+
     /// Wait for the pass run ahead, if one is under way, and keep its results: the guesses'
     /// for the contexts' next steps, the late rows' for their contexts to read (and a guess
     /// of their next step, for the next pass run ahead).
@@ -262,6 +285,8 @@ impl NextStep {
 
 /// A step run ahead that is launched and not yet waited for.
 struct InFlight {
+    /// Which pass (counted from 1), to tell it from a later one.
+    id: u64,
     rows: Vec<AheadRow>,
     late: Vec<LateRow>,
     /// Rows of the pass (its argmax keys to read).
@@ -304,6 +329,8 @@ struct Ahead {
     late: u64,
     /// Passes launched before the pass in flight had ended.
     early: u64,
+    /// Passes run ahead so far (the last one's [`InFlight::id`]).
+    flights: u64,
 }
 
 /// One context's state: its session, and its reservation in the pool (given back with it).
@@ -337,14 +364,10 @@ impl CudaSeq {
         if !self.late.load(Ordering::Acquire) {
             return Ok(None);
         }
-        let mut ahead = self.idle.ahead();
-        let in_flight = ahead
-            .in_flight
-            .as_ref()
-            .is_some_and(|f| f.late.iter().any(|l| l.serial == self.serial));
-        if in_flight {
-            self.idle.resolve(&mut ahead);
-        }
+        let serial = self.serial;
+        let ahead = self
+            .idle
+            .wait_for_pass(|f| f.late.iter().any(|l| l.serial == serial));
         match ahead.late_done.get(&self.serial) {
             Some(Some(argmax)) => Ok(Some(*argmax)),
             Some(None) => Err(EngineError::device("the batched step failed")),
@@ -363,18 +386,18 @@ impl Drop for CudaSeq {
             ahead.follow.remove(&self.serial);
             // its rows are taken out of the pass in flight too, or resolving the pass would
             // keep a result for a context that never comes back
-            let running = ahead.in_flight.as_mut().is_some_and(|f| {
+            let running = ahead.in_flight.as_mut().and_then(|f| {
                 let before = f.rows.len() + f.late.len();
                 f.rows.retain(|r| r.serial != self.serial);
                 f.late.retain(|l| l.serial != self.serial);
-                f.rows.len() + f.late.len() < before
+                (f.rows.len() + f.late.len() < before).then(|| f.keys.done())
             });
-            if running {
-                let synced = self.idle.stream.get().map(|s| s.synchronize());
-                if !matches!(synced, Some(Ok(()))) {
-                    // not known to be done: the session is not reused
-                    self.session = None;
-                }
+            drop(ahead);
+            // wait for that pass to end without holding the steps up (the pass after it may
+            // be launched meanwhile; it has no rows of this context)
+            if running.is_some_and(|done| done.synchronize().is_err()) {
+                // not known to be done: the session is not reused
+                self.session = None;
             }
         }
         self.idle.pool.release(self.idle.session_bytes);
@@ -1015,7 +1038,9 @@ impl CudaBatch {
             late_rows.push(LateRow { serial, row, next });
         }
         ahead.late += late_rows.len() as u64;
+        ahead.flights += 1;
         Ok(InFlight {
+            id: ahead.flights,
             rows,
             late: late_rows,
             n,
@@ -1037,11 +1062,14 @@ impl CudaBatch {
         &self,
         ahead: &Ahead,
         items: &[StepItem<'_, CudaSeq>],
-    ) -> Option<Vec<Option<usize>>> {
+    ) -> Result<Vec<Option<usize>>, &'static str> {
         let tuning = self.exec.gpu.tuning();
-        let flight = ahead.in_flight.as_ref()?;
-        if !tuning.run_ahead || !tuning.early_launch || items.len() < 2 {
-            return None;
+        let flight = ahead.in_flight.as_ref().ok_or("nothing in flight")?;
+        if !tuning.run_ahead || !tuning.early_launch {
+            return Err("off");
+        }
+        if items.len() < 2 {
+            return Err("one context");
         }
         let rows: HashMap<u64, &AheadRow> = flight.rows.iter().map(|r| (r.serial, r)).collect();
         let late: HashSet<u64> = flight.late.iter().map(|l| l.serial).collect();
@@ -1049,8 +1077,11 @@ impl CudaBatch {
         let mut hits = Vec::with_capacity(items.len());
         for item in items {
             let serial = item.seq.serial;
-            if late.contains(&serial) || item.tokens.len() > BATCHED_PROMPT || item.all_positions {
-                return None;
+            if late.contains(&serial) {
+                return Err("late rows in flight");
+            }
+            if item.tokens.len() > BATCHED_PROMPT || item.all_positions {
+                return Err("a prompt of its own");
             }
             total += item.tokens.len();
             let hit = rows.get(&serial).filter(|r| {
@@ -1062,7 +1093,11 @@ impl CudaBatch {
             });
             hits.push(hit.map(|r| r.row));
         }
-        (total <= MAX_ROWS && hits.iter().any(Option::is_some)).then_some(hits)
+        match (total <= MAX_ROWS, hits.iter().any(Option::is_some)) {
+            (false, _) => Err("too many rows"),
+            (true, false) => Err("no hits"),
+            (true, true) => Ok(hits),
+        }
     }
 
     /// A step whose pass run ahead is launched before the pass in flight ends (`early[i]`:
@@ -1118,8 +1153,23 @@ impl CudaBatch {
             .map(|i| (i, fed[i]))
             .collect();
         let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
-        let room = MAX_ROWS.saturating_sub(late_tokens + guesses.len());
-        let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
+        let mut room = MAX_ROWS.saturating_sub(late_tokens + guesses.len());
+        // The contexts whose late rows are in the pass in flight (their guests wait for it,
+        // so none is in this step): their next step too, its token fed on the GPU from that
+        // row, so that they hit the next pass when they come back. Without it each would
+        // come back to a step whose pass is already launched, run late again, and again.
+        let mut follows = Vec::new();
+        for l in ahead.in_flight.iter_mut().flat_map(|f| f.late.iter_mut()) {
+            if room == 0 {
+                break;
+            }
+            if let Some(next) = l.next.take() {
+                let fed = Some(l.row);
+                follows.push((l.serial, NextStep { fed, ..next }));
+                room -= 1;
+            }
+        }
+        follows.extend(ahead.follow.drain().take(room));
         // nothing to run ahead (every context sampled): only the wait below
         let nothing = guesses.is_empty() && late.is_empty() && follows.is_empty();
         let mut next = match nothing {
@@ -1173,6 +1223,12 @@ impl CudaBatch {
                     }
                 }
                 _ => item.error = Some(EngineError::device("the batched step failed")),
+            }
+        }
+        // the rows fed from late rows just resolved
+        for row in next.iter_mut().flat_map(|n| n.rows.iter_mut()) {
+            if let (true, Some(Some(argmax))) = (row.fed, ahead.late_done.get(&row.serial)) {
+                (row.token, row.fed) = (*argmax, false);
             }
         }
         let run_ahead_rows = next.as_ref().map_or(0, |n| n.n);
@@ -1301,9 +1357,10 @@ impl BatchModel for CudaBatch {
     fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
         let started = Instant::now();
         let mut ahead = self.idle.ahead();
-        if let Some(early) = self.early_hits(&ahead, items) {
-            return self.step_early(ahead, items, &early, started);
-        }
+        let waited = match self.early_hits(&ahead, items) {
+            Ok(early) => return self.step_early(ahead, items, &early, started),
+            Err(why) => why,
+        };
         // Whatever was run ahead is finished before anything else is launched; the contexts
         // that came back with the guessed token take its results.
         self.idle.resolve(&mut ahead);
@@ -1414,6 +1471,7 @@ impl BatchModel for CudaBatch {
             pass_gpu_us = pass_gpu.as_micros() as u64,
             own_launch_us = launched.as_micros() as u64,
             step_us = started.elapsed().as_micros() as u64,
+            waited,
             "batched step"
         );
     }

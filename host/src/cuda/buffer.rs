@@ -192,7 +192,7 @@ impl<T: DeviceRepr> DevBuf<T> {
 /// of one batched pass, read while the stream already runs the next.
 pub struct HostCopy<T: DeviceRepr> {
     host: PinnedHostSlice<T>,
-    done: CudaEvent,
+    done: Arc<CudaEvent>,
     count: usize,
 }
 
@@ -208,7 +208,8 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> HostCopy<T> {
         unsafe { std::ptr::write_bytes(ptr, 0, len.max(1)) };
         let done = ctx
             .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .ctx("an event")?;
+            .ctx("an event")?
+            .into();
         Ok(Self {
             host,
             done,
@@ -232,6 +233,12 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> HostCopy<T> {
         self.done.record(stream).ctx("copy from the device")?;
         self.count = count;
         Ok(())
+    }
+
+    /// The event that marks the last copy done, to wait on without this buffer (the copy
+    /// may be queued again meanwhile: the event then marks the later copy, which ends after).
+    pub fn done(&self) -> Arc<CudaEvent> {
+        Arc::clone(&self.done)
     }
 
     /// The elements of the last copy, once it is done (waits for it).
