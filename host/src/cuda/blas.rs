@@ -146,6 +146,73 @@ impl Blas {
     /// bias)`; the shape's bias and output types follow `bias` and `dst`. Ok(false) when not
     /// in bf16 mode, without cuBLASLt, or when it has no algorithm for the shape: the caller
     /// then takes the cuBLAS + epilogue-kernel path.
+    /// [`Self::gemm`] over `parts` slices of K at once (one strided-batched call): slice s
+    /// of the product goes to its own plane of `dst`, `rows * ldc` floats after the one
+    /// before, and the reader sums the planes. K must split into slices of a multiple of 8.
+    pub fn gemm_k_slices(
+        &self,
+        l: &Launcher,
+        w: DevPtr<Stored>,
+        x: Act,
+        (rows, n, k): (usize, usize, usize),
+        (dst, ldc): (DevPtr<f32>, usize),
+        parts: usize,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+        if parts <= 1 {
+            return self.gemm(l, w, x, (rows, n, k), (dst, ldc), false);
+        }
+        if l.gpu().tuning().skip.gemm {
+            return Ok(());
+        }
+        let dtype = match l.dtype() {
+            GpuDtype::F32 => cudaDataType::CUDA_R_32F,
+            GpuDtype::Bf16 => cudaDataType::CUDA_R_16BF,
+        };
+        let slice = k / parts;
+        let plane = rows * ldc;
+        super::error::ensure(
+            x.is_bf16() == (l.dtype() == GpuDtype::Bf16)
+                && k.is_multiple_of(parts)
+                && slice.is_multiple_of(8)
+                && ldc >= n
+                && dst.len() >= (parts - 1) * plane + rows.saturating_sub(1) * ldc + n,
+            "cuBLAS GEMM over K slices",
+        )?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: w holds n rows of k weights and x rows rows of k activations (the caller's
+        // buffers, checked where they are made); slice s reads columns s*slice.. of both (the
+        // same leading dimension k) and writes plane s of dst, checked above.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                self.handle,
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows as i32,
+                slice as i32,
+                (&alpha as *const f32).cast(),
+                w.addr() as *const std::ffi::c_void,
+                dtype,
+                k as i32,
+                slice as i64,
+                x.addr() as *const std::ffi::c_void,
+                dtype,
+                k as i32,
+                slice as i64,
+                (&beta as *const f32).cast(),
+                dst.addr() as *mut std::ffi::c_void,
+                cudaDataType::CUDA_R_32F,
+                ldc as i32,
+                plane as i64,
+                parts as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }?;
+        Ok(())
+    }
+
     pub fn lt_matmul(
         &self,
         l: &Launcher,
