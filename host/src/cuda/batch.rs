@@ -56,7 +56,7 @@ use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
     batch_gemm_parts, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
-    BATCH_ATT_SPLITS, MAX_PARTS,
+    BATCH_ATT_SPLITS,
 };
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
@@ -661,8 +661,7 @@ impl CudaBatch {
         let skip = &self.exec.gpu.tuning().skip;
         // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16), in K
         // slices whose partial sums the next kernel adds; returns the planes written.
-        let tuning = self.exec.gpu.tuning();
-        let ours = tuning.batch_gemm;
+        let ours = self.exec.gpu.tuning().batch_gemm;
         let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<usize, CudaError> {
             let parts = batch_gemm_parts(product_rows, n_out, k, tmp.len());
             if let (true, Act::Bf16(a)) = (ours, act) {
@@ -670,20 +669,9 @@ impl CudaBatch {
                     return ran.map(|()| parts);
                 }
             }
-            // K as slices of the product's width, when it is a multiple (the MLP's projection):
-            // one call, no reduction kernel; the planes must fit the scratch
-            let slices = match tuning.k_slices && k > n_out && k.is_multiple_of(n_out) {
-                true => (k / n_out).min(MAX_PARTS),
-                false => 1,
-            };
-            let slices =
-                match slices * product_rows * n_out <= tmp.len() && k.is_multiple_of(slices) {
-                    true => slices,
-                    false => 1,
-                };
             b.blas
-                .gemm_k_slices(l, w, act, (product_rows, n_out, k), (tmp, n_out), slices)
-                .map(|()| slices)
+                .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
+                .map(|()| 1)
         };
 
         // x += the product (its `parts` planes) and its bias, then the LayerNorm `norm` into act

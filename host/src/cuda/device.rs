@@ -50,11 +50,6 @@ pub struct Tuning {
     /// (`_BATCH_GEMM`; off by default: correct, but slower than cuBLAS so far, see
     /// BENCHMARKS.md).
     pub batch_gemm: bool,
-    /// The batched step's products whose K is a multiple of their width (the MLP's
-    /// projection) run as K slices in one strided-batched cuBLAS call, whose planes the next
-    /// kernel sums, instead of letting cuBLAS split K with a reduction kernel of its own
-    /// (`_NO_K_SLICES` turns it off).
-    pub k_slices: bool,
     /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
     pub run_ahead: bool,
     /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
@@ -129,7 +124,6 @@ impl Tuning {
                 .ok()
                 .and_then(|v| v.parse().ok()),
             batch_gemm: std::env::var_os("WASI_NN_HOST_BATCH_GEMM").is_some(),
-            k_slices: !off("NO_K_SLICES"),
             spin: std::time::Duration::from_micros(
                 std::env::var("WASI_NN_HOST_SPIN_US")
                     .ok()
