@@ -65,13 +65,7 @@ __device__ __forceinline__ void kv_put(kv16_t* p, float v) { p->bits = f32_to_f1
 // v as a cache of this element keeps it.
 __device__ __forceinline__ float kv_kept(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_kept(const kv16_t*, float v) { return f16_bits_to_f32(f32_to_f16_bits(v)); }
-// Eight consecutive elements (16-byte aligned) as f32: two 16-byte loads (f32) or one (fp16).
-__device__ __forceinline__ void kv_get8(const float* p, float out[8]) {
-    float4 a = *reinterpret_cast<const float4*>(p);
-    float4 b = *reinterpret_cast<const float4*>(p + 4);
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
+// Eight consecutive elements (16-byte aligned) as f32: one 16-byte load (fp16; f32: `load8`'s two).
 __device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
     uint4 u = *reinterpret_cast<const uint4*>(p);
     u32 words[4] = {u.x, u.y, u.z, u.w};
@@ -109,6 +103,7 @@ __device__ __forceinline__ void load8(const float* w, float out[8]) {
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
+__device__ __forceinline__ void kv_get8(const float* p, float out[8]) { load8(p, out); }
 __device__ __forceinline__ void load8(const bf16_t* w, float out[8]) {
     uint4 v = *reinterpret_cast<const uint4*>(w);
     u32 words[4] = {v.x, v.y, v.z, v.w};
