@@ -158,7 +158,7 @@ impl Idle {
         };
         drop(ahead);
         // an error shows when the pass is resolved
-        let _ = done.synchronize();
+        let _ = wait_idle(&done);
         let mut ahead = self.ahead();
         if ahead.in_flight.as_ref().is_some_and(|f| f.id == id) {
             // it has ended: resolving it does not wait
@@ -218,6 +218,25 @@ impl Idle {
             }
         }
     }
+}
+
+/// Wait for `done` without keeping a core busy (the event spins in `synchronize`): the waiter
+/// is a guest's thread or a closing context, beside the guests and the steps on the same
+/// cores, and ~0.1 ms more for it is nothing beside a pass.
+fn wait_idle(done: &CudaEvent) -> Result<(), cudarc::driver::DriverError> {
+    done.context().bind_to_thread()?;
+    while !done.try_is_complete()? {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    Ok(())
+}
+
+/// The first `room` follows (see [`Ahead::follow`]), taken out; the rest stay for a later pass.
+fn take_follows(ahead: &mut Ahead, room: usize) -> Vec<(u64, NextStep)> {
+    let serials: Vec<u64> = ahead.follow.keys().take(room).copied().collect();
+    (serials.into_iter())
+        .filter_map(|serial| Some((serial, ahead.follow.remove(&serial)?)))
+        .collect()
 }
 
 /// A row of a step run ahead: which context, at which position, with which token.
@@ -395,7 +414,7 @@ impl Drop for CudaSeq {
             drop(ahead);
             // wait for that pass to end without holding the steps up (the pass after it may
             // be launched meanwhile; it has no rows of this context)
-            if running.is_some_and(|done| done.synchronize().is_err()) {
+            if running.is_some_and(|done| wait_idle(&done).is_err()) {
                 // not known to be done: the session is not reused
                 self.session = None;
             }
@@ -1064,10 +1083,10 @@ impl CudaBatch {
         items: &[StepItem<'_, CudaSeq>],
     ) -> Result<Vec<Option<usize>>, &'static str> {
         let tuning = self.exec.gpu.tuning();
-        let flight = ahead.in_flight.as_ref().ok_or("nothing in flight")?;
         if !tuning.run_ahead || !tuning.early_launch {
             return Err("off");
         }
+        let flight = ahead.in_flight.as_ref().ok_or("nothing in flight")?;
         if items.len() < 2 {
             return Err("one context");
         }
@@ -1169,7 +1188,7 @@ impl CudaBatch {
                 room -= 1;
             }
         }
-        follows.extend(ahead.follow.drain().take(room));
+        follows.extend(take_follows(&mut ahead, room));
         // nothing to run ahead (every context sampled): only the wait below
         let nothing = guesses.is_empty() && late.is_empty() && follows.is_empty();
         let mut next = match nothing {
@@ -1435,8 +1454,11 @@ impl BatchModel for CudaBatch {
         let late_rows = if merge { late_tokens } else { 0 };
         guesses.truncate(MAX_ROWS - late_rows);
         let room = MAX_ROWS - late_rows - guesses.len();
-        let follows: Vec<(u64, NextStep)> = ahead.follow.drain().take(room).collect();
-        let launch = run_ahead && (merge || guesses.len() + follows.len() >= 2);
+        let launch = run_ahead && (merge || guesses.len() + ahead.follow.len().min(room) >= 2);
+        let follows = match launch {
+            true => take_follows(&mut ahead, room),
+            false => Vec::new(),
+        };
         let guesses: Vec<(usize, Option<usize>)> = guesses.into_iter().map(|i| (i, None)).collect();
         let run_ahead_rows = match launch {
             true => self
