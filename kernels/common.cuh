@@ -65,28 +65,30 @@ __device__ __forceinline__ void kv_put(kv16_t* p, float v) { p->bits = f32_to_f1
 // v as a cache of this element keeps it.
 __device__ __forceinline__ float kv_kept(const float*, float v) { return v; }
 __device__ __forceinline__ float kv_kept(const kv16_t*, float v) { return f16_bits_to_f32(f32_to_f16_bits(v)); }
+// The two fp16 elements of a 32-bit word (the lower address in the low half) as f32.
+__device__ __forceinline__ float2 f16x2_to_f32(u32 w) {
+    return make_float2(f16_bits_to_f32((unsigned short)(w & 0xffffu)), f16_bits_to_f32((unsigned short)(w >> 16)));
+}
 // Eight consecutive elements (16-byte aligned) as f32: one 16-byte load (fp16; f32: `load8`'s two).
 __device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
     uint4 u = *reinterpret_cast<const uint4*>(p);
     u32 words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        out[2 * i] = f16_bits_to_f32((unsigned short)(words[i] & 0xffffu));
-        out[2 * i + 1] = f16_bits_to_f32((unsigned short)(words[i] >> 16));
+        float2 v = f16x2_to_f32(words[i]);
+        out[2 * i] = v.x;
+        out[2 * i + 1] = v.y;
     }
 }
 // Two consecutive elements (8-byte aligned f32, 4-byte aligned fp16) as f32.
 __device__ __forceinline__ float2 kv_get2(const float* p) { return *reinterpret_cast<const float2*>(p); }
-__device__ __forceinline__ float2 kv_get2(const kv16_t* p) {
-    u32 u = *reinterpret_cast<const u32*>(p);
-    return make_float2(f16_bits_to_f32((unsigned short)(u & 0xffffu)), f16_bits_to_f32((unsigned short)(u >> 16)));
-}
+__device__ __forceinline__ float2 kv_get2(const kv16_t* p) { return f16x2_to_f32(*reinterpret_cast<const u32*>(p)); }
 // Four consecutive elements (16-byte aligned f32, 8-byte aligned fp16) as f32.
 __device__ __forceinline__ float4 kv_get4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 kv_get4(const kv16_t* p) {
     uint2 u = *reinterpret_cast<const uint2*>(p);
-    return make_float4(f16_bits_to_f32((unsigned short)(u.x & 0xffffu)), f16_bits_to_f32((unsigned short)(u.x >> 16)),
-                       f16_bits_to_f32((unsigned short)(u.y & 0xffffu)), f16_bits_to_f32((unsigned short)(u.y >> 16)));
+    float2 a = f16x2_to_f32(u.x), b = f16x2_to_f32(u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
 }
 // Four f32 into four consecutive elements (aligned as kv_get4's).
 __device__ __forceinline__ void kv_put4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
