@@ -32,9 +32,11 @@
 //! hold up every context of the step for a whole pass. Instead they join the pass run ahead
 //! for the hits, and the step returns without waiting for them: their contexts' positions
 //! advance at once, and the guest's first read of their logits or argmax waits for the pass
-//! (resolving it, if no step has yet). When the next step resolves the pass, a late context
-//! that is not back yet gets its own next step run ahead with that argmax, with the next
-//! pass, so it is a hit again when it comes back.
+//! (outside the lock, polling its event, so that steps go on launching meanwhile; it resolves
+//! the pass if no step has yet). A late context that is not back yet gets its own next step
+//! run ahead with that argmax, with the next pass, so it is a hit again when it comes back:
+//! a step launching early feeds its token on the GPU from the late row, like the hits'; a
+//! step that waited takes it from the resolved argmax.
 //!
 //! **Two passes.** A step whose contexts came back with the tokens the pass in flight runs for
 //! them need not wait for that pass before it launches the next: each hit's next row takes as
