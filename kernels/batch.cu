@@ -156,6 +156,12 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 #define BA_CHUNK ATT_THREADS
 // The dot product of a cached key row (hd elements, 16-byte aligned) with the query in shared
 // memory, summed as `partial_dot(kr, qs, hd, 0, 1)` sums it, from 16-byte loads.
+// acc plus eight key elements times the query's, in the order every batched score takes.
+__device__ __forceinline__ float dot8(float acc, const float k[8], const float* q) {
+    acc += k[0] * q[0] + k[1] * q[1] + k[2] * q[2] + k[3] * q[3];
+    acc += k[4] * q[4] + k[5] * q[5] + k[6] * q[6] + k[7] * q[7];
+    return acc;
+}
 template <typename KV>
 __device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) {
     float acc = 0.0f;
@@ -163,8 +169,7 @@ __device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) 
     for (int d = 0; d < hd; d += 8) {
         float k[8];
         kv_get8(kr + d, k);
-        acc += k[0] * qs[d] + k[1] * qs[d + 1] + k[2] * qs[d + 2] + k[3] * qs[d + 3];
-        acc += k[4] * qs[d + 4] + k[5] * qs[d + 5] + k[6] * qs[d + 6] + k[7] * qs[d + 7];
+        acc = dot8(acc, k, qs + d);
     }
     return acc;
 }
@@ -259,16 +264,158 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     }
     if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
 }
-#define BATCH_ATTENTION(name, W)                                                                                \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                   \
-        name(void* out, float* partial, const float* tmp, const W* bias, int split_in, const int* positions,     \
-             const unsigned long long* k_caches, const unsigned long long* v_caches, long long layer_off, int c, \
-             int hd, int rows, int split_out, int append) {                                                      \
-        batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, \
-                             rows, split_out, append);                                                           \
+
+// `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), its
+// loads issued early: right after the wait on the previous kernel, while the query is formed,
+// the first chunk's keys go into registers (thread j: position j, 8 loads of 16 bytes) and its
+// values into shared memory (cp.async); the next chunk's keys while this chunk's scores are
+// reduced, its values once this chunk's are summed. The row's own position, which the block
+// appends, is scored and summed from shared memory instead of read back. Every sum is the
+// generic kernel's, in its order: the results are bitwise its results.
+#define BA_HD 64
+static_assert(BA_CHUNK == 2 * BA_HD, "the value sums take one thread per (dimension pair, group of four)");
+// Thread j's key of a chunk (position pos) into registers, when it has one to score.
+__device__ __forceinline__ void ba_load_key(uint4 kw[BA_HD / 8], const kv16_t* kc, int c, int pos, bool valid) {
+    if (!valid) return;
+    const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)pos * c);
+#pragma unroll
+    for (int i = 0; i < BA_HD / 8; i++) kw[i] = src[i];
+}
+// The values of positions base..base + count - 1 into `vbuf` (one row of 64 fp16 each), but
+// `own`'s, as one cp.async group.
+__device__ __forceinline__ void ba_stage_values(u32 (*vbuf)[BA_HD / 2], const kv16_t* vc, int c, int base, int count,
+                                                int own) {
+    for (int i = threadIdx.x; i < BA_CHUNK * (BA_HD / 8); i += blockDim.x) {
+        int jj = i / (BA_HD / 8), ch = (i % (BA_HD / 8)) * 8;
+        if (jj < count && base + jj != own) cp_async16(&vbuf[jj][ch / 2], vc + (size_t)(base + jj) * c + ch, true);
     }
-BATCH_ATTENTION(batch_attention_f32, float)
-BATCH_ATTENTION(batch_attention_bf16, bf16_t)
+    cp_async_commit();
+}
+__device__ void batch_attention_h64(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
+                                    const int* positions, const unsigned long long* k_caches,
+                                    const unsigned long long* v_caches, long long layer_off, int c, int rows,
+                                    int split_out, int append) {
+    __shared__ float qs[BA_HD];
+    __shared__ float own_k[BA_HD], own_v[BA_HD];  // the appended position, as the cache keeps it
+    __shared__ float p[BA_CHUNK];
+    __shared__ float acc_s[4][BA_HD];
+    __shared__ float scratch[32];
+    __shared__ __align__(16) u32 vbuf[BA_CHUNK][BA_HD / 2];
+    pdl_launch_dependents();
+    pdl_wait();
+    const int hd = BA_HD;
+    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
+    int len = positions[r] + 1;  // 0 for a padding row
+    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
+    int first = s * span, end = min(len, first + span);
+    float* part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
+    if (first >= end) {
+        if (splits > 1) {
+            if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
+        } else {
+            for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
+        }
+        return;
+    }
+    kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
+    kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
+    int own = append && end == len ? len - 1 : -1;
+    int j = threadIdx.x;  // this thread's position of each chunk
+    int count = min(BA_CHUNK, end - first);
+    uint4 kw[BA_HD / 8];
+    ba_load_key(kw, kc, c, first + j, j < count && first + j != own);
+    ba_stage_values(vbuf, vc, c, first, count, own);
+    int n3 = 3 * c;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        int col = h * hd + d;
+        qs[d] = product_value(tmp, rows, r, col, n3, split_in) + load1(bias + col);
+        if (own >= 0) {
+            float k = product_value(tmp, rows, r, c + col, n3, split_in) + load1(bias + c + col);
+            float v = product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col);
+            kv_put(kc + (size_t)own * c + d, k);
+            kv_put(vc + (size_t)own * c + d, v);
+            own_k[d] = kv_kept(kc, k);
+            own_v[d] = kv_kept(vc, v);
+        }
+    }
+    __syncthreads();
+    float scale = rsqrtf((float)hd);
+    int d2 = 2 * (threadIdx.x % (BA_HD / 2)), g = threadIdx.x / (BA_HD / 2);  // value pair, group
+    float m_run = -INFINITY, sum_run = 0.0f;
+    float2 acc = make_float2(0.0f, 0.0f);
+    for (int base = first; base < end; base += BA_CHUNK) {
+        count = min(BA_CHUNK, end - base);
+        float sc = -INFINITY;
+        if (j < count) {
+            bool mine = base + j == own;
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < BA_HD / 8; i++) {
+                float k[8];
+                if (mine) {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) k[e] = own_k[8 * i + e];
+                } else {
+                    f16x8_to_f32(kw[i], k);
+                }
+                dot = dot8(dot, k, qs + 8 * i);
+            }
+            sc = dot * scale;
+        }
+        int next = base + BA_CHUNK, next_count = min(BA_CHUNK, end - next);
+        if (next < end) ba_load_key(kw, kc, c, next + j, j < next_count && next + j != own);
+        float m = fmaxf(m_run, block_max(sc, scratch));
+        float e = j < count ? __expf(sc - m) : 0.0f;
+        p[j] = e;
+        float sum = block_sum(e, scratch);
+        float rescale = __expf(m_run - m);
+        sum_run = sum_run * rescale + sum;
+        m_run = m;
+        cp_async_wait<0>();
+        __syncthreads();
+        float2 a = make_float2(0.0f, 0.0f);
+        int own_j = own - base;
+#pragma unroll 16
+        for (int jj = g; jj < count; jj += 4) {
+            float2 v = jj == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(vbuf[jj][d2 / 2]);
+            float pj = p[jj];
+            a.x += pj * v.x;
+            a.y += pj * v.y;
+        }
+        acc.x = acc.x * rescale + a.x;
+        acc.y = acc.y * rescale + a.y;
+        __syncthreads();
+        if (next < end) ba_stage_values(vbuf, vc, c, next, next_count, own);
+    }
+    acc_s[g][d2] = acc.x;
+    acc_s[g][d2 + 1] = acc.y;
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
+        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
+        else part[2 + d] = a;
+    }
+    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    batch_attention_f32(void* out, float* partial, const float* tmp, const float* bias, int split_in,
+                        const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
+                        long long layer_off, int c, int hd, int rows, int split_out, int append) {
+    batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, rows,
+                         split_out, append);
+}
+// Six blocks an SM (80 registers a thread): the 768 blocks of 64 rows of GPT-2 124M in one wave.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 6)
+    batch_attention_bf16(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
+                         const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
+                         long long layer_off, int c, int hd, int rows, int split_out, int append) {
+    if (hd == BA_HD && blockDim.x == BA_CHUNK)
+        batch_attention_h64(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows,
+                            split_out, append);
+    else
+        batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd,
+                             rows, split_out, append);
+}
 
 // The keys and values of every row (the QKV product's rows of `tmp` plus the bias) into the rows'
 // caches at their positions, before `batch_attention` (without append) reads them: a step that

@@ -69,9 +69,8 @@ __device__ __forceinline__ float kv_kept(const kv16_t*, float v) { return f16_bi
 __device__ __forceinline__ float2 f16x2_to_f32(u32 w) {
     return make_float2(f16_bits_to_f32((unsigned short)(w & 0xffffu)), f16_bits_to_f32((unsigned short)(w >> 16)));
 }
-// Eight consecutive elements (16-byte aligned) as f32: one 16-byte load (fp16; f32: `load8`'s two).
-__device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
-    uint4 u = *reinterpret_cast<const uint4*>(p);
+// Eight fp16 (16 bytes, the lower address in u.x's low half) as f32.
+__device__ __forceinline__ void f16x8_to_f32(uint4 u, float out[8]) {
     u32 words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -79,6 +78,10 @@ __device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
         out[2 * i] = v.x;
         out[2 * i + 1] = v.y;
     }
+}
+// Eight consecutive elements (16-byte aligned) as f32: one 16-byte load (fp16; f32: `load8`'s two).
+__device__ __forceinline__ void kv_get8(const kv16_t* p, float out[8]) {
+    f16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
 }
 // Two consecutive elements (8-byte aligned f32, 4-byte aligned fp16) as f32.
 __device__ __forceinline__ float2 kv_get2(const float* p) { return *reinterpret_cast<const float2*>(p); }
