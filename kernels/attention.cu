@@ -159,6 +159,18 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     int rows = 3 * hd, per = (rows + n - 1) / n;
     int r0 = rank * per, r1 = min(rows, r0 + per);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    // this block's share of the positions; their cached keys and values (all but pos, which
+    // this kernel writes) are asked of L2 now, so that they are there once the QKV rows are
+    int len = pos + 1, span = (len + n - 1) / n;
+    int first = rank * span, count = max(0, min(len, first + span) - first);
+    {
+        int lines = (hd * (int)sizeof(KV) + 127) / 128, per_cache = count * lines;
+        for (int i = threadIdx.x; i < 2 * per_cache; i += blockDim.x) {
+            int j = (i % per_cache) / lines, p = first + j;
+            const KV* row = (i < per_cache ? k_cache : v_cache) + (size_t)p * c + h * hd;
+            if (p != pos) prefetch_l2(reinterpret_cast<const char*>(row) + (i % lines) * 128, 1, 0, 1);
+        }
+    }
     cluster_wait();
     for (int g = r0 + warp * DA_ROWS; g < r1; g += warps * DA_ROWS) {
         float acc[DA_ROWS];
@@ -190,8 +202,6 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     cluster_sync();
 
     // scores of this block's positions [first, first + count), 4 threads per position
-    int len = pos + 1, span = (len + n - 1) / n;
-    int first = rank * span, count = max(0, min(len, first + span) - first);
     float scale = rsqrtf((float)hd);
     float m = -INFINITY;
     int quarter = threadIdx.x & 3;
