@@ -978,6 +978,7 @@ impl CudaBatch {
         greedy: &[bool],
         follows: Vec<(u64, NextStep)>,
     ) -> Result<InFlight, EngineError> {
+        let begun = Instant::now();
         // each guess: its context's serial and next step, with its argmax as the token
         let mut picks = Vec::with_capacity(guesses.len() + follows.len());
         for &(i, fed) in guesses {
@@ -1029,6 +1030,11 @@ impl CudaBatch {
             Ok((n, last_rows, keys))
         })?;
         drop(inputs);
+        tracing::trace!(
+            picks_us = (launched - begun).as_micros() as u64,
+            buffers_us = launched.elapsed().as_micros() as u64,
+            "pass run ahead launched"
+        );
         let mut last = last_rows.into_iter();
         let rows: Vec<AheadRow> = picks
             .iter()

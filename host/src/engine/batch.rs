@@ -438,6 +438,8 @@ impl<M: BatchModel> Batcher<M> {
                 continue;
             }
             state.running = true;
+            // expected back but not here: the gather gave up on them
+            let missing = state.returning.len();
             state.returning.clear();
             let mut batch = self.take_batch(&mut state);
             let since_last = state.last_end.map(|end| end.elapsed());
@@ -449,6 +451,7 @@ impl<M: BatchModel> Batcher<M> {
                 items = batch.len(),
                 step_us = took.as_micros() as u64,
                 between_us = since_last.map_or(0, |d| d.as_micros() as u64),
+                missing,
                 "step"
             );
             self.stats
