@@ -496,8 +496,11 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The LM head's rows (`tmp`, `[rows or 2 * rows, ld]`, ld >= V) into each row's logits
 // buffer (`dst[r]`, V floats), and their argmax into keys[r] (cleared by the embedding; see
-// `argmax_key`). Grid (column blocks, rows); a padding row is skipped.
-extern "C" __global__ void __launch_bounds__(256)
+// `argmax_key`). Grid (column blocks, rows); a padding row is skipped. A thread takes BL_PER
+// columns (defined by the host), the grid's width apart, their loads all issued before the
+// first store (a store may alias a later load, which would otherwise wait for it); each value
+// is summed as `product_value` sums it.
+extern "C" __global__ void __launch_bounds__(256, 4)
     batch_logits(const float* tmp, int rows, int split, int v, int ld, const int* positions,
                  const unsigned long long* dst, unsigned long long* keys) {
     pdl_launch_dependents();
@@ -505,12 +508,29 @@ extern "C" __global__ void __launch_bounds__(256)
     int r = blockIdx.y;
     if (positions[r] < 0 || dst[r] == 0ull) return;  // padding, or a prompt row before its last
     float* o = reinterpret_cast<float*>(dst[r]);
+    const float* hi_row = tmp + (size_t)r * ld;
+    const float* lo_row = tmp + (size_t)(rows + r) * ld;
+    int stride = gridDim.x * blockDim.x;
     unsigned long long best = 0ull;
-    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < v; col += gridDim.x * blockDim.x) {
-        float value = product_value(tmp, rows, r, col, ld, split);
-        o[col] = value;
-        unsigned long long key = argmax_key(value, col);
-        best = key > best ? key : best;
+    for (int first = blockIdx.x * blockDim.x + threadIdx.x; first < v; first += BL_PER * stride) {
+        float hi[BL_PER], lo[BL_PER];
+#pragma unroll
+        for (int i = 0; i < BL_PER; i++) {
+            int col = first + i * stride;
+            hi[i] = col < v ? hi_row[col] : 0.0f;
+            lo[i] = col < v && split ? lo_row[col] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < BL_PER; i++) {
+            int col = first + i * stride;
+            if (col >= v) break;
+            float value = 0.0f;
+            value += hi[i];
+            if (split) value += lo[i];
+            o[col] = value;
+            unsigned long long key = argmax_key(value, col);
+            best = key > best ? key : best;
+        }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {

@@ -50,6 +50,9 @@ fn split_in(split: bool, parts: usize) -> i32 {
     i32::from(split) | ((parts as i32) << 1)
 }
 
+/// Columns a thread of `batch_logits` takes (its loads all in flight at once).
+pub const BL_PER: u32 = 8;
+
 /// Floats of a product's result: `parts` planes of `rows` rows (twice that, split) of `n`.
 fn product_len(rows: usize, n: usize, split: bool, parts: usize) -> usize {
     parts * if split { 2 * rows } else { rows } * n
@@ -268,7 +271,7 @@ impl Launcher {
         let tmp_rows = if split { 2 * t.rows } else { t.rows };
         ensure(ld >= v && tmp.len() >= tmp_rows * ld, "batched logits")?;
         let cfg = LaunchConfig {
-            grid_dim: (v.div_ceil(256 * 16) as u32, t.rows as u32, 1),
+            grid_dim: (v.div_ceil(256 * BL_PER as usize) as u32, t.rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -52,6 +52,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("TC_Q", attention::TC_Q),
     ("TC_THREADS", attention::TC_THREADS),
     ("FA_SMEM", attention::FA_SMEM),
+    ("BL_PER", batch::BL_PER),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).
