@@ -173,6 +173,51 @@ __device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) 
     }
     return acc;
 }
+// The span of its row's positions that block (head, span, row) of the batched attention
+// takes: len (0 for a padding row), [first, end) and its partial results' place. An empty
+// span leaves what the combine or the next product reads (no positions, or zeros) and false.
+__device__ __forceinline__ bool ba_span(void* out, float* partial, const int* positions, int c, int hd, int rows,
+                                        int split_out, int& len, int& first, int& end, float*& part) {
+    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
+    len = positions[r] + 1;
+    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
+    first = s * span;
+    end = min(len, first + span);
+    part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
+    if (first < end) return true;
+    if (splits > 1) {
+        if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
+    } else {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
+    }
+    return false;
+}
+// The four groups' sums of each dimension (`acc_s`, groups `stride` floats apart), normalised
+// into `out` (one span), or left with the span's max and sum for the combine.
+__device__ __forceinline__ void ba_finish(const float* acc_s, int stride, float m_run, float sum_run, float* part,
+                                          void* out, int c, int hd, int rows, int split_out) {
+    int h = blockIdx.x, r = blockIdx.z, splits = gridDim.y;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = acc_s[d] + acc_s[stride + d] + acc_s[2 * stride + d] + acc_s[3 * stride + d];
+        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
+        else part[2 + d] = a;
+    }
+    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+}
+// Thread j's probability of its position in the chunk (score sc, `in` the chunk) into p[j],
+// against the running max and sum of the chunks before, both updated; returns the factor the
+// sums of those chunks are rescaled by.
+__device__ __forceinline__ float ba_softmax(float sc, bool in, float* p, float* scratch, float& m_run,
+                                           float& sum_run) {
+    float m = fmaxf(m_run, block_max(sc, scratch));
+    float e = in ? __expf(sc - m) : 0.0f;
+    p[threadIdx.x] = e;
+    float sum = block_sum(e, scratch);
+    float rescale = __expf(m_run - m);
+    sum_run = sum_run * rescale + sum;
+    m_run = m;
+    return rescale;
+}
 template <typename W>
 __device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
@@ -184,19 +229,9 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     __shared__ float scratch[32];
     pdl_launch_dependents();
     pdl_wait();
-    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
-    int len = positions[r] + 1;  // 0 for a padding row
-    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
-    int first = s * span, end = min(len, first + span);
-    float* part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
-    if (first >= end) {
-        if (splits > 1) {
-            if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
-        } else {
-            for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
-        }
-        return;
-    }
+    int h = blockIdx.x, r = blockIdx.z, len, first, end;
+    float* part;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, first, end, part)) return;
     typedef typename KvOf<W>::T KV;
     KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + h * hd;
     KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + h * hd;
@@ -220,13 +255,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     for (int base = first; base < end; base += BA_CHUNK) {
         int count = min(BA_CHUNK, end - base);
         float sc = j < count ? key_dot(kc + (size_t)(base + j) * c, qs, hd) * scale : -INFINITY;
-        float m = fmaxf(m_run, block_max(sc, scratch));
-        float e = j < count ? __expf(sc - m) : 0.0f;
-        p[j] = e;
-        float sum = block_sum(e, scratch);
-        float rescale = __expf(m_run - m);
-        sum_run = sum_run * rescale + sum;
-        m_run = m;
+        float rescale = ba_softmax(sc, j < count, p, scratch, m_run, sum_run);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -257,12 +286,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
         }
     }
     __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
-        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
-        else part[2 + d] = a;
-    }
-    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out);
 }
 
 // `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), its
@@ -304,19 +328,9 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     pdl_launch_dependents();
     pdl_wait();
     const int hd = BA_HD;
-    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
-    int len = positions[r] + 1;  // 0 for a padding row
-    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
-    int first = s * span, end = min(len, first + span);
-    float* part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
-    if (first >= end) {
-        if (splits > 1) {
-            if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
-        } else {
-            for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
-        }
-        return;
-    }
+    int h = blockIdx.x, r = blockIdx.z, len, first, end;
+    float* part;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, first, end, part)) return;
     kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
     kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
     int own = append && end == len ? len - 1 : -1;
@@ -364,13 +378,7 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
         }
         int next = base + BA_CHUNK, next_count = min(BA_CHUNK, end - next);
         if (next < end) ba_load_key(kw, kc, c, next + j, j < next_count && next + j != own);
-        float m = fmaxf(m_run, block_max(sc, scratch));
-        float e = j < count ? __expf(sc - m) : 0.0f;
-        p[j] = e;
-        float sum = block_sum(e, scratch);
-        float rescale = __expf(m_run - m);
-        sum_run = sum_run * rescale + sum;
-        m_run = m;
+        float rescale = ba_softmax(sc, j < count, p, scratch, m_run, sum_run);
         cp_async_wait<0>();
         __syncthreads();
         float2 a = make_float2(0.0f, 0.0f);
@@ -390,12 +398,7 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     acc_s[g][d2] = acc.x;
     acc_s[g][d2 + 1] = acc.y;
     __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d];
-        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
-        else part[2 + d] = a;
-    }
-    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_f32(void* out, float* partial, const float* tmp, const float* bias, int split_in,
