@@ -163,10 +163,13 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     // this kernel writes) are asked of L2 now, so that they are there once the QKV rows are
     int len = pos + 1, span = (len + n - 1) / n;
     int first = rank * span, count = max(0, min(len, first + span) - first);
-    for (int i = threadIdx.x; i < 2 * count; i += blockDim.x) {
-        int p = first + i % count;
-        const KV* row = (i < count ? k_cache : v_cache) + (size_t)p * c + h * hd;
-        if (p != pos) prefetch_l2(row, hd * sizeof(KV), 0, 1);
+    {
+        int lines = (hd * (int)sizeof(KV) + 127) / 128, per_cache = count * lines;
+        for (int i = threadIdx.x; i < 2 * per_cache; i += blockDim.x) {
+            int j = (i % per_cache) / lines, p = first + j;
+            const KV* row = (i < per_cache ? k_cache : v_cache) + (size_t)p * c + h * hd;
+            if (p != pos) prefetch_l2(reinterpret_cast<const char*>(row) + (i % lines) * 128, 1, 0, 1);
+        }
     }
     cluster_wait();
     for (int g = r0 + warp * DA_ROWS; g < r1; g += warps * DA_ROWS) {
