@@ -131,7 +131,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // of the positions 0..pos (position `pos` from shared memory), and after a second barrier the
 // blocks combine the shares through distributed shared memory, each writing hd / n
 // dimensions of the head's output. Dynamic shared memory: c + ceil(capacity / n) floats.
+// A warp's QKV rows go DA_ROWS at a time, DA_UNROLL 16-byte loads of each in flight (3: all of
+// 124M's 768 at once, and two blocks an SM fit in 128 registers without spilling; the sums
+// are in the same order for any unroll).
 #define DA_ROWS 3
+#define DA_UNROLL 3
 
 template <typename W>
 __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w, const W* bias, const W* ln_w,
@@ -152,13 +156,31 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     float* scores = dyn + c;
     u32 rank = cluster_rank();
     int n = (int)cluster_blocks(), h = blockIdx.y;
-    stage_x<4, 4>(xs, x, c, ln_w, ln_b, scratch);  // c <= 2048 with 128 threads
-    int pos = *pos_ptr;
-
     // this block's rows of the head's q | k | v (local row r -> output row (r / hd) * c + h * hd + r % hd)
     int rows = 3 * hd, per = (rows + n - 1) / n;
     int r0 = rank * per, r1 = min(rows, r0 + per);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    // the weight rows of a warp's group of DA_ROWS from local row g (rows past r1 repeat the
+    // last one and are not stored)
+    const W* wr[DA_ROWS];
+    int orow[DA_ROWS];
+    auto group_rows = [&](int g) {
+#pragma unroll
+        for (int r = 0; r < DA_ROWS; r++) {
+            int lr = min(g + r, r1 - 1);
+            orow[r] = (lr / hd) * c + h * hd + lr % hd;
+            wr[r] = w + (size_t)orow[r] * c;
+        }
+    };
+    int g0 = r0 + warp * DA_ROWS;
+    group_rows(g0);
+    // the first group's weights load while x is normalised (after the wait, see matvec.cu)
+    RowLoads<DA_ROWS, W, DA_UNROLL> first_rows;
+    stage_x<4, 4>(xs, x, c, ln_w, ln_b, scratch, [&] {
+        if (g0 < r1) first_rows.load(wr, lane * 8, c);
+    });  // c <= 2048 with 128 threads
+    int pos = *pos_ptr;
+
     // this block's share of the positions; their cached keys and values (all but pos, which
     // this kernel writes) are asked of L2 now, so that they are there once the QKV rows are
     int len = pos + 1, span = (len + n - 1) / n;
@@ -172,24 +194,14 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
         }
     }
     cluster_wait();
-    for (int g = r0 + warp * DA_ROWS; g < r1; g += warps * DA_ROWS) {
-        float acc[DA_ROWS];
-        const W* wr[DA_ROWS];
-        int orow[DA_ROWS];
-#pragma unroll
-        for (int r = 0; r < DA_ROWS; r++) {
-            int lr = min(g + r, r1 - 1);  // rows past r1 repeat the last one and are not stored
-            orow[r] = (lr / hd) * c + h * hd + lr % hd;
-            wr[r] = w + (size_t)orow[r] * c;
-            acc[r] = 0.0f;
-        }
-        dot_rows<DA_ROWS>(acc, wr, xs, c, lane);
+    // the group's rows: bias, the new key and value into the cache (as the cache keeps them,
+    // as every other kernel reads them), and q | k | v into every block's shared memory
+    auto store_group = [&](int g, const float acc[DA_ROWS]) {
 #pragma unroll
         for (int r = 0; r < DA_ROWS; r++) {
             float v = warp_sum(acc[r]) + load1(bias + orow[r]);
             int lr = g + r;
             if (lr < r1) {
-                // the new key and value as the cache keeps them, as every other kernel reads them
                 if (lr >= hd) v = kv_kept(k_cache, v);
                 if (lane < n) peer_store(peer_addr(qkv_s + lr, lane), v);
                 if (lane == 0 && lr >= hd) {
@@ -198,6 +210,19 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
                 }
             }
         }
+    };
+    if (g0 < r1) {
+        float acc[DA_ROWS] = {};
+        dot_rows_from<DA_ROWS>(acc, first_rows, wr, xs, c, lane);
+        store_group(g0, acc);
+    }
+    for (int g = g0 + warps * DA_ROWS; g < r1; g += warps * DA_ROWS) {
+        float acc[DA_ROWS] = {};
+        group_rows(g);
+        RowLoads<DA_ROWS, W, DA_UNROLL> loads;
+        loads.load(wr, lane * 8, c);
+        dot_rows_from<DA_ROWS>(acc, loads, wr, xs, c, lane);
+        store_group(g, acc);
     }
     cluster_sync();
 
@@ -273,14 +298,15 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     cluster_sync();
 }
 
-#define DECODE_QKV_ATTENTION(NAME, W)                                                                      \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS)                                              \
+#define DECODE_QKV_ATTENTION(NAME, W, MIN_BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS, MIN_BLOCKS)                                  \
         NAME(float* out, const float* x, const W* w, const W* bias, const W* ln_w, const W* ln_b,          \
              void* k_cache, void* v_cache, const int* pos_ptr, int c, int hd) {                            \
         decode_qkv_attention_impl(out, x, w, bias, ln_w, ln_b, k_cache, v_cache, pos_ptr, c, hd);          \
     }
-DECODE_QKV_ATTENTION(decode_qkv_attention_f32, float)
-DECODE_QKV_ATTENTION(decode_qkv_attention_bf16, bf16_t)
+// bf16: two blocks an SM (<= 128 registers), so the 200 blocks of 1558M's 25 heads run in one wave
+DECODE_QKV_ATTENTION(decode_qkv_attention_f32, float, 1)
+DECODE_QKV_ATTENTION(decode_qkv_attention_bf16, bf16_t, 2)
 
 // Prefill: q rows in qkv [rows, 3C] (q = first C columns), row t at position start + t.
 // Grid (n_head, rows), ATT_THREADS threads; dynamic shared memory holds start + rows scores.
@@ -756,26 +782,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS)
 static_assert(FA_SMEM == 2 * 2 * FA_KEYS * TC_LD * 2, "FA_SMEM (ops/attention.rs) must hold two stages of keys and values");
 #define FA_SCALE 0.18033688f  // log2(e) / sqrt(64)
 
-// 16 bytes global -> shared without passing through registers; zeros when !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-// Wait until at most N committed groups of this thread are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
 // Eight bf16 (16 bytes) into the fp16 cache at `dst` (16-byte aligned; exact in fp16's range).
 __device__ __forceinline__ void store_widened8(kv16_t* dst, uint4 v) {
     kv_put4(dst, make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),

@@ -171,60 +171,120 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
+// A generic pointer into shared memory as a shared-window address.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
+// 16 bytes global -> shared without passing through registers; zeros when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // The input vector of a matrix-vector product into shared `xs[0..k)`, LayerNorm-ed when ln_w
-// is given. XL float4 loads of x per thread: k <= blockDim * 4 * XL (checked on the host);
-// with a LayerNorm k <= blockDim * 4 * LNL. Waits for the previous kernel (PDL) after loading the LayerNorm weights, which do
-// not depend on it. Every global load is issued before any is used: a plain strided loop
-// would wait one round trip per iteration. Ends with a block barrier.
-template <int XL, int LNL, typename W>
+// is given. Without a LayerNorm, x goes straight into shared memory (cp.async, sm_80+: no
+// registers held), XL 16-byte pieces per thread: k <= blockDim * 4 * XL (checked on the
+// host). With one, k <= blockDim * 4 * LNL and the row passes through registers; its weights
+// are loaded before the wait for the previous kernel (PDL), as they do not depend on it. Every
+// global load is issued before any is used: a plain strided loop would wait one round trip
+// per iteration. `after_wait` runs once the wait is over and x's loads are issued: a caller
+// issues its first weight loads there, so they are in flight while x is staged and
+// normalised. Ends with a block barrier.
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+template <int XL, int LNL, typename W, typename Hook = NoHook>
 __device__ __forceinline__ void stage_x(float* xs, const float* x, int k, const W* ln_w, const W* ln_b,
-                                        float* scratch) {
+                                        float* scratch, Hook after_wait = Hook()) {
     // Thread t owns x[i..i+4] for i = (u * blockDim + t) * 4.
-    float ln_wv[LNL][4], ln_bv[LNL][4];
-    if (ln_w != nullptr) {
+    if (ln_w == nullptr) {
+        pdl_wait();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #pragma unroll
-        for (int u = 0; u < LNL; u++) {
+        for (int u = 0; u < XL; u++) {
             int i = (u * blockDim.x + threadIdx.x) * 4;
-            if (i < k) {
+            if (i < k) cp_async16(xs + i, x + i, true);
+        }
+        cp_async_commit();
+        after_wait();
+        cp_async_wait<0>();
+#else
+        float4 staged[XL];
 #pragma unroll
-                for (int e = 0; e < 4; e++) { ln_wv[u][e] = load1(ln_w + i + e); ln_bv[u][e] = load1(ln_b + i + e); }
-            }
+        for (int u = 0; u < XL; u++) {
+            int i = (u * blockDim.x + threadIdx.x) * 4;
+            if (i < k) staged[u] = *reinterpret_cast<const float4*>(x + i);
+        }
+        after_wait();
+#pragma unroll
+        for (int u = 0; u < XL; u++) {
+            int i = (u * blockDim.x + threadIdx.x) * 4;
+            if (i < k) *reinterpret_cast<float4*>(xs + i) = staged[u];
+        }
+#endif
+        __syncthreads();
+        return;
+    }
+    // kept as stored (bf16: half the registers) until used
+    typename Stored4<W>::T ln_wv[LNL], ln_bv[LNL];
+#pragma unroll
+    for (int u = 0; u < LNL; u++) {
+        int i = (u * blockDim.x + threadIdx.x) * 4;
+        if (i < k) {
+            ln_wv[u] = fetch4(ln_w + i);
+            ln_bv[u] = fetch4(ln_b + i);
         }
     }
     pdl_wait();
-    float4 staged[XL];
+    float4 staged[LNL];
 #pragma unroll
-    for (int u = 0; u < XL; u++) {
+    for (int u = 0; u < LNL; u++) {
         int i = (u * blockDim.x + threadIdx.x) * 4;
         if (i < k) staged[u] = *reinterpret_cast<const float4*>(x + i);
     }
-    if (ln_w != nullptr) {
-        float s = 0.0f;
+    after_wait();
+    float s = 0.0f;
 #pragma unroll
-        for (int u = 0; u < LNL; u++)
-            if ((u * blockDim.x + threadIdx.x) * 4 < k) s += staged[u].x + staged[u].y + staged[u].z + staged[u].w;
-        float mean = block_sum(s, scratch) / k;
-        float v = 0.0f;
+    for (int u = 0; u < LNL; u++)
+        if ((u * blockDim.x + threadIdx.x) * 4 < k) s += staged[u].x + staged[u].y + staged[u].z + staged[u].w;
+    float mean = block_sum(s, scratch) / k;
+    float v = 0.0f;
 #pragma unroll
-        for (int u = 0; u < LNL; u++) {
-            if ((u * blockDim.x + threadIdx.x) * 4 < k) {
-                float a = staged[u].x - mean, b = staged[u].y - mean, c2 = staged[u].z - mean, d = staged[u].w - mean;
-                v += a * a + b * b + c2 * c2 + d * d;
-            }
-        }
-        float rstd = rsqrtf(block_sum(v, scratch) / k + 1e-5f);
-#pragma unroll
-        for (int u = 0; u < LNL; u++) {
-            staged[u].x = (staged[u].x - mean) * rstd * ln_wv[u][0] + ln_bv[u][0];
-            staged[u].y = (staged[u].y - mean) * rstd * ln_wv[u][1] + ln_bv[u][1];
-            staged[u].z = (staged[u].z - mean) * rstd * ln_wv[u][2] + ln_bv[u][2];
-            staged[u].w = (staged[u].w - mean) * rstd * ln_wv[u][3] + ln_bv[u][3];
+    for (int u = 0; u < LNL; u++) {
+        if ((u * blockDim.x + threadIdx.x) * 4 < k) {
+            float a = staged[u].x - mean, b = staged[u].y - mean, c2 = staged[u].z - mean, d = staged[u].w - mean;
+            v += a * a + b * b + c2 * c2 + d * d;
         }
     }
+    float rstd = rsqrtf(block_sum(v, scratch) / k + 1e-5f);
 #pragma unroll
-    for (int u = 0; u < XL; u++) {
+    for (int u = 0; u < LNL; u++) {
         int i = (u * blockDim.x + threadIdx.x) * 4;
-        if (i < k) *reinterpret_cast<float4*>(xs + i) = staged[u];
+        if (i < k) {
+            float4 g = widen4(ln_wv[u]), b = widen4(ln_bv[u]), y;
+            y.x = (staged[u].x - mean) * rstd * g.x + b.x;
+            y.y = (staged[u].y - mean) * rstd * g.y + b.y;
+            y.z = (staged[u].z - mean) * rstd * g.z + b.z;
+            y.w = (staged[u].w - mean) * rstd * g.w + b.w;
+            *reinterpret_cast<float4*>(xs + i) = y;
+        }
     }
     __syncthreads();
 }
@@ -257,23 +317,25 @@ struct Packed8<float> {
 };
 
 #define MV_UNROLL 4
-// acc[r] += (row r of W) . xs over k (a multiple of 8), one warp, partial sums per lane (the
-// caller reduces over the warp). Each lane issues MV_UNROLL 16-byte loads per row before using
-// any, so R * MV_UNROLL loads are in flight at once.
-template <int R, typename W>
-__device__ __forceinline__ void dot_rows(float acc[R], const W* const rows[R], const float* xs, int k, int lane) {
-    for (int base = lane * 8; base < k; base += 32 * 8 * MV_UNROLL) {
-        Packed8<W> wv[MV_UNROLL][R];
+// One lane's U 16-byte loads of each of R weight rows, from element `base` on (those
+// past k are not loaded), and their products with xs added into acc[r] (partial sums per
+// lane: the caller reduces over the warp).
+template <int R, typename W, int U = MV_UNROLL>
+struct RowLoads {
+    Packed8<W> wv[U][R];
+    __device__ __forceinline__ void load(const W* const rows[R], int base, int k) {
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int i = base + u * 32 * 8;
             if (i < k) {
 #pragma unroll
                 for (int r = 0; r < R; r++) wv[u][r].load(rows[r] + i);
             }
         }
+    }
+    __device__ __forceinline__ void fma(float acc[R], const float* xs, int base, int k) const {
 #pragma unroll
-        for (int u = 0; u < MV_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int i = base + u * 32 * 8;
             if (i < k) {
 #pragma unroll
@@ -284,6 +346,22 @@ __device__ __forceinline__ void dot_rows(float acc[R], const W* const rows[R], c
                 }
             }
         }
+    }
+};
+
+// acc[r] += (row r of W) . xs over k (a multiple of 8), one warp, partial sums per lane (the
+// caller reduces over the warp), with the lane's first loads (from element lane * 8) already
+// issued into `first`. Each lane issues U 16-byte loads per row before using any, so R * U
+// loads are in flight at once.
+template <int R, typename W, int U>
+__device__ __forceinline__ void dot_rows_from(float acc[R], const RowLoads<R, W, U>& first, const W* const rows[R],
+                                              const float* xs, int k, int lane) {
+    int base = lane * 8;
+    first.fma(acc, xs, base, k);
+    for (base += 32 * 8 * U; base < k; base += 32 * 8 * U) {
+        RowLoads<R, W, U> next;
+        next.load(rows, base, k);
+        next.fma(acc, xs, base, k);
     }
 }
 
@@ -322,12 +400,6 @@ __device__ __forceinline__ void cluster_sync() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
-}
-// A generic pointer into shared memory as a shared-window address.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
-    return addr;
 }
 // The address of `p` (this block's shared memory) in block `rank`'s shared memory.
 __device__ __forceinline__ u32 peer_addr(const float* p, u32 rank) {

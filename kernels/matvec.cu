@@ -31,8 +31,6 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     __shared__ float scratch[32];
     __shared__ unsigned long long block_best[MV_WARPS];
     pdl_launch_dependents();
-    // x: k <= 128 * 4 * 16 = 8192 (checked on the host); LayerNorm: k <= 2048
-    stage_x<16, 4>(xs, x, k, ln_w, ln_b, scratch);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int row0 = (blockIdx.x * MV_WARPS + warp) * MV_ROWS_PER_WARP;
     float acc[MV_ROWS_PER_WARP];
@@ -43,7 +41,12 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
         // rows past n read the last row (valid memory) and are not stored
         rows[r] = w + (size_t)min(row0 + r, n - 1) * k;
     }
-    dot_rows<MV_ROWS_PER_WARP>(acc, rows, xs, k, lane);
+    // x: k <= 128 * 4 * 16 = 8192 (checked on the host); LayerNorm: k <= 2048. The weights'
+    // first loads go out as soon as the previous kernel is done, beside x's (not before the
+    // wait: blocks waiting early would hold SM slots the previous kernel's blocks need).
+    RowLoads<MV_ROWS_PER_WARP, W> first;
+    stage_x<16, 4>(xs, x, k, ln_w, ln_b, scratch, [&] { first.load(rows, lane * 8, k); });
+    dot_rows_from<MV_ROWS_PER_WARP>(acc, first, rows, xs, k, lane);
     int pos = pos_ptr != nullptr ? *pos_ptr : 0;
     unsigned long long key = 0ull;
 #pragma unroll
