@@ -140,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 template <typename W>
 __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w, const W* bias, const W* ln_w,
                                           const W* ln_b, void* k_cache_p, void* v_cache_p, const int* pos_ptr,
-                                          int c, int hd) {
+                                          int c, int hd, const void* pf, long long pf_bytes) {
     typedef typename KvOf<W>::T KV;
     KV* k_cache = static_cast<KV*>(k_cache_p);
     KV* v_cache = static_cast<KV*>(v_cache_p);
@@ -150,6 +150,10 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     __shared__ __align__(16) float acc_s[4 * DA_THREADS];  // [groups][hd], groups = DA_THREADS / (hd / 4)
     __shared__ float scratch[32];
     pdl_launch_dependents();
+    // the next kernel's weights into L2 while this one runs (see matvec.cu)
+    if (pf != nullptr)
+        prefetch_l2(pf, (size_t)pf_bytes, (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x,
+                    gridDim.x * gridDim.y * blockDim.x);
     // every block of the cluster must have started before any writes into a peer's qkv_s
     cluster_arrive_relaxed();
     float* xs = dyn;
@@ -301,8 +305,10 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
 #define DECODE_QKV_ATTENTION(NAME, W, MIN_BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(DA_THREADS, MIN_BLOCKS)                                  \
         NAME(float* out, const float* x, const W* w, const W* bias, const W* ln_w, const W* ln_b,          \
-             void* k_cache, void* v_cache, const int* pos_ptr, int c, int hd) {                            \
-        decode_qkv_attention_impl(out, x, w, bias, ln_w, ln_b, k_cache, v_cache, pos_ptr, c, hd);          \
+             void* k_cache, void* v_cache, const int* pos_ptr, int c, int hd, const void* pf,              \
+             long long pf_bytes) {                                                                         \
+        decode_qkv_attention_impl(out, x, w, bias, ln_w, ln_b, k_cache, v_cache, pos_ptr, c, hd, pf,       \
+                                  pf_bytes);                                                               \
     }
 // bf16: two blocks an SM (<= 128 registers), so the 200 blocks of 1558M's 25 heads run in one wave
 DECODE_QKV_ATTENTION(decode_qkv_attention_f32, float, 1)

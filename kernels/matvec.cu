@@ -20,10 +20,14 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
     return ((unsigned long long)u << 32) | (0xffffffffu - (u32)row);
 }
 
+// With `pf`, the grid first asks L2 for `pf_bytes` from there (the next kernel's weights, which
+// do not depend on anything this step computes): they stream in while this kernel runs, and
+// the next one finds them in L2.
 template <typename W>
 __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bias, int n, int k,
                             const W* ln_w, const W* ln_b, int mode, int c, const int* pos_ptr,
-                            void* k_cache_p, void* v_cache_p, unsigned long long* best) {
+                            void* k_cache_p, void* v_cache_p, unsigned long long* best, const void* pf,
+                            long long pf_bytes) {
     typedef typename KvOf<W>::T KV;
     KV* k_cache = static_cast<KV*>(k_cache_p);
     KV* v_cache = static_cast<KV*>(v_cache_p);
@@ -31,6 +35,8 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     __shared__ float scratch[32];
     __shared__ unsigned long long block_best[MV_WARPS];
     pdl_launch_dependents();
+    if (pf != nullptr)
+        prefetch_l2(pf, (size_t)pf_bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int row0 = (blockIdx.x * MV_WARPS + warp) * MV_ROWS_PER_WARP;
     float acc[MV_ROWS_PER_WARP];
@@ -74,8 +80,9 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)                                         \
         NAME(float* out, const float* x, const W* w, const W* bias, int n, int k, const W* ln_w,        \
              const W* ln_b, int mode, int c, const int* pos_ptr, void* k_cache, void* v_cache,          \
-             unsigned long long* best) {                                                               \
-        matvec_impl(out, x, w, bias, n, k, ln_w, ln_b, mode, c, pos_ptr, k_cache, v_cache, best);       \
+             unsigned long long* best, const void* pf, long long pf_bytes) {                            \
+        matvec_impl(out, x, w, bias, n, k, ln_w, ln_b, mode, c, pos_ptr, k_cache, v_cache, best, pf,    \
+                    pf_bytes);                                                                         \
     }
 MATVEC(matvec_f32, float)
 MATVEC(matvec_bf16, bf16_t)

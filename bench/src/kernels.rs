@@ -424,6 +424,8 @@ fn check_one(
         epilogue: Epilogue::Gelu,
         kv: None,
         argmax_key: None,
+        // as in a decode step: the next product's weights asked of L2 on the way
+        prefetch: Some(dl.fc_proj_w.ptr()),
     })?;
     let mut h = vec![0.0; c];
     cpu::layer_norm(&mut h, &x, &lw.ln2_w, &lw.ln2_b);
@@ -497,6 +499,7 @@ fn check_one(
         epilogue: Epilogue::Residual,
         kv: None,
         argmax_key: None,
+        prefetch: None,
     })?;
     let mut delta = vec![0.0; c];
     cpu::linear(
@@ -938,6 +941,7 @@ fn check_one(
                 capacity: len,
                 cluster,
                 threads,
+                prefetch: Some(dl.proj_w.ptr()),
             })?;
             let mut normed = vec![0.0; c];
             cpu::layer_norm(&mut normed, &x, &lw.ln1_w, &lw.ln1_b);

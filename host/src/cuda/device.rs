@@ -55,6 +55,9 @@ pub struct Tuning {
     /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
     /// the GPU (`_NO_EARLY_LAUNCH` makes it wait for that pass first).
     pub early_launch: bool,
+    /// Each decode kernel asks L2 for up to this many bytes of the next kernel's weights
+    /// while it runs (`_L2_PREFETCH=BYTES`, 0 turns it off; default 2 MiB).
+    pub l2_prefetch: usize,
     /// Independent batchers ("lanes") the contexts are spread over, each with its own
     /// batched-step stream, so their passes run side by side on the GPU (`_BATCH_LANES=N`,
     /// 1 to 8; default 2).
@@ -110,6 +113,10 @@ impl Tuning {
             },
             run_ahead: !off("NO_RUN_AHEAD"),
             early_launch: !off("NO_EARLY_LAUNCH"),
+            l2_prefetch: std::env::var("WASI_NN_HOST_L2_PREFETCH")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(2 << 20),
             batch_lanes: std::env::var("WASI_NN_HOST_BATCH_LANES")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

@@ -9,7 +9,7 @@
 //!   bf16 prompt length seen before replays a prefill captured the second time.
 
 use super::blas::{Blas, LtBias, LtEpilogue, Shape};
-use super::buffer::{Act, DevBuf, DevPtr};
+use super::buffer::{Act, DevBuf, DevPtr, Stored};
 use super::device::Skip;
 use super::error::{CudaError, DriverContext};
 use super::ops::attention::{DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK};
@@ -240,19 +240,31 @@ impl CudaSession {
         self.launcher.matvec(head)
     }
 
-    /// The kernels of one decode step (token in ids[1], position in ids[0]).
+    /// The kernels of one decode step (token in ids[1], position in ids[0]). Each of the
+    /// step's products (and the fused attention) asks L2 for the next one's weights while it
+    /// runs: they depend on nothing the step computes, and the step is a chain of short
+    /// kernels that leaves DRAM idle most of the time.
     fn decode_kernels(&self) -> Result<(), CudaError> {
         let cfg = self.exec.config;
         let w = &self.exec.weights;
         let c = cfg.n_embd;
         let skip = self.skip();
         let l = &self.launcher;
+        // the first bytes of the next weights (more would hold up this kernel's own loads:
+        // 1558M's 20 MB MLP weights made its step slower)
+        let most = self.exec.gpu.tuning.l2_prefetch / self.exec.dtype.bytes();
+        let prefetch = |next: DevPtr<Stored>| {
+            (most > 0).then(|| DevPtr::new(next.addr(), next.len().min(most)))
+        };
+        // after the last layer: the LM head's first rows (its first blocks')
+        let head_start = w.wte.ptr();
         self.embed(1, None)?;
         for (i, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
+            let after_mlp = w.layers.get(i + 1).map_or(head_start, |next| next.qkv_w.ptr());
             if self.exec.gpu.clusters.is_some() {
                 if !skip.attn {
-                    self.fused_decode(lw, kv)?;
+                    self.fused_decode(lw, kv, prefetch(lw.proj_w.ptr()))?;
                 }
             } else {
                 if !skip.qkv {
@@ -267,6 +279,7 @@ impl CudaSession {
                         epilogue: Epilogue::Qkv,
                         kv: Some((kv, self.position())),
                         argmax_key: None,
+                        prefetch: None,
                     })?;
                 }
                 if !skip.attn {
@@ -280,9 +293,9 @@ impl CudaSession {
                     })?;
                 }
             }
-            let residual = |out: DevPtr<f32>, x: DevPtr<f32>, w: DevPtr<_>, b: DevPtr<_>, k| {
+            let residual = |x: DevPtr<f32>, w: DevPtr<_>, b: DevPtr<_>, k, next| {
                 l.matvec(Matvec {
-                    out,
+                    out: self.x.ptr(),
                     x,
                     w,
                     bias: Some(b),
@@ -292,10 +305,12 @@ impl CudaSession {
                     epilogue: Epilogue::Residual,
                     kv: None,
                     argmax_key: None,
+                    prefetch: prefetch(next),
                 })
             };
             if !skip.proj {
-                residual(self.x.ptr(), self.h.ptr(), lw.proj_w.ptr(), lw.proj_b.ptr(), c)?;
+                let (pw, pb) = (lw.proj_w.ptr(), lw.proj_b.ptr());
+                residual(self.h.ptr(), pw, pb, c, lw.fc_w.ptr())?;
             }
             if !skip.mlp {
                 l.matvec(Matvec {
@@ -309,9 +324,10 @@ impl CudaSession {
                     epilogue: Epilogue::Gelu,
                     kv: None,
                     argmax_key: None,
+                    prefetch: prefetch(lw.fc_proj_w.ptr()),
                 })?;
                 let (fp_w, fp_b) = (lw.fc_proj_w.ptr(), lw.fc_proj_b.ptr());
-                residual(self.x.ptr(), self.fc.ptr(), fp_w, fp_b, 4 * c)?;
+                residual(self.fc.ptr(), fp_w, fp_b, 4 * c, after_mlp)?;
             }
         }
         if !skip.head {
@@ -323,7 +339,12 @@ impl CudaSession {
     /// LayerNorm, QKV product and attention of one decode step in one kernel: a cluster of
     /// blocks per head (sm_90+); the new key and value are appended to the cache at ids[0]
     /// and the attention output goes to h.
-    fn fused_decode(&self, lw: &DevLayer, kv: KvLayer) -> Result<(), CudaError> {
+    fn fused_decode(
+        &self,
+        lw: &DevLayer,
+        kv: KvLayer,
+        prefetch: Option<DevPtr<Stored>>,
+    ) -> Result<(), CudaError> {
         let chosen = self.exec.gpu.clusters.ok_or_else(|| {
             CudaError::unavailable("the fused decode attention needs sm_90 clusters")
         })?;
@@ -342,6 +363,7 @@ impl CudaSession {
             capacity: self.capacity,
             cluster,
             threads,
+            prefetch,
         })
     }
 

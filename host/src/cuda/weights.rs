@@ -147,6 +147,7 @@ impl DevWeights {
             epilogue: Epilogue::Store,
             kv: None,
             argmax_key: Some(argmax_key),
+            prefetch: None,
         }
     }
 

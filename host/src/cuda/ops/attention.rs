@@ -72,6 +72,8 @@ pub struct FusedDecode {
     pub capacity: usize,
     pub cluster: u32,
     pub threads: u32,
+    /// Weights to ask L2 for while this kernel runs (the next kernel's).
+    pub prefetch: Option<DevPtr<Stored>>,
 }
 
 /// Causal attention of `rows` new rows at positions `start..` into `out` (f32 or bf16).
@@ -135,10 +137,14 @@ impl Launcher {
         let (c32, hd32) = (c as i32, cfg.head_dim() as i32);
         let (out, x, w, b) = (a.out.addr(), a.x.addr(), a.qkv_w.addr(), a.qkv_b.addr());
         let (ln_w, ln_b, k, v, pos) = (a.norm.w.addr(), a.norm.b.addr(), a.kv.k.addr(), a.kv.v.addr(), a.position.addr());
+        let (pf, pf_bytes) = self.prefetch_args(a.prefetch);
         // SAFETY: x holds C floats and out C floats; the weights are [3C, C] and [3C]; the
         // position is < capacity (checked by the session before the step), so the cache rows
-        // exist; shared memory holds C + ceil(capacity / cluster) floats, the kernel's need.
-        let mut args = kernel_args![&out, &x, &w, &b, &ln_w, &ln_b, &k, &v, &pos, &c32, &hd32];
+        // exist; shared memory holds C + ceil(capacity / cluster) floats, the kernel's need;
+        // pf (when non-zero) pf_bytes of weights.
+        let mut args = kernel_args![
+            &out, &x, &w, &b, &ln_w, &ln_b, &k, &v, &pos, &c32, &hd32, &pf, &pf_bytes
+        ];
         let func = &self.kernels.decode_qkv_att;
         unsafe { self.launch(func, grid, a.cluster, &mut args, "QKV + attention") }
     }

@@ -28,6 +28,8 @@ pub struct Matvec {
     pub kv: Option<(KvLayer, DevPtr<i32>)>,
     /// Raise the argmax key of the outputs into this u64 (the LM head).
     pub argmax_key: Option<DevPtr<u64>>,
+    /// Weights to ask L2 for while this product runs (the next kernel's).
+    pub prefetch: Option<DevPtr<Stored>>,
 }
 
 impl Launcher {
@@ -51,11 +53,13 @@ impl Launcher {
             None => (0, 0, 0),
         };
         let best = addr_or_null(a.argmax_key);
+        let (pf, pf_bytes) = self.prefetch_args(a.prefetch);
         // SAFETY: x has k floats, w n*k weights, out n floats (or, for the QKV scatter, C
         // floats of q and the cache rows at the position, which the session keeps below its
-        // capacity); best (when non-zero) one u64.
+        // capacity); best (when non-zero) one u64; pf (when non-zero) pf_bytes of weights.
         let mut args = kernel_args![
-            &out, &x, &w, &bias, &n, &k, &ln_w, &ln_b, &mode, &c, &pos, &kv_k, &kv_v, &best
+            &out, &x, &w, &bias, &n, &k, &ln_w, &ln_b, &mode, &c, &pos, &kv_k, &kv_v, &best, &pf,
+            &pf_bytes
         ];
         unsafe { self.launch(&self.kernels.matvec, cfg, 1, &mut args, "matvec") }
     }

@@ -148,6 +148,11 @@ impl Launcher {
         self.dtype
     }
 
+    /// A kernel's L2 prefetch arguments: the weights' address and bytes (0, 0: none).
+    fn prefetch_args(&self, weights: Option<DevPtr<Stored>>) -> (u64, i64) {
+        weights.map_or((0, 0), |w| (w.addr(), (w.len() * self.dtype.bytes()) as i64))
+    }
+
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
