@@ -3,26 +3,45 @@
 
 // x[t, :] = wte[tokens[t], :] + wpe[start + t, :]. `start` is read from device memory
 // (`pos_ptr`) when `start < 0`, so a captured decode graph serves every position. Also clears
-// the LM head's argmax key (`best`) for the step it begins.
+// the LM head's argmax key (`best`) for the step it begins. With `feed` (one row: a decode step
+// run ahead of its guest), the token is the argmax of the step before, read from its key in
+// `best` before the clear (row 0 when no row set one, as the host reads it), at the position
+// after the one in `pos_ptr`; both go back to tokens[0] and *pos_ptr for the step's later
+// kernels.
 template <typename W>
-__device__ void embed_impl(float* x, const int* tokens, const W* wte, const W* wpe, int c, int start,
-                           const int* pos_ptr, unsigned long long* best) {
+__device__ void embed_impl(float* x, int* tokens, const W* wte, const W* wpe, int c, int start, int* pos_ptr,
+                           unsigned long long* best, int feed, int vocab) {
+    __shared__ int fed[2];
     pdl_launch_dependents();
     pdl_wait();
     int t = blockIdx.x;
+    if (feed) {
+        if (threadIdx.x == 0) {
+            unsigned long long key = *best;
+            u32 row = key == 0ull ? 0u : 0xffffffffu - (u32)key;
+            fed[0] = row < (u32)vocab ? (int)row : 0;
+            fed[1] = *pos_ptr + 1;
+        }
+        __syncthreads();
+    }
+    // (thread 0 read the key above before it clears it here)
     if (t == 0 && threadIdx.x == 0) *best = 0ull;
-    int pos = (start < 0 ? *pos_ptr : start) + t;
-    int tok = tokens[t];
+    int pos = feed ? fed[1] : (start < 0 ? *pos_ptr : start) + t;
+    int tok = feed ? fed[0] : tokens[t];
     for (int i = threadIdx.x; i < c; i += blockDim.x)
         x[(size_t)t * c + i] = load1(wte + (size_t)tok * c + i) + load1(wpe + (size_t)pos * c + i);
+    if (feed && threadIdx.x == 0) {
+        tokens[0] = tok;
+        *pos_ptr = pos;
+    }
 }
-extern "C" __global__ void embed_f32(float* x, const int* tokens, const float* wte, const float* wpe, int c,
-                                     int start, const int* pos_ptr, unsigned long long* best) {
-    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best);
+extern "C" __global__ void embed_f32(float* x, int* tokens, const float* wte, const float* wpe, int c, int start,
+                                     int* pos_ptr, unsigned long long* best, int feed, int vocab) {
+    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best, feed, vocab);
 }
-extern "C" __global__ void embed_bf16(float* x, const int* tokens, const bf16_t* wte, const bf16_t* wpe, int c,
-                                      int start, const int* pos_ptr, unsigned long long* best) {
-    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best);
+extern "C" __global__ void embed_bf16(float* x, int* tokens, const bf16_t* wte, const bf16_t* wpe, int c,
+                                      int start, int* pos_ptr, unsigned long long* best, int feed, int vocab) {
+    embed_impl(x, tokens, wte, wpe, c, start, pos_ptr, best, feed, vocab);
 }
 
 // out[r, :] = LayerNorm(x[r, :]) * w + b, eps 1e-5, one warp per row, shuffle reductions.

@@ -541,6 +541,7 @@ fn check_one(
             start: Some(start),
             position: b.position(),
             argmax_key: b.next.ptr(),
+            feed: false,
         })
     };
     embed(b, 1, 0)?;
@@ -790,6 +791,38 @@ fn check_one(
         .map(|(t, tok, k)| w.wte[tok * c + k] + w.wpe[(start + t) * c + k])
         .collect();
     report("embed", &b.get(B::X, n * c)?, &want, 1e-6);
+
+    // a decode step run ahead feeds itself: the argmax of the step before (its key as the LM
+    // head left it), at the position after the last one; both written back to the ids
+    b.lm_head(dev)?;
+    let token = b.argmax()? as usize;
+    let last = 5usize;
+    b.put_ids(Some(last), &[0])?;
+    b.l.embed(Embed {
+        out: b.ptr(B::X),
+        tokens: b.ids.ptr().skip(1),
+        wte: dev.wte.ptr(),
+        wpe: dev.wpe.ptr(),
+        rows: 1,
+        start: None,
+        position: b.position(),
+        argmax_key: b.next.ptr(),
+        feed: true,
+    })?;
+    let ids = b.ids.read(b.l.stream(), 2)?;
+    let key = b.next.read(b.l.stream(), 1)?;
+    let fed: Vec<f32> = [ids[1], ids[0]].iter().map(|&i| i as f32).collect();
+    let cleared = key.first().map_or(f32::NAN, |&k| k as f32);
+    report(
+        "embed fed: token, position, key cleared",
+        &[fed[0], fed[1], cleared],
+        &[token as f32, (last + 1) as f32, 0.0],
+        0.0,
+    );
+    let want: Vec<f32> = (0..c)
+        .map(|k| w.wte[token * c + k] + w.wpe[(last + 1) * c + k])
+        .collect();
+    report("embed fed", &b.get(B::X, c)?, &want, 1e-6);
 
     // attention: random keys and values for the whole context, then decode at the last
     // position and prefill the last rows

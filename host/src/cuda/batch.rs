@@ -27,6 +27,16 @@
 //! anything on a session's own stream (the next batched pass may go first, see "Two
 //! passes"), and a context dropped while it is under way waits for it too.
 //!
+//! **A lone decode runs ahead too**, on its session's own stream and through its captured
+//! decode graph rather than a pass: a variant of the graph whose embedding kernel takes the
+//! token from the last step's argmax key and the position after the last one (both fed on the
+//! GPU), its logits into the buffer the guest is not reading. The step's own argmax comes back
+//! through page-locked memory, copied before the step run ahead clears it. A guest that comes
+//! back with that token at that position takes the step (done or under way) and the next one is
+//! launched at once, so the GPU runs one stream's steps back to back; any other call runs after
+//! it on the stream and overwrites what it wrote. Before a batched pass touches such a
+//! session, its stream is waited for (`CudaSession::settle_own`).
+//!
 //! **Late rows.** A step whose contexts mostly hit may also carry rows no one guessed: a new
 //! request's prompt, a token other than the argmax. Run in a pass of their own, they would
 //! hold up every context of the step for a whole pass. Instead they join the pass run ahead
@@ -913,6 +923,31 @@ impl CudaBatch {
         make().and_then(|a| Ok((a, make()?))).ok()
     }
 
+    /// A lone decode whose step was run ahead on its session's own stream, with the token
+    /// guessed: take that step, and run the next one ahead for a greedy guest (its argmax comes
+    /// back once the step taken ends). False, touching nothing, for any other step.
+    fn lone_hit(&self, item: &mut StepItem<'_, CudaSeq>) -> bool {
+        let [token] = *item.tokens else {
+            return false;
+        };
+        let fits = !item.all_positions && item.error.is_none();
+        if !fits || !item.seq.session().is_ok_and(|s| s.ahead_decode_is(token)) {
+            return false;
+        }
+        let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
+        let ran = item.seq.session_mut().and_then(|s| {
+            s.take_ahead_decode(token);
+            match sampled || !self.exec.gpu.tuning().run_ahead {
+                true => Ok(None),
+                false => s.launch_ahead_decode(),
+            }
+        });
+        if let Err(e) = ran {
+            item.error = Some(e);
+        }
+        true
+    }
+
     /// The step's batched items (`batched`, in order) as batched passes, waited for; a lone
     /// decode runs its session's captured decode step instead (and moves to `own`).
     fn run_batched(
@@ -1383,6 +1418,17 @@ impl BatchModel for CudaBatch {
 
     fn step(&self, items: &mut [StepItem<'_, CudaSeq>]) {
         let started = Instant::now();
+        if let [item] = items {
+            if self.lone_hit(item) {
+                return;
+            }
+        }
+        // work run ahead on a session's own stream ends before anything else uses the session
+        for item in items.iter_mut() {
+            if let Some(Err(e)) = item.seq.session.as_mut().map(CudaSession::settle_own) {
+                item.error.get_or_insert(e);
+            }
+        }
         let mut ahead = self.idle.ahead();
         let waited = match self.early_hits(&ahead, items) {
             Ok(early) => return self.step_early(ahead, items, &early, started),
@@ -1448,14 +1494,28 @@ impl BatchModel for CudaBatch {
                 item.error.get_or_insert(e);
             }
         }
-        // the next step of the greedy contexts, run ahead (not for a lone one: its own
-        // captured decode step is faster than a batched pass)
+        // the next step of the greedy contexts, run ahead: a lone decode's on its own stream
+        // through its session's graph (faster than a batched pass), the others' in a pass
         let greedy = greedy(items);
+        let mut lone_ahead = false;
+        if alone && run_ahead && greedy[0] && own == [0] && items[0].tokens.len() == 1 {
+            match items[0]
+                .seq
+                .session_mut()
+                .and_then(CudaSession::launch_ahead_decode)
+            {
+                Ok(launched) => lone_ahead = launched.is_some(),
+                Err(e) => {
+                    items[0].error.get_or_insert(e);
+                }
+            }
+        }
         let late: &[usize] = if merge { &batched } else { &[] };
         let mut guesses: Vec<usize> = (0..items.len())
             .filter(|&i| {
                 let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
-                greedy[i] && room && late.binary_search(&i).is_err()
+                // (a lone decode run ahead on its own stream is not run in a pass too)
+                greedy[i] && room && late.binary_search(&i).is_err() && !lone_ahead
             })
             .collect();
         // one pass holds them all when merged; otherwise the first that fit

@@ -9,7 +9,7 @@
 //!   bf16 prompt length seen before replays a prefill captured the second time.
 
 use super::blas::{Blas, LtBias, LtEpilogue, Shape};
-use super::buffer::{Act, DevBuf, DevPtr, Stored};
+use super::buffer::{Act, DevBuf, DevPtr, HostCopy, Stored};
 use super::device::Skip;
 use super::error::{CudaError, DriverContext};
 use super::ops::attention::{DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK};
@@ -43,6 +43,12 @@ pub struct PrefillPlan {
     /// Repeated prompt lengths are captured as graphs (the bf16 path whose every kernel takes
     /// the first position from device memory).
     pub graphs: bool,
+}
+
+/// A decode step run ahead on a session's own stream: its position and its token.
+struct LoneAhead {
+    position: usize,
+    token: u32,
 }
 
 /// One sequence on the GPU: KV cache, activations, and the captured graphs.
@@ -85,6 +91,20 @@ pub struct CudaSession {
     max_chunks: usize,
     graph: Option<CudaGraph>,
     graph_failed: bool,
+    /// The position ids[0] holds after the last decode through this session's own graph
+    /// (None after prompts and batched steps, which leave something else there): a decode
+    /// run ahead takes the position after it.
+    fed_from: Option<usize>,
+    /// The decode step run ahead on this session's stream, if any (see
+    /// [`Self::launch_ahead_decode`]).
+    lone: Option<LoneAhead>,
+    /// Work run ahead may still be under way on this session's stream: a batched pass waits
+    /// for it ([`Self::settle_own`]) before it touches the session's cache.
+    own_in_flight: bool,
+    /// Page-locked landing of the argmax key a decode run ahead is fed from.
+    key_copy: Option<HostCopy<u64>>,
+    /// Captured decode steps run ahead: logits into `logits` (0) or `spare` (1).
+    ahead_graphs: [Option<CudaGraph>; 2],
     plan: PrefillPlan,
     /// Captured prefills by (prompt length, all positions), most recently used last.
     prefill_graphs: Vec<((usize, bool), CudaGraph)>,
@@ -177,6 +197,11 @@ impl CudaSession {
             len: 0,
             graph: None,
             graph_failed: false,
+            fed_from: None,
+            lone: None,
+            own_in_flight: false,
+            key_copy: None,
+            ahead_graphs: [None, None],
             plan,
             prefill_graphs: Vec::new(),
             prefill_seen: Vec::new(),
@@ -218,7 +243,7 @@ impl CudaSession {
 
     /// The embedding of `rows` tokens from `ids[1..]` into x, at positions `start..` (None:
     /// from `ids[0]`).
-    fn embed(&self, rows: usize, start: Option<usize>) -> Result<(), CudaError> {
+    fn embed(&self, rows: usize, start: Option<usize>, feed: bool) -> Result<(), CudaError> {
         let w = &self.exec.weights;
         self.launcher.embed(Embed {
             out: self.x.ptr(),
@@ -229,14 +254,20 @@ impl CudaSession {
             start,
             position: self.position(),
             argmax_key: self.next.ptr(),
+            feed,
         })
     }
 
     /// The LM head for the row at `x`: logits (final LayerNorm fused) into `logits`, and
     /// their argmax key into `next` (cleared by the step's embedding kernel).
     fn lm_head(&self, x: DevPtr<f32>) -> Result<(), CudaError> {
+        self.lm_head_into(x, self.logits.ptr())
+    }
+
+    /// The LM head into `logits` (see [`Self::lm_head`]).
+    fn lm_head_into(&self, x: DevPtr<f32>, logits: DevPtr<f32>) -> Result<(), CudaError> {
         let (cfg, w) = (self.exec.config, &self.exec.weights);
-        let head = w.lm_head(cfg, self.logits.ptr(), x, self.next.ptr());
+        let head = w.lm_head(cfg, logits, x, self.next.ptr());
         self.launcher.matvec(head)
     }
 
@@ -245,6 +276,13 @@ impl CudaSession {
     /// runs: they depend on nothing the step computes, and the step is a chain of short
     /// kernels that leaves DRAM idle most of the time.
     fn decode_kernels(&self) -> Result<(), CudaError> {
+        self.decode_kernels_into(false, self.logits.ptr())
+    }
+
+    /// The kernels of one decode step, its logits into `logits`; with `feed`, a step run
+    /// ahead: its token is the argmax of the step before and its position the one after
+    /// ids[0]'s (both fed on the GPU by the embedding kernel).
+    fn decode_kernels_into(&self, feed: bool, logits: DevPtr<f32>) -> Result<(), CudaError> {
         let cfg = self.exec.config;
         let w = &self.exec.weights;
         let c = cfg.n_embd;
@@ -258,7 +296,7 @@ impl CudaSession {
         };
         // after the last layer: the LM head's first rows (its first blocks')
         let head_start = w.wte.ptr();
-        self.embed(1, None)?;
+        self.embed(1, None, feed)?;
         for (i, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
             let after_mlp = w.layers.get(i + 1).map_or(head_start, |next| next.qkv_w.ptr());
@@ -331,7 +369,7 @@ impl CudaSession {
             }
         }
         if !skip.head {
-            self.lm_head(self.x.ptr())?;
+            self.lm_head_into(self.x.ptr(), logits)?;
         }
         Ok(())
     }
@@ -369,7 +407,10 @@ impl CudaSession {
 
     /// One decode step through the captured graph (captured on first use).
     fn decode(&mut self, token: u32) -> Result<(), CudaError> {
+        self.lone = None;
+        self.fed_from = None;
         self.upload_ids(Some(self.len), &[token as i32])?;
+        self.fed_from = Some(self.len);
         self.capture_decode();
         match &self.graph {
             Some(graph) => graph.launch().ctx("decode step"),
@@ -405,6 +446,8 @@ impl CudaSession {
 
     /// A batched prefill of `tokens` at positions len..len+n.
     fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), CudaError> {
+        self.lone = None;
+        self.fed_from = None;
         let cfg = self.exec.config;
         let (n, start) = (tokens.len(), self.len);
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
@@ -496,7 +539,7 @@ impl CudaSession {
             Start::Host(s) => Some(s),
             Start::Device(_) => None,
         };
-        self.embed(n, host_start)?;
+        self.embed(n, host_start, false)?;
         let w = &self.exec.weights;
         if let Some(blas) = &self.blas {
             // The last layer's MLP bias is still to be added to the rows that are read next.
@@ -891,6 +934,7 @@ impl CudaSession {
     /// A batched step appended `added` positions and left the last one's logits (and their
     /// argmax).
     pub(crate) fn advanced_in_batch(&mut self, added: usize, argmax: u32) {
+        self.fed_from = None;
         self.len += added;
         self.all_rows = 0;
         self.in_spare = false;
@@ -900,6 +944,7 @@ impl CudaSession {
     /// A batched pass that this step does not wait for appends `added` positions (their
     /// logits go to the buffer read next, their argmax comes with [`Self::set_argmax`]).
     pub(crate) fn advanced_late(&mut self, added: usize) {
+        self.fed_from = None;
         self.len += added;
         self.all_rows = 0;
         self.in_spare = false;
@@ -929,10 +974,100 @@ impl CudaSession {
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits now; its argmax comes with [`Self::set_argmax`].
     pub(crate) fn advanced_ahead_pending(&mut self) {
+        self.fed_from = None;
         self.len += 1;
         self.all_rows = 0;
         self.in_spare = !self.in_spare;
         self.cached_argmax = None;
+    }
+
+    /// Launch this session's next decode step now, on its own stream, ahead of its guest:
+    /// its token is the argmax of the step just run (fed on the GPU), its logits go to the
+    /// buffer the guest is not reading, so nothing the guest can still read changes. When
+    /// the guest comes back with exactly that token at that position, its step is done or
+    /// under way ([`Self::take_ahead_decode`]); any other call runs after it and overwrites
+    /// what it wrote. Returns the argmax of the step just run (read back through page-locked
+    /// memory), or None when no step can run ahead: no room, no captured graphs, or the last
+    /// step was not a decode through this session's graph (ids[0] holds another position).
+    pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
+        let last_decode = self.len.checked_sub(1).is_some_and(|p| self.fed_from == Some(p));
+        let graphs = self.exec.gpu.tuning.graphs && !self.graph_failed && self.graph.is_some();
+        if !last_decode || !graphs || self.len >= self.capacity {
+            return Ok(None);
+        }
+        // the step run ahead writes the buffer not being read
+        let which = usize::from(!self.in_spare);
+        if self.ahead_graphs[which].is_none() {
+            let logits = if which == 0 { self.logits.ptr() } else { self.spare.ptr() };
+            match self.capture(|s| s.decode_kernels_into(true, logits)) {
+                Ok(Some(graph)) => self.ahead_graphs[which] = Some(graph),
+                Ok(None) => return Ok(None),
+                Err(e) => {
+                    tracing::warn!("capturing a decode run ahead failed, not running ahead: {e}");
+                    self.graph_failed = true;
+                    return Ok(None);
+                }
+            }
+        }
+        let stream = self.launcher.stream().clone();
+        if self.key_copy.is_none() {
+            self.key_copy = Some(HostCopy::new(&stream, 1)?);
+        }
+        let (Some(copy), Some(graph)) = (self.key_copy.as_mut(), self.ahead_graphs[which].as_ref()) else {
+            return Ok(None);
+        };
+        // this step's argmax key goes out before the step run ahead clears it
+        copy.start(&stream, &self.next, 1)?;
+        graph.launch().ctx("decode run ahead")?;
+        self.own_in_flight = true;
+        let key = copy.wait()?.first().copied().unwrap_or(0);
+        let argmax = argmax_row(key);
+        // the kernel feeds row 0 for a row past the vocabulary (never an argmax): no guess then
+        if (argmax as usize) < self.exec.config.vocab_size {
+            self.lone = Some(LoneAhead {
+                position: self.len,
+                token: argmax,
+            });
+        }
+        self.cached_argmax = Some(argmax);
+        Ok(Some(argmax))
+    }
+
+    /// Whether the decode run ahead is `token` at the current position.
+    pub(crate) fn ahead_decode_is(&self, token: u32) -> bool {
+        self.lone
+            .as_ref()
+            .is_some_and(|a| a.position == self.len && a.token == token)
+    }
+
+    /// Take the decode run ahead as this session's next step when it is `token` at the
+    /// current position: the position advances and the logits buffers change roles (the step
+    /// may still be under way; reads are ordered after it on the stream). False, and the step
+    /// run ahead forgotten, otherwise.
+    pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
+        if !self.ahead_decode_is(token) {
+            self.lone = None;
+            return false;
+        }
+        self.lone = None;
+        self.fed_from = Some(self.len);
+        self.len += 1;
+        self.all_rows = 0;
+        self.in_spare = !self.in_spare;
+        self.cached_argmax = None;
+        true
+    }
+
+    /// Forget any decode run ahead and wait for this session's own stream if work run ahead
+    /// may still be under way on it: before a batched pass (on another stream) reads or writes
+    /// the session's cache and logits.
+    pub(crate) fn settle_own(&mut self) -> Result<(), EngineError> {
+        self.lone = None;
+        if self.own_in_flight {
+            self.synchronize()?;
+            self.own_in_flight = false;
+        }
+        Ok(())
     }
 
     /// Positions the KV cache holds.
@@ -963,7 +1098,12 @@ impl Session for CudaSession {
     }
 
     fn truncate(&mut self, len: usize) {
-        // Positions past `len` are simply overwritten by the next step.
+        // Positions past `len` are simply overwritten by the next step; a step run ahead
+        // was for the old sequence (the wasi-nn backend truncates to the length it keeps
+        // before every step: a no-op then, and the step run ahead stays).
+        if len < self.len {
+            self.lone = None;
+        }
         self.len = self.len.min(len);
     }
 
@@ -987,6 +1127,9 @@ impl Session for CudaSession {
 impl CudaSession {
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
+        self.lone = None;
+        self.fed_from = None;
+        self.own_in_flight = false;
         self.len = 0;
         self.in_spare = false;
         self.all_rows = 0;
@@ -1002,6 +1145,7 @@ impl Drop for CudaSession {
         let _setup = gpu.setup_lock();
         let _ = self.launcher.stream().synchronize();
         self.graph = None;
+        self.ahead_graphs = [None, None];
         self.prefill_graphs.clear();
         self.blas = None;
     }

@@ -19,6 +19,9 @@ pub struct Embed {
     pub position: DevPtr<i32>,
     /// The LM head's argmax key, cleared for the step that starts here.
     pub argmax_key: DevPtr<u64>,
+    /// One row run ahead: its token is the argmax in `argmax_key` (of the step before), its
+    /// position the one after `position`'s; both are written back there (`start` is None).
+    pub feed: bool,
 }
 
 /// LayerNorm of `rows` rows of `x` into `out` (f32 or bf16); with `pre_bias`, first
@@ -40,14 +43,17 @@ impl Launcher {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        ensure(a.out.len() >= a.rows * c && a.tokens.len() >= a.rows, "embed")?;
+        let fed_ok = !a.feed || a.rows == 1 && a.start.is_none();
+        ensure(a.out.len() >= a.rows * c && a.tokens.len() >= a.rows && fed_ok, "embed")?;
         let (c, start) = (c as i32, a.start.map_or(-1, |s| s as i32));
+        let (feed, vocab) = (i32::from(a.feed), self.config.vocab_size as i32);
         let (x, tokens, wte, wpe) = (a.out.addr(), a.tokens.addr(), a.wte.addr(), a.wpe.addr());
         let (pos, key) = (a.position.addr(), a.argmax_key.addr());
         // SAFETY: out holds rows*C floats and tokens rows ids, each checked < vocab before
-        // upload; positions start..start+rows are < n_ctx (checked by the session); the key is
-        // one u64.
-        let mut args = kernel_args![&x, &tokens, &wte, &wpe, &c, &start, &pos, &key];
+        // upload (a fed token is an argmax row, clamped below vocab by the kernel); positions
+        // start..start+rows are < n_ctx (checked by the session; a fed position is one past the
+        // last decode's, below the capacity, checked before the launch); the key is one u64.
+        let mut args = kernel_args![&x, &tokens, &wte, &wpe, &c, &start, &pos, &key, &feed, &vocab];
         unsafe { self.launch(&self.kernels.embed, cfg, 1, &mut args, "embed") }
     }
 
