@@ -151,9 +151,7 @@ __device__ void decode_qkv_attention_impl(float* out, const float* x, const W* w
     __shared__ float scratch[32];
     pdl_launch_dependents();
     // the next kernel's weights into L2 while this one runs (see matvec.cu)
-    if (pf != nullptr)
-        prefetch_l2(pf, (size_t)pf_bytes, (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x,
-                    gridDim.x * gridDim.y * blockDim.x);
+    grid_prefetch_l2(pf, pf_bytes);
     // every block of the cluster must have started before any writes into a peer's qkv_s
     cluster_arrive_relaxed();
     float* xs = dyn;

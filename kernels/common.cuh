@@ -31,6 +31,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes, int thr
         asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 }
 
+// The grid asks L2 for `bytes` from `p` (another kernel's weights, due next), a 128-byte line
+// a thread at a time over every thread of the grid; nothing when p is null.
+__device__ __forceinline__ void grid_prefetch_l2(const void* p, long long bytes) {
+    if (p == nullptr) return;
+    int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    int threads = gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    prefetch_l2(p, (size_t)bytes, block * blockDim.x + threadIdx.x, threads);
+}
+
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
 // f32 -> bf16 bits, round to nearest even (finite values).
 __device__ __forceinline__ bf16_t f32_to_bf16_bits(float v) {

@@ -35,8 +35,7 @@ __device__ void matvec_impl(float* out, const float* x, const W* w, const W* bia
     __shared__ float scratch[32];
     __shared__ unsigned long long block_best[MV_WARPS];
     pdl_launch_dependents();
-    if (pf != nullptr)
-        prefetch_l2(pf, (size_t)pf_bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+    grid_prefetch_l2(pf, pf_bytes);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int row0 = (blockIdx.x * MV_WARPS + warp) * MV_ROWS_PER_WARP;
     float acc[MV_ROWS_PER_WARP];
