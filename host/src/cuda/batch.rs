@@ -925,18 +925,24 @@ impl CudaBatch {
 
     /// A lone decode whose step was run ahead on its session's own stream, with the token
     /// guessed: take that step, and run the next one ahead for a greedy guest (its argmax comes
-    /// back once the step taken ends). False, touching nothing, for any other step.
+    /// back once the step taken ends). False for any other step (a step run ahead for it is
+    /// forgotten: the step waits for it before anything else uses the session).
     fn lone_hit(&self, item: &mut StepItem<'_, CudaSeq>) -> bool {
         let [token] = *item.tokens else {
             return false;
         };
-        let fits = !item.all_positions && item.error.is_none();
-        if !fits || !item.seq.session().is_ok_and(|s| s.ahead_decode_is(token)) {
+        if item.all_positions || item.error.is_some() {
+            return false;
+        }
+        if !item
+            .seq
+            .session_mut()
+            .is_ok_and(|s| s.take_ahead_decode(token))
+        {
             return false;
         }
         let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
         let ran = item.seq.session_mut().and_then(|s| {
-            s.take_ahead_decode(token);
             match sampled || !self.exec.gpu.tuning().run_ahead {
                 true => Ok(None),
                 false => s.launch_ahead_decode(),

@@ -271,17 +271,17 @@ impl CudaSession {
         self.launcher.matvec(head)
     }
 
-    /// The kernels of one decode step (token in ids[1], position in ids[0]). Each of the
-    /// step's products (and the fused attention) asks L2 for the next one's weights while it
-    /// runs: they depend on nothing the step computes, and the step is a chain of short
-    /// kernels that leaves DRAM idle most of the time.
+    /// The kernels of one decode step (token in ids[1], position in ids[0]).
     fn decode_kernels(&self) -> Result<(), CudaError> {
         self.decode_kernels_into(false, self.logits.ptr())
     }
 
     /// The kernels of one decode step, its logits into `logits`; with `feed`, a step run
     /// ahead: its token is the argmax of the step before and its position the one after
-    /// ids[0]'s (both fed on the GPU by the embedding kernel).
+    /// ids[0]'s (both fed on the GPU by the embedding kernel). Each of the step's products
+    /// (and the fused attention) asks L2 for the next one's weights while it runs: they depend
+    /// on nothing the step computes, and the chain of short kernels leaves DRAM idle most of
+    /// the time.
     fn decode_kernels_into(&self, feed: bool, logits: DevPtr<f32>) -> Result<(), CudaError> {
         let cfg = self.exec.config;
         let w = &self.exec.weights;
@@ -408,6 +408,7 @@ impl CudaSession {
     /// One decode step through the captured graph (captured on first use).
     fn decode(&mut self, token: u32) -> Result<(), CudaError> {
         self.lone = None;
+        // (unknown until the upload is done)
         self.fed_from = None;
         self.upload_ids(Some(self.len), &[token as i32])?;
         self.fed_from = Some(self.len);
@@ -1033,23 +1034,18 @@ impl CudaSession {
         Ok(Some(argmax))
     }
 
-    /// Whether the decode run ahead is `token` at the current position.
-    pub(crate) fn ahead_decode_is(&self, token: u32) -> bool {
-        self.lone
-            .as_ref()
-            .is_some_and(|a| a.position == self.len && a.token == token)
-    }
-
     /// Take the decode run ahead as this session's next step when it is `token` at the
     /// current position: the position advances and the logits buffers change roles (the step
     /// may still be under way; reads are ordered after it on the stream). False, and the step
     /// run ahead forgotten, otherwise.
     pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
-        if !self.ahead_decode_is(token) {
-            self.lone = None;
+        let hit = self
+            .lone
+            .take()
+            .is_some_and(|a| a.position == self.len && a.token == token);
+        if !hit {
             return false;
         }
-        self.lone = None;
         self.fed_from = Some(self.len);
         self.len += 1;
         self.all_rows = 0;
