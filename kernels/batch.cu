@@ -5,10 +5,12 @@
 // layer-0 cache, `[capacity, C]` per layer, `layer_off` elements apart, f32 or fp16 per `KvOf`); a padding row (the step
 // rounded up to a captured graph's size) has position -1 and touches no cache and no output.
 //
-// The products go through cuBLAS over all rows. In bf16 mode their inputs are "split": each f32
-// activation v is stored as two bf16 rows, hi = bf16(v) in row r and lo = bf16(v - hi) in row
-// rows + r, and the product's two result rows are summed afterwards, so a batched step sees
-// the activations to ~16 bits, as the one-row f32 decode kernels do, instead of bf16's 8.
+// The products go through cuBLAS over all rows, or in bf16 mode for steps of up to 64 rows
+// through `batch_gemm_bf16_*` below. In bf16 mode their inputs are "split": each f32 activation
+// v is stored as two bf16 rows, hi = bf16(v) in row r and lo = bf16(v - hi) in row rows + r, and
+// the product's two result rows are summed (by the next kernel after cuBLAS, inside our kernel),
+// so a batched step sees the activations to ~16 bits, as the one-row f32 decode kernels do,
+// instead of bf16's 8.
 #include "common.cuh"
 
 // An activation into `out`: f32 `[rows, width]`, or split into bf16 hi/lo rows `[2 * rows, width]`.
@@ -22,18 +24,24 @@ __device__ __forceinline__ void store_act(void* out, int rows, int r, int col, i
         static_cast<float*>(out)[(size_t)r * width + col] = v;
     }
 }
-// A product's result for row r: its row, plus the lo row's when the input was split, summed over
-// the planes of K slices when `batch_gemm` cut K. `split_in` says both: bit 0 the split, the
-// bits above the planes (0: one), each `rows` rows (twice that, split) of n.
+// A product's result for row r: its row, plus the lo row's when the input was split (cuBLAS's
+// result), or summed over the planes of K slices (`batch_gemm`'s, the hi and lo rows already
+// summed). `split_in` says which: bit 0 the split, the bits above the planes (0: one, at most
+// MAX_PLANES), each `rows` rows (twice that, split) of n. The planes' loads are all issued
+// before the first sum, which is in plane order.
+#define MAX_PLANES 8
 __device__ __forceinline__ float product_value(const float* tmp, int rows, int r, int col, int n, int split_in) {
-    int split = split_in & 1, parts = max(1, split_in >> 1);
-    size_t plane = (size_t)(split ? 2 * rows : rows) * n;
+    int parts = max(1, split_in >> 1);
+    const float* t = tmp + (size_t)r * n + col;
+    if (split_in & 1) return 0.0f + t[0] + t[(size_t)rows * n];
+    size_t plane = (size_t)rows * n;
+    float part[MAX_PLANES];
+#pragma unroll
+    for (int p = 0; p < MAX_PLANES; ++p) part[p] = p < parts ? t[p * plane] : 0.0f;
     float v = 0.0f;
-    for (int p = 0; p < parts; ++p) {
-        const float* t = tmp + p * plane;
-        v += t[(size_t)r * n + col];
-        if (split) v += t[(size_t)(rows + r) * n + col];
-    }
+#pragma unroll
+    for (int p = 0; p < MAX_PLANES; ++p)
+        if (p < parts) v += part[p];
     return v;
 }
 
@@ -543,49 +551,77 @@ extern "C" __global__ void __launch_bounds__(256, 4)
     if ((threadIdx.x & 31) == 0 && best != 0ull) atomicMax(keys + r, best);
 }
 
-// The batched step's products in bf16 mode: c[z][M, N] = a[M, K-slice z] x w[N, K-slice z]^T,
-// bf16 inputs (rows of K; w as stored, one row per output), f32 results, row stride ldc, plane
-// z at c + z * M * ldc (the consumer sums the gridDim.z planes, see `product_value`: no atomics,
-// the same sums every run). Skinny products: M is the step's rows (twice them, split), at most
-// 2 * 256; N and the K slice are multiples of BG_BN and BG_BK (the host checks). A block of 128
-// threads makes a 64 x 64 tile, each warp 16 rows of it with bf16 mma.sync; K goes through
-// shared memory in stages of BG_BK, BG_STAGES - 1 of them in flight (cp.async). The weights of
-// the first stages are fetched before waiting for the previous kernel (they do not depend on it).
-#define BG_BM 64
-#define BG_BN 64
-#define BG_BK 32
+// The batched step's products in bf16 mode, on tensor cores: out[r, :] = (a[r] + a[rows + r]) x
+// w^T, where `a` is a split input ([2 * rows, K] bf16, hi rows then lo rows, see `store_act`) and
+// w is [N, K] as stored (one row per output). The hi and lo rows' products are summed here, so the
+// next kernel reads one value per K slice where cuBLAS's result leaves it two.
+//
+// A block takes BG_STREAMS rows and 8 * WN columns; each of its 8 warps 8 rows, as a 16-row mma
+// strip whose rows 0-7 are the rows' hi halves and 8-15 their lo halves, so each thread ends with
+// a row's hi and lo partial sums in the same registers. K goes through shared memory in stages of
+// BG_BK (cp.async, BG_STAGES - 1 in flight); the weights of the first stages are fetched before
+// the wait on the previous kernel, as they do not depend on it. K may be cut into gridDim.x
+// slices, slice z into plane z of `out` (`[gridDim.x, rows, N]`); the consumer sums the planes
+// in order (`product_value`): the same sums every run, no atomics and no wait on other blocks.
+#define BG_STREAMS 64
+#define BG_BK 64
 #define BG_STAGES 4
-#define BG_LD (BG_BK + 8)  // padded rows: ldmatrix reads 8 rows 80 bytes apart, no bank conflicts
+#define BG_LD (BG_BK + 8)  // padded rows: ldmatrix reads 8 rows 144 bytes apart, no bank conflicts
+#define BG_THREADS 256
 
-__device__ __forceinline__ void bg_load(unsigned short (*dst)[BG_LD], const bf16_t* src, int row0, int rows, int k,
-                                        int kk) {
-    // 64 rows x BG_BK bf16: 256 chunks of 16 bytes, two per thread; rows past `rows` are zeros
-    for (int i = threadIdx.x; i < BG_BM * BG_BK / 8; i += blockDim.x) {
-        int r = i / (BG_BK / 8), ch = (i % (BG_BK / 8)) * 8;
-        bool valid = row0 + r < rows;
-        cp_async16(&dst[r][ch], src + (size_t)(valid ? row0 + r : 0) * k + kk + ch, valid);
-    }
-}
+typedef unsigned short bg_row_t[BG_LD];
 
-extern "C" __global__ void __launch_bounds__(128)
-    batch_gemm_bf16(float* c, const bf16_t* a, const bf16_t* w, int m, int n, int k, int ldc) {
-    __shared__ __align__(16) unsigned short as[BG_STAGES][BG_BM][BG_LD];
-    __shared__ __align__(16) unsigned short ws[BG_STAGES][BG_BN][BG_LD];
+template <int WN>
+__device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, const bf16_t* w, int rows, int n,
+                                                int k) {
+    constexpr int BN = 8 * WN;
+    constexpr int CH = BG_BK / 8;                            // 16-byte pieces of a row's stage
+    constexpr int A_PER = 2 * BG_STREAMS * CH / BG_THREADS;  // a thread's pieces of a stage
+    constexpr int W_PER = (BN * CH + BG_THREADS - 1) / BG_THREADS;
+    constexpr int ROW_STEP = BG_THREADS / CH;                // tile rows between a thread's pieces
+    extern __shared__ __align__(16) unsigned char bg_smem[];
+    bg_row_t* as = reinterpret_cast<bg_row_t*>(bg_smem);  // [BG_STAGES][2 * BG_STREAMS]
+    bg_row_t* ws = as + BG_STAGES * 2 * BG_STREAMS;      // [BG_STAGES][BN]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int row0 = blockIdx.y * BG_BM, col0 = blockIdx.x * BG_BN;
-    int slice = k / gridDim.z, k0 = blockIdx.z * slice, stages = slice / BG_BK;
-    float* out = c + (size_t)blockIdx.z * m * ldc;
+    int parts = gridDim.x, col0 = blockIdx.y * BN, s0 = blockIdx.z * BG_STREAMS;
+    int slice = k / parts, k0 = blockIdx.x * slice, stages = slice / BG_BK;
+    // A thread copies the same pieces at every stage: piece ch of tile rows r, r + ROW_STEP, ...
+    // Tile row 16 * wp + q of the input holds row s0 + 8 * wp + (q & 7)'s hi half (q < 8) or
+    // lo half, zeros past `rows`; the weights' tile row r is output column col0 + r.
+    int ch = (threadIdx.x % CH) * 8, r0 = threadIdx.x / CH;
+    const bf16_t* w_src[W_PER];
+#pragma unroll
+    for (int u = 0; u < W_PER; ++u) w_src[u] = w + (size_t)(col0 + r0 + u * ROW_STEP) * k + k0 + ch;
+    auto load_w = [&](int s) {
+        bg_row_t* dst = ws + (s % BG_STAGES) * BN;
+#pragma unroll
+        for (int u = 0; u < W_PER; ++u)
+            if (r0 + u * ROW_STEP < BN) cp_async16(&dst[r0 + u * ROW_STEP][ch], w_src[u] + s * BG_BK, true);
+    };
     pdl_launch_dependents();
     for (int s = 0; s < BG_STAGES - 1; ++s)
-        if (s < stages) bg_load(ws[s], w, col0, n, k, k0 + s * BG_BK);
+        if (s < stages) load_w(s);
     pdl_wait();
+    const bf16_t* a_src[A_PER];
+    bool a_ok[A_PER];
+#pragma unroll
+    for (int u = 0; u < A_PER; ++u) {
+        int tr = r0 + u * ROW_STEP, q = tr & 15, row = s0 + 8 * (tr >> 4) + (q & 7);
+        a_ok[u] = row < rows;
+        a_src[u] = a + (size_t)(a_ok[u] ? (q < 8 ? row : rows + row) : 0) * k + k0 + ch;
+    }
+    auto load_a = [&](int s) {
+        bg_row_t* dst = as + (s % BG_STAGES) * 2 * BG_STREAMS;
+#pragma unroll
+        for (int u = 0; u < A_PER; ++u) cp_async16(&dst[r0 + u * ROW_STEP][ch], a_src[u] + s * BG_BK, a_ok[u]);
+    };
     for (int s = 0; s < BG_STAGES - 1; ++s) {
-        if (s < stages) bg_load(as[s], a, row0, m, k, k0 + s * BG_BK);
+        if (s < stages) load_a(s);
         cp_async_commit();
     }
-    float acc[8][4];
+    float acc[WN][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j = 0; j < WN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     for (int s = 0; s < stages; ++s) {
         // stage s has landed (BG_STAGES - 1 + s groups committed, at most BG_STAGES - 2 pending),
         // and every warp is done with stage s - 1, whose buffers the next load takes
@@ -593,32 +629,42 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncthreads();
         int next = s + BG_STAGES - 1;
         if (next < stages) {
-            bg_load(ws[next % BG_STAGES], w, col0, n, k, k0 + next * BG_BK);
-            bg_load(as[next % BG_STAGES], a, row0, m, k, k0 + next * BG_BK);
+            load_w(next);
+            load_a(next);
         }
         cp_async_commit();
-        int st = s % BG_STAGES;
+        const bg_row_t* at = as + (s % BG_STAGES) * 2 * BG_STREAMS;
+        const bg_row_t* wt = ws + (s % BG_STAGES) * BN;
 #pragma unroll
         for (int kk = 0; kk < BG_BK; kk += 16) {
             u32 af[4];
-            // rows 0-7 / 8-15 of the warp's 16, columns kk / kk + 8
-            ldmatrix_x4(af, &as[st][warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+            // the strip's rows 0-7 / 8-15, columns kk / kk + 8
+            ldmatrix_x4(af, &at[warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
 #pragma unroll
-            for (int j = 0; j < 8; j += 2) {
+            for (int j = 0; j < WN; j += 2) {
                 u32 bf[4];
                 // outputs 8j..8j+7 then 8j+8..8j+15, each at k kk and kk + 8
-                ldmatrix_x4(bf, &ws[st][j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                ldmatrix_x4(bf, &wt[j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
                 mma_bf16_16816(acc[j], af, bf[0], bf[1]);
                 mma_bf16_16816(acc[j + 1], af, bf[2], bf[3]);
             }
         }
     }
-    int g = lane >> 2, t = lane & 3, r = row0 + warp * 16 + g;
+    // thread (g, t) holds row s0 + 8 * warp + g: its hi sums in acc[j][0..1], its lo sums in
+    // acc[j][2..3], at columns 8j + 2t and 8j + 2t + 1; K slice z goes to plane z
+    int g = lane >> 2, t = lane & 3, row = s0 + warp * 8 + g;
+    if (row >= rows) return;
+    float* plane = out + (size_t)blockIdx.x * rows * n + (size_t)row * n + col0 + 2 * t;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        int col = col0 + j * 8 + 2 * t;
-        if (r < m) *reinterpret_cast<float2*>(out + (size_t)r * ldc + col) = make_float2(acc[j][0], acc[j][1]);
-        if (r + 8 < m)
-            *reinterpret_cast<float2*>(out + (size_t)(r + 8) * ldc + col) = make_float2(acc[j][2], acc[j][3]);
-    }
+    for (int j = 0; j < WN; ++j)
+        *reinterpret_cast<float2*>(plane + j * 8) = make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+}
+
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
+    batch_gemm_bf16_n64(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k) {
+    batch_gemm_impl<8>(out, a, w, rows, n, k);
+}
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
+    batch_gemm_bf16_n32(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k) {
+    batch_gemm_impl<4>(out, a, w, rows, n, k);
 }

@@ -13,7 +13,9 @@ use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::attention::{
     DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
 };
-use wasi_nn_host::cuda::ops::batch::{batch_gemm_parts, RowTable};
+use wasi_nn_host::cuda::ops::batch::{
+    batch_gemm_plan, gemm_most_parts, GemmPlan, RowTable, MAX_PARTS,
+};
 use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
 use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
 use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};
@@ -434,8 +436,11 @@ fn check_one(
     want.iter_mut().for_each(|v| *v = cpu::gelu(*v));
     report("matvec+layernorm+gelu", &b.get(B::Fc, 4 * c)?, &want, 1e-4);
 
-    // the batched step's tensor-core products (bf16): rows of bf16 inputs against the
-    // layer's QKV and MLP-projection weights, in K slices that are summed afterwards
+    // the batched step's tensor-core products (bf16): f32 rows split into bf16 hi and lo rows
+    // (as the batched kernels store a product's input) against the layer's QKV and
+    // MLP-projection weights; the hi and lo rows summed in the kernel, a plane per K slice
+    // (summed here in order, as the next kernel does). Each shape with the step's plan, one
+    // slice of wide tiles and the most slices of narrow ones.
     if dtype == GpuDtype::Bf16 {
         let shapes = [
             ("qkv", dl.qkv_w.ptr(), &lw.qkv_w, 3 * c, c),
@@ -447,39 +452,59 @@ fn check_one(
                 4 * c,
             ),
         ];
+        let sms = b.l.gpu().sms();
         for (name, on_gpu, on_cpu, n, k) in shapes {
             for m in [1usize, 17, 130] {
-                let parts = batch_gemm_parts(m, n, k, usize::MAX);
-                let a = bf16_round(&b.random(m * k));
-                let bits: Vec<Bf16> = a
-                    .iter()
-                    .map(|v| half::bf16::from_f32(*v).to_bits())
-                    .collect();
+                let x = b.random(m * k);
+                let mut bits = vec![0 as Bf16; 2 * m * k];
+                for (i, v) in x.iter().enumerate() {
+                    let hi = half::bf16::from_f32(*v);
+                    bits[i] = hi.to_bits();
+                    bits[m * k + i] = half::bf16::from_f32(v - hi.to_f32()).to_bits();
+                }
                 let stream = b.l.stream().clone();
                 let input = DevBuf::<Bf16>::from_host(&stream, &bits, "product input")?;
-                let out = DevBuf::<f32>::zeros(&stream, parts * m * n, "product planes")?;
-                match b
-                    .l
-                    .batch_gemm(on_gpu, input.ptr(), (m, n, k), out.ptr(), parts)
-                {
-                    Some(ran) => ran?,
-                    None => continue,
-                }
-                let planes = out.read(&stream, parts * m * n)?;
-                let ours: Vec<f32> = (0..m * n)
-                    .map(|i| (0..parts).map(|p| planes[p * m * n + i]).sum())
-                    .collect();
                 let mut want = vec![0.0; m * n];
                 for r in 0..m {
-                    let row = &a[r * k..(r + 1) * k];
+                    let row = &x[r * k..(r + 1) * k];
                     cpu::linear(&mut want[r * n..(r + 1) * n], row, on_cpu, None, k, n);
                 }
-                report(
-                    &format!("batched product {name} ({m} rows, {parts} K slices)"),
-                    &ours,
-                    &want,
-                    1e-4,
-                );
+                let plans = [
+                    batch_gemm_plan(m, n, k, sms, MAX_PARTS * m * n),
+                    GemmPlan {
+                        parts: 1,
+                        wide: true,
+                    },
+                    GemmPlan {
+                        parts: gemm_most_parts(k, MAX_PARTS),
+                        wide: false,
+                    },
+                ];
+                for (i, plan) in plans.into_iter().enumerate() {
+                    if plans[..i].contains(&plan) {
+                        continue;
+                    }
+                    let len = plan.parts * m * n;
+                    let out = DevBuf::<f32>::zeros(&stream, len, "product planes")?;
+                    match b
+                        .l
+                        .batch_gemm(on_gpu, input.ptr(), (m, n, k), out.ptr(), plan)
+                    {
+                        Some(ran) => ran?,
+                        None => continue,
+                    }
+                    let planes = out.read(&stream, len)?;
+                    let ours: Vec<f32> = (0..m * n)
+                        .map(|i| (0..plan.parts).fold(0.0, |v, p| v + planes[p * m * n + i]))
+                        .collect();
+                    let (slices, cols) = (plan.parts, if plan.wide { 64 } else { 32 });
+                    report(
+                        &format!("batched product {name} ({m} rows, {slices} K slices, {cols}-column tiles)"),
+                        &ours,
+                        &want,
+                        1e-4,
+                    );
+                }
             }
         }
     }

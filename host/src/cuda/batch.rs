@@ -6,9 +6,10 @@
 //! keeps its latency); long prompts (over `BATCHED_PROMPT` tokens, and prompts that want
 //! every position's logits) run on their sessions' own streams through the prefill path;
 //! everything else, decodes and short prompts, is one batched pass on the batch's stream,
-//! one row a token: every row's embedding, the products over all rows through cuBLAS (bf16
-//! inputs split in hi and lo halves so the rows see their activations to ~16 bits, as the
-//! one-row kernels do), each row's key and value appended to its own context's cache,
+//! one row a token: every row's embedding, the products over all rows (bf16 inputs split in
+//! hi and lo halves so the rows see their activations to ~16 bits, as the one-row kernels do;
+//! our tensor-core kernel up to [`super::Gpu::batch_gemm_rows`] rows, cuBLAS above and for the LM
+//! head), each row's key and value appended to its own context's cache,
 //! attention of each row over its own context's cache in one launch (ragged lengths), and
 //! the LM head writing each context's last row's logits into its session with their argmax.
 //! The batched pass is captured as a CUDA graph per size bucket (rows rounded up; padding
@@ -67,7 +68,7 @@ use super::blas::Blas;
 use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
-    batch_gemm_parts, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
+    batch_gemm_plan, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
     BATCH_ATT_SPLITS,
 };
 use super::ops::matvec::argmax_row;
@@ -690,23 +691,25 @@ impl CudaBatch {
         let x = b.x.ptr();
         // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
         let skip = &self.exec.gpu.tuning().skip;
-        // With `WASI_NN_HOST_BATCH_GEMM`, our tensor-core kernel where it fits (bf16), in K
-        // slices whose partial sums the next kernel adds; returns the planes written.
-        let ours = self.exec.gpu.tuning().batch_gemm;
-        let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<usize, CudaError> {
-            let parts = batch_gemm_parts(product_rows, n_out, k, tmp.len());
+        // Steps of up to `batch_gemm_rows` rows (64 on sm_90+) use our tensor-core kernel
+        // where it fits (bf16): the hi and lo rows already summed, a plane per K slice.
+        // Returns how the next kernel reads the product: (its input was split, planes).
+        let ours = n <= self.exec.gpu.batch_gemm_rows();
+        let sms = self.exec.gpu.sms();
+        let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<(bool, usize), CudaError> {
             if let (true, Act::Bf16(a)) = (ours, act) {
-                if let Some(ran) = l.batch_gemm(w, a, (product_rows, n_out, k), tmp, parts) {
-                    return ran.map(|()| parts);
+                let plan = batch_gemm_plan(n, n_out, k, sms, tmp.len());
+                if let Some(ran) = l.batch_gemm(w, a, (n, n_out, k), tmp, plan) {
+                    return ran.map(|()| (false, plan.parts));
                 }
             }
             b.blas
                 .gemm(l, w, act, (product_rows, n_out, k), (tmp, n_out), false)
-                .map(|()| 1)
+                .map(|()| (split, 1))
         };
 
         // x += the product (its `parts` planes) and its bias, then the LayerNorm `norm` into act
-        let residual_norm = |bias, norm, parts| {
+        let residual_norm = |bias, norm, (split, parts)| {
             if skip.ln {
                 return Ok(());
             }
@@ -741,16 +744,16 @@ impl CudaBatch {
             },
         )?;
         for (i, lw) in w.layers.iter().enumerate() {
-            let qkv_parts = product(lw.qkv_w.ptr(), 3 * c, c)?;
+            let (qkv_split, qkv_parts) = product(lw.qkv_w.ptr(), 3 * c, c)?;
             if prompts {
                 // rows of one prompt read each other's keys: all appended first
-                l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), (split, qkv_parts), i)?;
+                l.batch_append_kv(t, tmp, lw.qkv_b.ptr(), (qkv_split, qkv_parts), i)?;
             }
             let attention = BatchAttention {
                 out: act,
                 tmp,
                 bias: lw.qkv_b.ptr(),
-                split,
+                split: qkv_split,
                 parts: qkv_parts,
                 partial: b.partial.ptr(),
                 layer: i,
@@ -762,14 +765,14 @@ impl CudaBatch {
             }
             let parts = product(lw.proj_w.ptr(), c, c)?;
             residual_norm(lw.proj_b.ptr(), lw.ln2(), parts)?;
-            let fc_parts = product(lw.fc_w.ptr(), 4 * c, c)?;
+            let (fc_split, fc_parts) = product(lw.fc_w.ptr(), 4 * c, c)?;
             let gelu = BatchEpilogue {
                 out: act,
                 tmp,
                 bias: lw.fc_b.ptr(),
                 n: 4 * c,
                 epilogue: Epilogue::Gelu,
-                split,
+                split: fc_split,
                 parts: fc_parts,
             };
             if !skip.epi {

@@ -46,10 +46,10 @@ pub struct Tuning {
     /// Blocks per head and threads of the fused decode kernel (`_DECODE_CLUSTER=8x256`).
     pub decode_cluster: Option<(u32, u32)>,
     pub skip: Skip,
-    /// Our tensor-core kernel for the batched step's bf16 products instead of cuBLAS
-    /// (`_BATCH_GEMM`; off by default: correct, but slower than cuBLAS so far, see
-    /// BENCHMARKS.md).
-    pub batch_gemm: bool,
+    /// Our tensor-core kernel for the batched step's bf16 products instead of cuBLAS in
+    /// steps of at most this many rows (`_BATCH_GEMM=ROWS`, 0 for cuBLAS everywhere; unset:
+    /// [`Gpu::batch_gemm_rows`] decides).
+    pub batch_gemm: Option<usize>,
     /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
     pub run_ahead: bool,
     /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
@@ -130,7 +130,9 @@ impl Tuning {
             batch_wave: std::env::var("WASI_NN_HOST_BATCH_WAVE")
                 .ok()
                 .and_then(|v| v.parse().ok()),
-            batch_gemm: std::env::var_os("WASI_NN_HOST_BATCH_GEMM").is_some(),
+            batch_gemm: std::env::var("WASI_NN_HOST_BATCH_GEMM")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             spin: std::time::Duration::from_micros(
                 std::env::var("WASI_NN_HOST_SPIN_US")
                     .ok()
@@ -141,6 +143,9 @@ impl Tuning {
         }
     }
 }
+
+/// Rows of a batched step up to which its products run on our kernel by default (sm_90+).
+const BATCH_GEMM_ROWS: usize = 64;
 
 /// The GPU and its compiled kernels, shared by every graph in the process.
 pub struct Gpu {
@@ -235,6 +240,16 @@ impl Gpu {
         self.sms
     }
 
+    /// The most rows of a batched step whose bf16 products run on our kernel
+    /// (`batch_gemm_bf16_*`) rather than cuBLAS: 64 where the kernel can fetch its weights
+    /// while the kernel before it ends (programmatic dependent launch, sm_90+), none
+    /// elsewhere; `WASI_NN_HOST_BATCH_GEMM=ROWS` sets it. From 128 rows on cuBLAS's products
+    /// are faster (BENCHMARKS.md).
+    pub fn batch_gemm_rows(&self) -> usize {
+        let default = if self.pdl { BATCH_GEMM_ROWS } else { 0 };
+        self.tuning.batch_gemm.unwrap_or(default)
+    }
+
     /// Whether the fused decode kernel (thread-block clusters, sm_90+) is in use.
     pub fn fused_decode(&self) -> bool {
         self.clusters.is_some()
@@ -317,7 +332,15 @@ impl Gpu {
             batch_att_combine: f("batch_attention_combine")?,
             batch_logits: f("batch_logits")?,
             batch_feed: f("batch_feed")?,
-            batch_gemm: f("batch_gemm_bf16")?,
+            batch_gemm: {
+                let (wide, narrow) = (f("batch_gemm_bf16_n64")?, f("batch_gemm_bf16_n32")?);
+                // GPUs with less shared memory a block than the kernel's stages take (sm_86:
+                // 99 KiB) keep cuBLAS for every product
+                let fits = self.tensor_cores
+                    && super::ops::batch::allow_gemm_shared_memory(&wide, true).is_ok()
+                    && super::ops::batch::allow_gemm_shared_memory(&narrow, false).is_ok();
+                fits.then_some([wide, narrow])
+            },
         })
     }
 

@@ -303,69 +303,107 @@ impl Launcher {
         unsafe { self.launch(&self.kernels.batch_feed, cfg, 1, &mut args, "batched token feed") }
     }
 
-    /// `out[z][m, n] = a[m, K slice z] w[n, K slice z]^T` for z < `parts` (bf16 inputs, f32
-    /// planes of `m * n` one after the other, for a consumer that sums them): the batched
-    /// step's skinny products on tensor cores, `None` when the shape does not fit the kernel's
-    /// tiles (the caller then uses cuBLAS).
+    /// `out[z][r, :] = (a[r] + a[rows + r])[K slice z] w[:, K slice z]^T` for the `rows` rows
+    /// of a split bf16 input (`[2 * rows, k]`, hi rows then lo rows) and the `plan.parts` K
+    /// slices z, f32 planes of `[rows, n]` one after the other, for a consumer that sums them
+    /// (`product_value`): the batched step's products on our tensor-core kernel. `None` when
+    /// the GPU or the shape does not suit the kernel (the caller then uses cuBLAS).
     pub fn batch_gemm(
         &self,
         w: DevPtr<Stored>,
         a: DevPtr<Bf16>,
-        (m, n, k): (usize, usize, usize),
+        (rows, n, k): (usize, usize, usize),
         out: DevPtr<f32>,
-        parts: usize,
+        plan: GemmPlan,
     ) -> Option<Result<(), CudaError>> {
-        if !batch_gemm_fits(m, n, k, parts) || self.dtype != crate::engine::GpuDtype::Bf16 {
+        let GemmPlan { parts, wide } = plan;
+        let cols = if wide { BG_WIDE } else { BG_NARROW };
+        let funcs = self.kernels.batch_gemm.as_ref()?;
+        let usable = self.dtype == crate::engine::GpuDtype::Bf16
+            && (1..=MAX_PARTS).contains(&parts)
+            && rows >= 1
+            && n.is_multiple_of(cols)
+            && k.is_multiple_of(parts * BG_BK);
+        if !usable {
             return None;
         }
         let checked = ensure(
-            w.len() >= n * k && a.len() >= m * k && out.len() >= parts * m * n,
+            w.len() >= n * k && a.len() >= 2 * rows * k && out.len() >= parts * rows * n,
             "batched product",
         );
         if let Err(e) = checked {
             return Some(Err(e));
         }
         let cfg = LaunchConfig {
-            grid_dim: ((n / BG_BN) as u32, m.div_ceil(BG_BM) as u32, parts as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (parts as u32, (n / cols) as u32, rows.div_ceil(BG_STREAMS) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
         };
         let (c, a, w) = (out.addr(), a.addr(), w.addr());
-        let (m, n, k) = (m as i32, n as i32, k as i32);
-        // SAFETY: w holds n rows of k, a m rows of k, out parts planes of m rows of n (checked);
-        // the grid covers n / 64 column tiles (n a multiple of 64), the rows in tiles of 64
-        // (rows past m neither read nor written) and `parts` K slices of a multiple of 32.
-        let mut args = kernel_args![&c, &a, &w, &m, &n, &k, &n];
-        Some(unsafe { self.launch(&self.kernels.batch_gemm, cfg, 1, &mut args, "batched product") })
+        let (rows, n, k) = (rows as i32, n as i32, k as i32);
+        let func = &funcs[usize::from(!wide)];
+        // SAFETY: w holds n rows of k, a 2 * rows rows of k, out `parts` planes of rows rows
+        // of n (checked); the grid covers n in whole column tiles, the rows in tiles of 64
+        // (rows past `rows` neither read nor written) and K in `parts` slices of whole
+        // 64-wide stages.
+        let mut args = kernel_args![&c, &a, &w, &rows, &n, &k];
+        Some(unsafe { self.launch(func, cfg, 1, &mut args, "batched product") })
     }
 }
 
-/// Columns and K-slice width of one block of [`Launcher::batch_gemm`] (`BG_BN`, `BG_BK` in
-/// `kernels/batch.cu`).
-const BG_BN: usize = 64;
-const BG_BK: usize = 32;
-const BG_BM: usize = 64;
+/// Rows (each as its hi and lo row) and K-stage width of one block of
+/// [`Launcher::batch_gemm`], and its two column widths (`BG_STREAMS`, `BG_BK`, `batch_gemm_bf16_n64`
+/// / `_n32` in `kernels/batch.cu`).
+const BG_STREAMS: usize = 64;
+const BG_BK: usize = 64;
+const BG_WIDE: usize = 64;
+const BG_NARROW: usize = 32;
+const BG_STAGES: usize = 4;
 
-/// Whether [`Launcher::batch_gemm`] takes this shape: whole column tiles, K in `parts`
-/// slices of whole stages, at most 2 * 256 rows.
-pub fn batch_gemm_fits(m: usize, n: usize, k: usize, parts: usize) -> bool {
-    (1..=512).contains(&m)
-        && n.is_multiple_of(BG_BN)
-        && parts >= 1
-        && k.is_multiple_of(parts * BG_BK)
+/// Dynamic shared memory of [`Launcher::batch_gemm`]'s blocks: `BG_STAGES` stages of 128 input
+/// rows and the tile's weight rows, each row 64 bf16 + 8 of padding.
+fn gemm_shared_bytes(wide: bool) -> usize {
+    let cols = if wide { BG_WIDE } else { BG_NARROW };
+    BG_STAGES * (2 * BG_STREAMS + cols) * (BG_BK + 8) * 2
 }
 
-/// Most planes of K slices a product leaves for its consumer.
+/// Let a product kernel use its dynamic shared memory (above the default 48 KiB).
+pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide: bool) -> Result<(), CudaError> {
+    use super::super::error::DriverContext;
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(wide) as i32)
+        .ctx("product shared memory")
+}
+
+/// Most K slices (planes for the consumer to sum, `MAX_PLANES` in `kernels/batch.cu`) a
+/// product is cut into.
 pub const MAX_PARTS: usize = 8;
 
-/// K slices for a product of `m` rows and `n` columns whose planes fit in `room` floats:
-/// enough blocks for two on each of the GPU's SMs (about 132 on an H100/H200), at most
-/// [`MAX_PARTS`], each slice whole stages.
-pub fn batch_gemm_parts(m: usize, n: usize, k: usize, room: usize) -> usize {
-    let blocks = (n / BG_BN).max(1) * m.div_ceil(BG_BM);
-    let mut parts = 264usize.div_ceil(blocks).clamp(1, MAX_PARTS);
-    while parts > 1 && (!k.is_multiple_of(parts * BG_BK) || parts * m * n > room) {
-        parts -= 1;
-    }
-    parts
+/// How [`Launcher::batch_gemm`] runs one product: K in `parts` slices, 64-column tiles (`wide`)
+/// or 32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmPlan {
+    pub parts: usize,
+    pub wide: bool,
+}
+
+/// The plan for a product of `rows` rows, `n` columns and depth `k` on a GPU of `sms`
+/// multiprocessors, its planes within `room` floats: 64-column tiles unless even 8 slices of
+/// them leave SMs idle, then K cut into as many slices as keep the blocks within two an SM
+/// (at most [`MAX_PARTS`], whole stages each).
+pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize) -> GemmPlan {
+    let row_tiles = rows.div_ceil(BG_STREAMS).max(1);
+    let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * row_tiles * MAX_PARTS >= sms;
+    let tiles = (n / if wide { BG_WIDE } else { BG_NARROW }).max(1) * row_tiles;
+    let fit = room / (rows * n).max(1);
+    let parts = gemm_most_parts(k, (2 * sms / tiles).min(fit).clamp(1, MAX_PARTS));
+    GemmPlan { parts, wide }
+}
+
+/// The most K slices, at most `most`, that cut `k` into whole stages of [`Launcher::batch_gemm`].
+pub fn gemm_most_parts(k: usize, most: usize) -> usize {
+    (1..=most.max(1))
+        .rev()
+        .find(|p| k.is_multiple_of(p * BG_BK))
+        .unwrap_or(1)
 }

@@ -92,7 +92,9 @@ pub struct Kernels {
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
     pub(crate) batch_feed: CudaFunction,
-    pub(crate) batch_gemm: CudaFunction,
+    /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), where the GPU gives
+    /// their blocks the shared memory they take.
+    pub(crate) batch_gemm: Option<[CudaFunction; 2]>,
 }
 
 /// Launches kernels of one model shape and weight dtype on one stream, with programmatic
