@@ -68,8 +68,8 @@ use super::blas::Blas;
 use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
-    batch_gemm_plan, BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update,
-    BATCH_ATT_SPLITS,
+    batch_gemm_plan, batch_gemm_suits, BatchAttention, BatchEpilogue, ResidualNorm, RowTable,
+    Update, BATCH_ATT_SPLITS,
 };
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
@@ -692,15 +692,18 @@ impl CudaBatch {
         // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
         let skip = &self.exec.gpu.tuning().skip;
         // Steps of up to `batch_gemm_rows` rows (64 on sm_90+) use our tensor-core kernel
-        // where it fits (bf16): the hi and lo rows already summed, a plane per K slice.
+        // where it fits (bf16) and suits the shape (small weights, a plan that fills the GPU):
+        // the hi and lo rows already summed, a plane per K slice.
         // Returns how the next kernel reads the product: (its input was split, planes).
         let ours = n <= self.exec.gpu.batch_gemm_rows();
         let sms = self.exec.gpu.sms();
         let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<(bool, usize), CudaError> {
             if let (true, Act::Bf16(a)) = (ours, act) {
                 let plan = batch_gemm_plan(n, n_out, k, sms, tmp.len());
-                if let Some(ran) = l.batch_gemm(w, a, (n, n_out, k), tmp, plan) {
-                    return ran.map(|()| (false, plan.parts));
+                if batch_gemm_suits(n, (n_out, k), plan, sms) {
+                    if let Some(ran) = l.batch_gemm(w, a, (n, n_out, k), tmp, plan) {
+                        return ran.map(|()| (false, plan.parts));
+                    }
                 }
             }
             b.blas

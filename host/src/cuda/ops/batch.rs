@@ -400,6 +400,19 @@ pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize)
     GemmPlan { parts, wide }
 }
 
+/// Whether our kernel suits a product of `rows` rows, `n` columns and depth `k` under `plan`:
+/// weights of at most [`BG_MOST_WEIGHT_BYTES`] (bf16) and at least a block for each of the
+/// GPU's `sms` multiprocessors. Elsewhere cuBLAS was faster (H200, 64 rows: 774M's pass 2.60
+/// ms with ours against 2.19 with cuBLAS; 1558M's QKV and MLP products, 25 stages deep without
+/// a fitting cut, take one slice of 75 or 100 tiles).
+pub fn batch_gemm_suits(rows: usize, (n, k): (usize, usize), plan: GemmPlan, sms: usize) -> bool {
+    let cols = if plan.wide { BG_WIDE } else { BG_NARROW };
+    n * k * 2 <= BG_MOST_WEIGHT_BYTES && (n / cols) * rows.div_ceil(BG_STREAMS) * plan.parts >= sms
+}
+
+/// The largest weights (bytes) of a product our kernel takes: 124M's MLP products (768 x 3072).
+pub const BG_MOST_WEIGHT_BYTES: usize = 768 * 3072 * 2;
+
 /// The most K slices, at most `most`, that cut `k` into whole stages of [`Launcher::batch_gemm`].
 pub fn gemm_most_parts(k: usize, most: usize) -> usize {
     (1..=most.max(1))
