@@ -420,3 +420,77 @@ pub fn gemm_most_parts(k: usize, most: usize) -> usize {
         .find(|p| k.is_multiple_of(p * BG_BK))
         .unwrap_or(1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (QKV, attention projection, FC, MLP projection) of a model of width `c`: (n, k).
+    fn products(c: usize) -> [(usize, usize); 4] {
+        [(3 * c, c), (c, c), (4 * c, c), (c, 4 * c)]
+    }
+
+    #[test]
+    fn slices_cut_k_into_whole_stages() {
+        assert_eq!(gemm_most_parts(768, MAX_PARTS), 6);
+        assert_eq!(gemm_most_parts(3072, MAX_PARTS), 8);
+        assert_eq!(gemm_most_parts(1600, MAX_PARTS), 5);
+        assert_eq!(gemm_most_parts(1600, 3), 1);
+        assert_eq!(gemm_most_parts(64, MAX_PARTS), 1);
+        assert_eq!(gemm_most_parts(768, 0), 1);
+        for k in (64..=6400).step_by(64) {
+            for most in 1..=MAX_PARTS {
+                let p = gemm_most_parts(k, most);
+                assert!((1..=most).contains(&p) && k % (p * BG_BK) == 0, "k {k} most {most}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_64_row_step_of_124m_fills_an_h200_with_our_products() {
+        let (sms, room) = (132, 2 * 256 * 4 * 768);
+        let plans: Vec<GemmPlan> = products(768)
+            .iter()
+            .map(|&(n, k)| batch_gemm_plan(64, n, k, sms, room))
+            .collect();
+        let want = [(6, true), (6, false), (4, true), (8, false)];
+        for (plan, (parts, wide)) in plans.iter().zip(want) {
+            assert_eq!(*plan, GemmPlan { parts, wide });
+        }
+        for (&(n, k), &plan) in products(768).iter().zip(&plans) {
+            assert!(batch_gemm_suits(64, (n, k), plan, sms), "{n}x{k}");
+            // the planes fit the scratch buffer
+            assert!(plan.parts * 64 * n <= room);
+        }
+    }
+
+    #[test]
+    fn larger_models_and_thin_plans_keep_cublas() {
+        let sms = 132;
+        // 1558M: K = 1600 has no cut into 2-4 slices, so QKV (75 tiles) and FC (100) take one
+        for (n, k) in products(1600) {
+            let plan = batch_gemm_plan(64, n, k, sms, usize::MAX);
+            assert!(!batch_gemm_suits(64, (n, k), plan, sms), "{n}x{k}");
+        }
+        // 355M: only the attention projection's 2 MiB of weights
+        let suits: Vec<bool> = products(1024)
+            .iter()
+            .map(|&(n, k)| batch_gemm_suits(64, (n, k), batch_gemm_plan(64, n, k, sms, usize::MAX), sms))
+            .collect();
+        assert_eq!(suits, [false, true, false, false]);
+        // a plan with fewer blocks than SMs
+        let thin = GemmPlan { parts: 1, wide: true };
+        assert!(!batch_gemm_suits(64, (768, 768), thin, sms));
+    }
+
+    #[test]
+    fn planes_never_outgrow_the_scratch_buffer() {
+        for rows in [1, 17, 64, 130, 256] {
+            for (n, k) in products(768) {
+                let room = 2 * 64 * 4 * 768;
+                let plan = batch_gemm_plan(rows, n, k, 132, room);
+                assert!(plan.parts == 1 || plan.parts * rows * n <= room, "{rows} rows, {n}x{k}");
+            }
+        }
+    }
+}
