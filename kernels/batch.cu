@@ -577,7 +577,9 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     constexpr int BN = 8 * WN;
     constexpr int CH = BG_BK / 8;                            // 16-byte pieces of a row's stage
     constexpr int A_PER = 2 * BG_STREAMS * CH / BG_THREADS;  // a thread's pieces of a stage
-    constexpr int W_PER = (BN * CH + BG_THREADS - 1) / BG_THREADS;
+    constexpr int W_PER = BN * CH / BG_THREADS;
+    static_assert(A_PER * BG_THREADS == 2 * BG_STREAMS * CH && W_PER * BG_THREADS == BN * CH,
+                  "a stage's copies spread evenly over the threads");
     constexpr int ROW_STEP = BG_THREADS / CH;                // tile rows between a thread's pieces
     extern __shared__ __align__(16) unsigned char bg_smem[];
     bg_row_t* as = reinterpret_cast<bg_row_t*>(bg_smem);  // [BG_STAGES][2 * BG_STREAMS]
@@ -596,7 +598,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
         bg_row_t* dst = ws + (s % BG_STAGES) * BN;
 #pragma unroll
         for (int u = 0; u < W_PER; ++u)
-            if (r0 + u * ROW_STEP < BN) cp_async16(&dst[r0 + u * ROW_STEP][ch], w_src[u] + s * BG_BK, true);
+            cp_async16(&dst[r0 + u * ROW_STEP][ch], w_src[u] + s * BG_BK, true);
     };
     pdl_launch_dependents();
     for (int s = 0; s < BG_STAGES - 1; ++s)

@@ -497,7 +497,7 @@ fn check_one(
                     let ours: Vec<f32> = (0..m * n)
                         .map(|i| (0..plan.parts).fold(0.0, |v, p| v + planes[p * m * n + i]))
                         .collect();
-                    let (slices, cols) = (plan.parts, if plan.wide { 64 } else { 32 });
+                    let (slices, cols) = (plan.parts, plan.cols());
                     report(
                         &format!("batched product {name} ({m} rows, {slices} K slices, {cols}-column tiles)"),
                         &ours,

@@ -316,8 +316,7 @@ impl Launcher {
         out: DevPtr<f32>,
         plan: GemmPlan,
     ) -> Option<Result<(), CudaError>> {
-        let GemmPlan { parts, wide } = plan;
-        let cols = if wide { BG_WIDE } else { BG_NARROW };
+        let (parts, cols) = (plan.parts, plan.cols());
         let funcs = self.kernels.batch_gemm.as_ref()?;
         let usable = self.dtype == crate::engine::GpuDtype::Bf16
             && (1..=MAX_PARTS).contains(&parts)
@@ -336,12 +335,12 @@ impl Launcher {
         }
         let cfg = LaunchConfig {
             grid_dim: (parts as u32, (n / cols) as u32, rows.div_ceil(BG_STREAMS) as u32),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: gemm_shared_bytes(wide) as u32,
+            block_dim: (BG_THREADS, 1, 1),
+            shared_mem_bytes: gemm_shared_bytes(cols) as u32,
         };
         let (c, a, w) = (out.addr(), a.addr(), w.addr());
         let (rows, n, k) = (rows as i32, n as i32, k as i32);
-        let func = &funcs[usize::from(!wide)];
+        let func = &funcs[usize::from(!plan.wide)];
         // SAFETY: w holds n rows of k, a 2 * rows rows of k, out `parts` planes of rows rows
         // of n (checked); the grid covers n in whole column tiles, the rows in tiles of 64
         // (rows past `rows` neither read nor written) and K in `parts` slices of whole
@@ -359,11 +358,11 @@ const BG_BK: usize = 64;
 const BG_WIDE: usize = 64;
 const BG_NARROW: usize = 32;
 const BG_STAGES: usize = 4;
+const BG_THREADS: u32 = 256;
 
-/// Dynamic shared memory of [`Launcher::batch_gemm`]'s blocks: `BG_STAGES` stages of 128 input
-/// rows and the tile's weight rows, each row 64 bf16 + 8 of padding.
-fn gemm_shared_bytes(wide: bool) -> usize {
-    let cols = if wide { BG_WIDE } else { BG_NARROW };
+/// Dynamic shared memory of [`Launcher::batch_gemm`]'s blocks of `cols` columns: `BG_STAGES`
+/// stages of 128 input rows and the tile's weight rows, each row 64 bf16 + 8 of padding.
+fn gemm_shared_bytes(cols: usize) -> usize {
     BG_STAGES * (2 * BG_STREAMS + cols) * (BG_BK + 8) * 2
 }
 
@@ -371,7 +370,8 @@ fn gemm_shared_bytes(wide: bool) -> usize {
 pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide: bool) -> Result<(), CudaError> {
     use super::super::error::DriverContext;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(wide) as i32)
+    let cols = GemmPlan { parts: 1, wide }.cols();
+    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(cols) as i32)
         .ctx("product shared memory")
 }
 
@@ -387,6 +387,17 @@ pub struct GemmPlan {
     pub wide: bool,
 }
 
+impl GemmPlan {
+    /// Output columns of one block.
+    pub fn cols(&self) -> usize {
+        if self.wide {
+            BG_WIDE
+        } else {
+            BG_NARROW
+        }
+    }
+}
+
 /// The plan for a product of `rows` rows, `n` columns and depth `k` on a GPU of `sms`
 /// multiprocessors, its planes within `room` floats: 64-column tiles unless even 8 slices of
 /// them leave SMs idle, then K cut into as many slices as keep the blocks within two an SM
@@ -394,7 +405,8 @@ pub struct GemmPlan {
 pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize) -> GemmPlan {
     let row_tiles = rows.div_ceil(BG_STREAMS).max(1);
     let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * row_tiles * MAX_PARTS >= sms;
-    let tiles = (n / if wide { BG_WIDE } else { BG_NARROW }).max(1) * row_tiles;
+    let cols = GemmPlan { parts: 1, wide }.cols();
+    let tiles = (n / cols).max(1) * row_tiles;
     let fit = room / (rows * n).max(1);
     let parts = gemm_most_parts(k, (2 * sms / tiles).min(fit).clamp(1, MAX_PARTS));
     GemmPlan { parts, wide }
@@ -406,8 +418,7 @@ pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize)
 /// ms with ours against 2.19 with cuBLAS; 1558M's QKV and MLP products, 25 stages deep without
 /// a fitting cut, take one slice of 75 or 100 tiles).
 pub fn batch_gemm_suits(rows: usize, (n, k): (usize, usize), plan: GemmPlan, sms: usize) -> bool {
-    let cols = if plan.wide { BG_WIDE } else { BG_NARROW };
-    n * k * 2 <= BG_MOST_WEIGHT_BYTES && (n / cols) * rows.div_ceil(BG_STREAMS) * plan.parts >= sms
+    n * k * 2 <= BG_MOST_WEIGHT_BYTES && (n / plan.cols()) * rows.div_ceil(BG_STREAMS) * plan.parts >= sms
 }
 
 /// The largest weights (bytes) of a product our kernel takes: 124M's MLP products (768 x 3072).
