@@ -195,14 +195,25 @@ impl Idle {
         if waited.elapsed() > Duration::from_micros(20) {
             ahead.took = flight.launched.elapsed();
         }
-        if let Some((begin, end)) = &flight.timing {
-            // both events are behind the keys just read: no wait
-            ahead.gpu_time = begin.elapsed_ms(end).map_or(Duration::ZERO, |ms| {
+        // (or earlier: the pass after it began no later than now)
+        ahead.resolved = Some(Instant::now());
+        let span = |from: &CudaEvent, to: &CudaEvent| {
+            from.elapsed_ms(to).map_or(Duration::ZERO, |ms| {
                 Duration::from_secs_f32(ms.max(0.0) / 1e3)
-            });
+            })
+        };
+        // both events are behind the keys just read: no wait
+        let last = ahead.last_timing.take();
+        ahead.gpu_gap = Duration::ZERO;
+        if let Some((begin, end)) = &flight.timing {
+            ahead.gpu_time = span(begin, end);
+            if let Some((_, last_end)) = &last {
+                ahead.gpu_gap = span(last_end, begin);
+            }
         }
         ahead.spare_keys.push(flight.keys);
-        ahead.spare_timing.extend(flight.timing);
+        ahead.spare_timing.extend(last);
+        ahead.last_timing = flight.timing;
         let keys = match keys {
             Ok(keys) => keys,
             Err(e) => {
@@ -346,11 +357,19 @@ struct Ahead {
     late_done: HashMap<u64, Option<u32>>,
     /// Steps to run ahead, with the next pass, for contexts whose late rows were resolved.
     follow: HashMap<u64, NextStep>,
-    /// How long the last pass run ahead took, as the step that waited for it saw it.
+    /// How long the last pass run ahead took from its launch, as the step that waited for it
+    /// saw it.
     took: Duration,
+    /// When the last pass run ahead was resolved (it had ended by then).
+    resolved: Option<Instant>,
     /// The GPU time of the last pass resolved, between its events: what the batched pass
     /// itself costs, for the trace.
     gpu_time: Duration,
+    /// The GPU's time from the end of the pass resolved before it to the begin of the last
+    /// one (other work, or the GPU waiting for the host), for the trace.
+    gpu_gap: Duration,
+    /// The last resolved pass's events (its end is where the next one's gap begins).
+    last_timing: Option<(CudaEvent, CudaEvent)>,
     /// Host buffers for passes' keys and event pairs, kept for the next passes.
     spare_keys: Vec<HostCopy<u64>>,
     spare_timing: Vec<(CudaEvent, CudaEvent)>,
@@ -1321,6 +1340,7 @@ impl CudaBatch {
             early = true,
             resolve_us = resolved.as_micros() as u64,
             pass_gpu_us = ahead.gpu_time.as_micros() as u64,
+            gap_gpu_us = ahead.gpu_gap.as_micros() as u64,
             own_launch_us = launched.as_micros() as u64,
             step_us = started.elapsed().as_micros() as u64,
             "batched step"
@@ -1450,7 +1470,7 @@ impl BatchModel for CudaBatch {
         // that came back with the guessed token take its results.
         self.idle.resolve(&mut ahead);
         let resolved = started.elapsed();
-        let pass_gpu = ahead.gpu_time;
+        let (pass_gpu, gap_gpu) = (ahead.gpu_time, ahead.gpu_gap);
         take_late(&mut ahead, items);
         let mut hit = vec![false; items.len()];
         for (i, item) in items.iter_mut().enumerate() {
@@ -1571,6 +1591,7 @@ impl BatchModel for CudaBatch {
             misses,
             resolve_us = resolved.as_micros() as u64,
             pass_gpu_us = pass_gpu.as_micros() as u64,
+            gap_gpu_us = gap_gpu.as_micros() as u64,
             own_launch_us = launched.as_micros() as u64,
             step_us = started.elapsed().as_micros() as u64,
             waited,
@@ -1595,12 +1616,22 @@ impl BatchModel for CudaBatch {
         }
     }
 
-    fn ahead(&self) -> Duration {
+    /// Until `WASI_NN_HOST_GATHER_MARGIN_US` before the pass in flight is expected
+    /// to end: it began at its launch, or when the pass before it ended, whichever came
+    /// later, and takes about as long on the GPU as the last pass resolved.
+    fn gather(&self) -> Option<Duration> {
         let ahead = self.idle.ahead();
-        match ahead.in_flight {
-            Some(_) => ahead.took,
-            None => Duration::ZERO,
+        let flight = ahead.in_flight.as_ref()?;
+        let Some(margin) = self.exec.gpu.tuning().gather_margin else {
+            // every context waited for: up to the pass's time from launch to end
+            return Some(ahead.took);
+        };
+        if ahead.gpu_time.is_zero() {
+            return Some(ahead.took);
         }
+        let began = ahead.resolved.map_or(flight.launched, |r| r.max(flight.launched));
+        let end = began + ahead.gpu_time;
+        Some(end.saturating_duration_since(Instant::now() + margin))
     }
 }
 

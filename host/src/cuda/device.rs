@@ -71,6 +71,11 @@ pub struct Tuning {
     /// How long a context waiting for a batched step spins before it parks
     /// (`_SPIN_US`, 0 by default).
     pub spin: std::time::Duration,
+    /// A batched step waits for the last step's contexts to come back until this long before
+    /// the pass run ahead for them is expected to end on the GPU, then runs with the contexts
+    /// that are back (`_GATHER_MARGIN_US=N`, default 120). `_GATHER_MARGIN_US=all` waits for
+    /// all of them (up to the pass's time from launch to end, at most 2 ms).
+    pub gather_margin: Option<std::time::Duration>,
     /// Compile the `.cu` files of this folder instead of the built-in ones
     /// (`WASI_NN_HOST_KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
@@ -139,6 +144,12 @@ impl Tuning {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0),
             ),
+            gather_margin: match std::env::var("WASI_NN_HOST_GATHER_MARGIN_US") {
+                Ok(v) if v == "all" => None,
+                v => Some(std::time::Duration::from_micros(
+                    v.ok().and_then(|v| v.parse().ok()).unwrap_or(120),
+                )),
+            },
             kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
         }
     }

@@ -59,12 +59,13 @@ pub trait BatchModel: Send + Sync + 'static {
     /// the previous step's time, and never for a lone context).
     const MAX_GATHER: Duration = Duration::from_millis(2);
 
-    /// About how long the work the last step launched ahead for its contexts' next step
-    /// takes on the device (see [`crate::cuda`]'s batched step; zero when none is under way):
-    /// the next step waits at least that long for them to come back, since their results
-    /// are not ready before.
-    fn ahead(&self) -> Duration {
-        Duration::ZERO
+    /// How long from now the next step may wait for the last step's contexts to come back,
+    /// when the model has work run ahead for them (see [`crate::cuda`]'s batched step): until
+    /// shortly before that work runs out on the device, so that the next step's is queued
+    /// behind it; the contexts not back by then join a later step. None: nothing is run
+    /// ahead, and the step waits up to its own time.
+    fn gather(&self) -> Option<Duration> {
+        None
     }
 
     /// Contexts that came back with the token their step was run ahead with, those that
@@ -460,7 +461,7 @@ impl<M: BatchModel> Batcher<M> {
             let mut done = Vec::with_capacity(batch.len());
             let mut slots = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
-            let wait = took.max(self.model.ahead()).min(M::MAX_GATHER);
+            let wait = self.model.gather().unwrap_or(took).min(M::MAX_GATHER);
             state.gather_until = Some(Instant::now() + wait);
             state.last_end = Some(Instant::now());
             // unfinished prompts go back to the front, in their order
