@@ -474,3 +474,77 @@ fn a_step_does_not_wait_for_contexts_whose_rows_ran_late() {
         "B's step waited for C, whose rows ran late"
     );
 }
+
+/// A model with a result ready for token 5 (as if run ahead and finished): taken without a
+/// step. Token 7 takes 50 ms.
+struct ReadyFive;
+
+impl BatchModel for ReadyFive {
+    type Seq = Positions;
+    fn new_seq(&self) -> Result<Positions, EngineError> {
+        Ok(Positions(0))
+    }
+    fn take_ready(&self, seq: &mut Positions, tokens: &[u32], all_positions: bool) -> bool {
+        let ready = tokens == [5] && !all_positions;
+        if ready {
+            seq.0 += 1;
+        }
+        ready
+    }
+    fn step(&self, items: &mut [StepItem<'_, Positions>]) {
+        for item in items.iter_mut() {
+            if item.tokens == [7] {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            item.seq.0 += item.tokens.len();
+        }
+    }
+}
+
+#[test]
+fn a_result_ready_is_taken_without_a_step_and_no_step_waits_for_it() {
+    // A and B share a slow step; B's next call has its result ready: it takes it without a
+    // step, and A's next step does not wait for B to come back.
+    use wasi_nn_host::engine::batch::Batcher;
+    let batcher = Batcher::new(ReadyFive, 128);
+    let batcher = &batcher;
+    let (b_took, b_has_taken) = std::sync::mpsc::channel();
+    let (a_stepped, a_has_stepped) = std::sync::mpsc::channel();
+    let (steps, gathered) = std::thread::scope(|scope| {
+        // X's slow step: A and B queue meanwhile, and then share the next one
+        scope.spawn(|| {
+            let mut x = batcher.session().expect("session");
+            x.extend(&[7], false).expect("step");
+        });
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let b = scope.spawn(move || {
+            let mut b = batcher.session().expect("session");
+            b.extend(&[7], false).expect("step");
+            let steps = batcher.counts().steps;
+            b.extend(&[5], false).expect("ready");
+            assert_eq!(b.len(), 2);
+            let after = batcher.counts().steps;
+            b_took.send(()).expect("A waits");
+            // B stays open (a context dropped is not waited for either)
+            a_has_stepped.recv().expect("A's step");
+            (steps, after)
+        });
+        let a = scope.spawn(move || {
+            let mut a = batcher.session().expect("session");
+            a.extend(&[7], false).expect("step");
+            b_has_taken.recv().expect("B took its result");
+            let before = batcher.counts().gather_seconds;
+            a.extend(&[1], false).expect("step");
+            assert_eq!(a.len(), 2);
+            a_stepped.send(()).expect("B waits");
+            batcher.counts().gather_seconds - before
+        });
+        (b.join().expect("B"), a.join().expect("A"))
+    });
+    assert_eq!(batcher.counts().largest, 2, "A and B shared a step");
+    assert_eq!(steps.0, steps.1, "B's ready result took a step");
+    assert_eq!(
+        gathered, 0.0,
+        "A's step waited for B, which took its result"
+    );
+}

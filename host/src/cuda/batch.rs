@@ -60,6 +60,15 @@
 //! long prompt, a lone decode), or a context whose late rows are in the pass in flight, waits
 //! first, as above.
 //!
+//! **Two steps ahead.** A greedy context whose guest is not back when the next pass is
+//! launched (the step waits for the last step's contexts only until shortly before the pass
+//! in flight ends, `WASI_NN_HOST_GATHER_MARGIN_US`) still gets its next row in it, fed from
+//! its row in the pass in flight: up to two steps run ahead of a guest
+//! (`WASI_NN_HOST_AHEAD_DEPTH`), each writing its own logits buffer of the session's three
+//! (neither the one the guest reads nor the other step's). Results wait by context and
+//! position until the guest comes back to that position with that token; a guest that comes
+//! back with anything else loses all of them.
+//!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
 //! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.
@@ -73,7 +82,7 @@ use super::ops::batch::{
 };
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
-use super::session::CudaSession;
+use super::session::{CudaSession, LOGITS_BUFFERS};
 use super::weights::head_rows;
 use super::ExecutorInner;
 use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
@@ -227,11 +236,11 @@ impl Idle {
         let key = |row: usize| argmax_row(keys.get(row).copied().unwrap_or(0));
         for r in flight.rows {
             let guess = Guess {
-                position: r.position,
                 token: r.token,
                 argmax: key(r.row),
+                buffer: r.buffer,
             };
-            ahead.ready.insert(r.serial, guess);
+            ahead.ready.insert((r.serial, r.position), guess);
         }
         for late in flight.late {
             let argmax = key(late.row);
@@ -272,6 +281,42 @@ struct AheadRow {
     fed: bool,
     /// The row of the batched pass.
     row: usize,
+    /// The session's logits buffer it writes.
+    buffer: usize,
+}
+
+/// Where a context's rows go: what a row run ahead for it needs without its session.
+#[derive(Clone, Copy)]
+struct Seat {
+    k: u64,
+    v: u64,
+    layer_floats: usize,
+    capacity: usize,
+    logits: [u64; LOGITS_BUFFERS],
+}
+
+impl Seat {
+    fn of(session: &CudaSession) -> Self {
+        let (k, v, _) = session.row_addresses();
+        Self {
+            k,
+            v,
+            layer_floats: session.layer_floats(),
+            capacity: session.capacity(),
+            logits: std::array::from_fn(|b| session.logits_at(b)),
+        }
+    }
+}
+
+/// A context as its last step left it, for steps run ahead while its guest is away.
+struct GuestAt {
+    /// Its guest's position (the rows run ahead start there).
+    len: usize,
+    /// The logits buffer its guest reads.
+    readable: usize,
+    /// Steps may be run ahead for it (its guest reads only the argmax).
+    greedy: bool,
+    seat: Seat,
 }
 
 /// A context's rows in a pass run ahead whose step did not wait for them (see the module
@@ -293,35 +338,22 @@ struct NextStep {
     /// pass was not resolved when this one was launched; `token` is set once it is).
     fed: Option<usize>,
     position: usize,
-    k: u64,
-    v: u64,
-    logits: u64,
-    layer_floats: usize,
+    seat: Seat,
+    /// The logits buffer it writes: neither the one its guest reads nor one another step run
+    /// ahead for it writes.
+    buffer: usize,
 }
 
 impl NextStep {
-    fn of(session: &CudaSession, token: u32) -> Self {
-        let (k, v, _) = session.row_addresses();
-        Self {
-            token,
-            fed: None,
-            position: session.len(),
-            k,
-            v,
-            logits: session.ahead_logits(),
-            layer_floats: session.layer_floats(),
-        }
-    }
-
     fn rows(&self) -> Rows<'_> {
         Rows {
-            k: self.k,
-            v: self.v,
-            logits: self.logits,
+            k: self.seat.k,
+            v: self.seat.v,
+            logits: self.seat.logits[self.buffer],
             start: self.position,
             tokens: std::slice::from_ref(&self.token),
             fed: self.fed,
-            layer_floats: self.layer_floats,
+            layer_floats: self.seat.layer_floats,
         }
     }
 }
@@ -341,17 +373,22 @@ struct InFlight {
     timing: Option<(CudaEvent, CudaEvent)>,
 }
 
-/// The result of a step run ahead for one context, kept until the context's next step.
+/// The result of a step run ahead for one context (at the position it is kept under), kept
+/// until its guest comes back to that position.
+#[derive(Clone, Copy)]
 struct Guess {
-    position: usize,
     token: u32,
     argmax: u32,
+    buffer: usize,
 }
 
 #[derive(Default)]
 struct Ahead {
     in_flight: Option<InFlight>,
-    ready: HashMap<u64, Guess>,
+    /// Results run ahead, by context and position.
+    ready: HashMap<(u64, usize), Guess>,
+    /// Each context as its last step left it.
+    guests: HashMap<u64, GuestAt>,
     /// The argmax of late rows resolved, until their context's next step (None: the pass
     /// failed).
     late_done: HashMap<u64, Option<u32>>,
@@ -380,6 +417,11 @@ struct Ahead {
     late: u64,
     /// Passes launched before the pass in flight had ended.
     early: u64,
+    /// Results taken without a step ([`BatchModel::take_ready`]).
+    taken: u64,
+    /// How long a step takes to launch its pass run ahead, averaged (see
+    /// [`BatchModel::gather`]).
+    launch: Duration,
     /// Passes run ahead so far (the last one's [`InFlight::id`]).
     flights: u64,
 }
@@ -432,7 +474,9 @@ impl Drop for CudaSeq {
         {
             // a step run ahead may still be writing this context's cache and logits
             let mut ahead = self.idle.ahead();
-            ahead.ready.remove(&self.serial);
+            let serial = self.serial;
+            ahead.ready.retain(|&(s, _), _| s != serial);
+            ahead.guests.remove(&serial);
             ahead.late_done.remove(&self.serial);
             ahead.follow.remove(&self.serial);
             // its rows are taken out of the pass in flight too, or resolving the pass would
@@ -1029,37 +1073,20 @@ impl CudaBatch {
         }
     }
 
-    /// Launch the pass run ahead (see the module docs): the next step of `items[guesses]`,
-    /// each with its argmax as its token (the argmax of a row of the pass in flight, fed on
-    /// the GPU, for a guess that names one); the next step of contexts not in this step whose
-    /// late rows were resolved (`follows`); and the rows of `items[late]`, which this step
-    /// does not wait for (`greedy[i]`: a step may be run ahead after them). Returns the pass
-    /// for the caller to keep; on an error nothing was launched.
+    /// Launch the pass run ahead (see the module docs): the steps `picks` (contexts' next
+    /// steps run ahead, see [`Self::plan_ahead`], and those of contexts whose late rows were
+    /// resolved) and the rows of `items[late]`, which this step does not wait for
+    /// (`greedy[i]`: a step may be run ahead after them). Returns the pass for the caller to
+    /// keep; on an error nothing was launched.
     fn launch_ahead(
         &self,
         ahead: &mut Ahead,
         items: &mut [StepItem<'_, CudaSeq>],
-        guesses: &[(usize, Option<usize>)],
+        picks: Vec<(u64, NextStep)>,
         late: &[usize],
         greedy: &[bool],
-        follows: Vec<(u64, NextStep)>,
     ) -> Result<InFlight, EngineError> {
         let begun = Instant::now();
-        // each guess: its context's serial and next step, with its argmax as the token
-        let mut picks = Vec::with_capacity(guesses.len() + follows.len());
-        for &(i, fed) in guesses {
-            let seq = &*items[i].seq;
-            let session = seq.session()?;
-            let next = match fed {
-                Some(row) => NextStep {
-                    fed: Some(row),
-                    ..NextStep::of(session, 0)
-                },
-                None => NextStep::of(session, session.argmax_now()?),
-            };
-            picks.push((seq.serial, next));
-        }
-        picks.extend(follows);
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
             let session = items[i].seq.session()?;
@@ -1111,6 +1138,7 @@ impl CudaBatch {
                 token: next.token,
                 fed: next.fed.is_some(),
                 row,
+                buffer: next.buffer,
             })
             .collect();
         let mut late_rows = Vec::with_capacity(late.len());
@@ -1124,8 +1152,15 @@ impl CudaBatch {
             };
             session.advanced_late(added);
             let room = session.len() < session.capacity();
-            // the token is the argmax, known when the pass is resolved
-            let next = (greedy[i] && room).then(|| NextStep::of(session, 0));
+            // the token is the argmax, known when the pass is resolved; the late row writes
+            // the first buffer, which its guest reads next
+            let next = (greedy[i] && room).then(|| NextStep {
+                token: 0,
+                fed: None,
+                position: session.len(),
+                seat: Seat::of(session),
+                buffer: 1,
+            });
             seq.late.store(true, Ordering::Release);
             item.late = true;
             late_rows.push(LateRow { serial, row, next });
@@ -1147,15 +1182,16 @@ impl CudaBatch {
 impl CudaBatch {
     /// Whether this step may launch its pass run ahead before the pass in flight has ended
     /// (see the module docs, "Two passes"): there is one, some contexts came back with the
-    /// token it runs for them, every other item is rows of the batched step (nothing on a
-    /// session's own stream, which the pass in flight may still be writing), no context's
-    /// late rows are in it (their guests read them first), and everything fits one pass.
-    /// Then, for each item, the row of the pass in flight whose results it takes.
+    /// token run ahead for them (in that pass, or resolved before), every other item is rows
+    /// of the batched step (nothing on a session's own stream, which the pass in flight may
+    /// still be writing), no context's late rows are in it (their guests read them first),
+    /// and everything fits one pass. Then, for each item, the row of the pass in flight whose
+    /// results it takes.
     fn early_hits(
         &self,
         ahead: &Ahead,
         items: &[StepItem<'_, CudaSeq>],
-    ) -> Result<Vec<Option<usize>>, &'static str> {
+    ) -> Result<Vec<Option<Taken>>, &'static str> {
         let tuning = self.exec.gpu.tuning();
         if !tuning.run_ahead || !tuning.early_launch {
             return Err("off");
@@ -1164,10 +1200,13 @@ impl CudaBatch {
         if items.len() < 2 {
             return Err("one context");
         }
-        let rows: HashMap<u64, &AheadRow> = flight.rows.iter().map(|r| (r.serial, r)).collect();
+        let rows: HashMap<(u64, usize), &AheadRow> = (flight.rows.iter())
+            .map(|r| ((r.serial, r.position), r))
+            .collect();
         let late: HashSet<u64> = flight.late.iter().map(|l| l.serial).collect();
         let mut total = ahead.follow.len();
         let mut hits = Vec::with_capacity(items.len());
+        let mut any = false;
         for item in items {
             let serial = item.seq.serial;
             if late.contains(&serial) {
@@ -1177,16 +1216,19 @@ impl CudaBatch {
                 return Err("a prompt of its own");
             }
             total += item.tokens.len();
-            let hit = rows.get(&serial).filter(|r| {
-                !r.fed
-                    && item.error.is_none()
-                    && item.first_chunk
-                    && item.tokens == [r.token]
-                    && item.seq.len() == r.position
-            });
-            hits.push(hit.map(|r| r.row));
+            let at = (serial, item.seq.len());
+            let same =
+                |token: u32| item.error.is_none() && item.first_chunk && item.tokens == [token];
+            let hit = (rows.get(&at))
+                .filter(|r| !r.fed && same(r.token))
+                .map(|r| Taken {
+                    position: r.position,
+                    buffer: r.buffer,
+                });
+            any |= hit.is_some() || ahead.ready.get(&at).is_some_and(|g| same(g.token));
+            hits.push(hit);
         }
-        match (total <= MAX_ROWS, hits.iter().any(Option::is_some)) {
+        match (total <= MAX_ROWS, any) {
             (false, _) => Err("too many rows"),
             (true, false) => Err("no hits"),
             (true, true) => Ok(hits),
@@ -1202,28 +1244,23 @@ impl CudaBatch {
         &self,
         mut ahead: MutexGuard<'_, Ahead>,
         items: &mut [StepItem<'_, CudaSeq>],
-        early: &[Option<usize>],
+        early: &[Option<Taken>],
         started: Instant,
     ) {
         take_late(&mut ahead, items);
         let mut hit = vec![false; items.len()];
-        let mut fed = vec![None; items.len()];
         for (i, item) in items.iter_mut().enumerate() {
-            let serial = item.seq.serial;
-            if let (Some(row), None) = (early[i], &item.error) {
+            if let (Some(taken), None) = (early[i], &item.error) {
                 if let Ok(session) = item.seq.session_mut() {
                     // its argmax comes when the pass in flight is resolved, below
-                    session.advanced_ahead_pending();
-                    (hit[i], fed[i]) = (true, Some(row));
+                    session.advanced_ahead_pending(taken.buffer);
+                    hit[i] = true;
                     ahead.hits += 1;
                 }
                 continue;
             }
-            // a guess resolved in an earlier step (the context was not in the last one)
-            let Some(guess) = ahead.ready.remove(&serial) else {
-                continue;
-            };
-            hit[i] = take_guess(&mut ahead, item, guess);
+            // a result resolved in an earlier step (the context was not in the last one)
+            hit[i] = take_ready(&mut ahead, item);
         }
         let hits = hit.iter().filter(|&&h| h).count();
         // every other item's rows run late in the next pass
@@ -1238,90 +1275,81 @@ impl CudaBatch {
             }
         }
         let greedy = greedy(items);
-        let guesses: Vec<(usize, Option<usize>)> = (0..items.len())
-            .filter(|&i| {
-                let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
-                hit[i] && greedy[i] && room
+        // the argmax of the contexts that took a result resolved before
+        let known: HashMap<u64, u32> = (0..items.len())
+            .filter(|&i| hit[i] && early[i].is_none())
+            .filter_map(|i| {
+                let seq = &*items[i].seq;
+                Some((seq.serial, seq.session().ok()?.argmax_now().ok()?))
             })
-            .map(|i| (i, fed[i]))
             .collect();
+        // a late row's next step goes with its late row (`LateRow::next`)
+        let eligible: Vec<bool> = (0..items.len()).map(|i| greedy[i] && hit[i]).collect();
+        let serials = self.note_guests(&mut ahead, items, &hit, &eligible);
         let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
-        let mut room = MAX_ROWS.saturating_sub(late_tokens + guesses.len());
+        let mut room = MAX_ROWS.saturating_sub(late_tokens);
+        let mut picks = plan_ahead(&ahead, &serials, &known, self.depth());
+        picks.truncate(room);
+        room -= picks.len();
         // The contexts whose late rows are in the pass in flight (their guests wait for it,
         // so none is in this step): their next step too, its token fed on the GPU from that
         // row, so that they hit the next pass when they come back. Without it each would
         // come back to a step whose pass is already launched, run late again, and again.
-        let mut follows = Vec::new();
         for l in ahead.in_flight.iter_mut().flat_map(|f| f.late.iter_mut()) {
             if room == 0 {
                 break;
             }
             if let Some(next) = l.next.take() {
                 let fed = Some(l.row);
-                follows.push((l.serial, NextStep { fed, ..next }));
+                picks.push((l.serial, NextStep { fed, ..next }));
                 room -= 1;
             }
         }
-        follows.extend(take_follows(&mut ahead, room));
+        picks.extend(take_follows(&mut ahead, room));
         // nothing to run ahead (every context sampled): only the wait below
-        let nothing = guesses.is_empty() && late.is_empty() && follows.is_empty();
-        let mut next = match nothing {
+        let mut next = match picks.is_empty() && late.is_empty() {
             true => None,
-            false => {
-                match self.launch_ahead(&mut ahead, items, &guesses, &late, &greedy, follows) {
-                    Ok(flight) => {
-                        ahead.early += 1;
-                        Some(flight)
-                    }
-                    Err(e) => {
-                        tracing::warn!("running a step ahead failed: {e}");
-                        for &i in &late {
-                            let message = format!("batched step: {e}");
-                            items[i].error.get_or_insert(EngineError::device(message));
-                        }
-                        None
-                    }
+            false => match self.launch_ahead(&mut ahead, items, picks, &late, &greedy) {
+                Ok(flight) => {
+                    ahead.early += 1;
+                    Some(flight)
                 }
-            }
+                Err(e) => {
+                    tracing::warn!("running a step ahead failed: {e}");
+                    for &i in &late {
+                        let message = format!("batched step: {e}");
+                        items[i].error.get_or_insert(EngineError::device(message));
+                    }
+                    None
+                }
+            },
         };
         let launched = started.elapsed();
-        // now the pass in flight: its argmax for the contexts that hit it, and the tokens the
-        // next pass was fed
+        ahead.launch = (ahead.launch * 7 + launched.min(Duration::from_millis(1))) / 8;
+        // now the pass in flight: its argmax for the contexts that took its rows, and the
+        // tokens the next pass was fed
         self.idle.resolve(&mut ahead);
         let resolved = started.elapsed();
-        // the next pass's row of each context fed a token
-        let fed_rows: HashMap<u64, usize> = next.as_ref().map_or_else(HashMap::new, |n| {
-            (n.rows.iter().enumerate())
-                .filter(|(_, r)| r.fed)
-                .map(|(at, r)| (r.serial, at))
-                .collect()
-        });
-        for (i, item) in items.iter_mut().enumerate() {
-            let serial = item.seq.serial;
-            let guess = ahead.ready.remove(&serial);
-            if fed[i].is_none() {
-                // a context that came back with another token than the one run for it
-                if guess.is_some() {
-                    ahead.misses += 1;
-                }
+        // the rows fed from rows just resolved learn their tokens
+        for row in next.iter_mut().flat_map(|n| n.rows.iter_mut()) {
+            if !row.fed {
                 continue;
             }
-            match (guess, item.seq.session_mut()) {
-                (Some(guess), Ok(session)) => {
-                    session.set_argmax(guess.argmax);
-                    let row = (next.as_mut().zip(fed_rows.get(&serial)))
-                        .and_then(|(n, &at)| n.rows.get_mut(at));
-                    if let Some(row) = row {
-                        (row.token, row.fed) = (guess.argmax, false);
-                    }
-                }
-                _ => item.error = Some(EngineError::device("the batched step failed")),
+            let before = row.position.checked_sub(1).map(|p| (row.serial, p));
+            if let Some(guess) = before.and_then(|at| ahead.ready.get(&at)) {
+                (row.token, row.fed) = (guess.argmax, false);
+            } else if let Some(Some(argmax)) = ahead.late_done.get(&row.serial) {
+                (row.token, row.fed) = (*argmax, false);
             }
         }
-        // the rows fed from late rows just resolved
-        for row in next.iter_mut().flat_map(|n| n.rows.iter_mut()) {
-            if let (true, Some(Some(argmax))) = (row.fed, ahead.late_done.get(&row.serial)) {
-                (row.token, row.fed) = (*argmax, false);
+        for (i, item) in items.iter_mut().enumerate() {
+            let Some(taken) = early[i].filter(|_| hit[i]) else {
+                continue;
+            };
+            let guess = ahead.ready.remove(&(item.seq.serial, taken.position));
+            match (guess, item.seq.session_mut()) {
+                (Some(guess), Ok(session)) => session.set_argmax(guess.argmax),
+                _ => item.error = Some(EngineError::device("the batched step failed")),
             }
         }
         let run_ahead_rows = next.as_ref().map_or(0, |n| n.n);
@@ -1337,6 +1365,7 @@ impl CudaBatch {
             run_ahead = run_ahead_rows,
             hits = ahead.hits,
             misses = ahead.misses,
+            taken = ahead.taken,
             early = true,
             resolve_us = resolved.as_micros() as u64,
             pass_gpu_us = ahead.gpu_time.as_micros() as u64,
@@ -1346,21 +1375,174 @@ impl CudaBatch {
             "batched step"
         );
     }
+
+    /// How many steps may be run ahead of a guest (`WASI_NN_HOST_AHEAD_DEPTH`).
+    fn depth(&self) -> usize {
+        self.exec.gpu.tuning().ahead_depth
+    }
+
+    /// Keep each item as this step leaves it ([`GuestAt`]); a context that did not take what
+    /// was run ahead for it loses all of it. Returns the contexts that may get steps run
+    /// ahead: the step's, then those with results run ahead (in flight or resolved) whose
+    /// guests are away.
+    fn note_guests(
+        &self,
+        ahead: &mut Ahead,
+        items: &[StepItem<'_, CudaSeq>],
+        hit: &[bool],
+        eligible: &[bool],
+    ) -> Vec<u64> {
+        let mut serials = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let serial = item.seq.serial;
+            if !hit[i] {
+                forget_ahead(ahead, serial);
+            }
+            let Ok(session) = item.seq.session() else {
+                ahead.guests.remove(&serial);
+                continue;
+            };
+            let at = GuestAt {
+                len: session.len(),
+                readable: session.readable(),
+                greedy: eligible[i],
+                seat: Seat::of(session),
+            };
+            ahead.guests.insert(serial, at);
+            serials.push(serial);
+        }
+        let mine: HashSet<u64> = serials.iter().copied().collect();
+        let mut away: Vec<u64> = (ahead.in_flight.iter())
+            .flat_map(|f| f.rows.iter().map(|r| r.serial))
+            .chain(ahead.ready.keys().map(|&(serial, _)| serial))
+            .filter(|serial| !mine.contains(serial))
+            .collect();
+        away.sort_unstable();
+        away.dedup();
+        serials.extend(away);
+        serials
+    }
 }
 
-/// Whether `item` came back with the token `guess` was run with, at its position: then it
-/// takes the results run ahead (a hit); else the guess is dropped (a miss).
-fn take_guess(ahead: &mut Ahead, item: &mut StepItem<'_, CudaSeq>, guess: Guess) -> bool {
-    let same = item.tokens == [guess.token]
-        && item.first_chunk
-        && !item.all_positions
-        && item.seq.len() == guess.position;
+/// An item's row in the pass in flight, which it takes (see [`CudaBatch::early_hits`]).
+#[derive(Clone, Copy)]
+struct Taken {
+    position: usize,
+    buffer: usize,
+}
+
+/// The next steps to run ahead (see "Two steps ahead" in the module docs): for each greedy
+/// context of `serials`, the position after the last step run ahead for it (or after its
+/// guest's position), while fewer than `depth` steps are ahead of its guest and its cache
+/// has room. The token is the argmax of the position before: fed on the GPU from the pass in
+/// flight, or known (a result resolved, or `known`: an item's argmax after its step). Its
+/// logits go to a buffer that neither the guest reads nor another step run ahead writes.
+fn plan_ahead(
+    ahead: &Ahead,
+    serials: &[u64],
+    known: &HashMap<u64, u32>,
+    depth: usize,
+) -> Vec<(u64, NextStep)> {
+    let in_flight = ahead.in_flight.as_ref().map_or(&[][..], |f| &f.rows[..]);
+    plan_rows(
+        in_flight,
+        &ahead.ready,
+        &ahead.guests,
+        serials,
+        known,
+        depth,
+    )
+}
+
+/// [`plan_ahead`] over the rows of the pass in flight, the results resolved and the contexts.
+fn plan_rows(
+    in_flight: &[AheadRow],
+    ready: &HashMap<(u64, usize), Guess>,
+    guests: &HashMap<u64, GuestAt>,
+    serials: &[u64],
+    known: &HashMap<u64, u32>,
+    depth: usize,
+) -> Vec<(u64, NextStep)> {
+    let flight: HashMap<(u64, usize), &AheadRow> = (in_flight.iter())
+        .map(|r| ((r.serial, r.position), r))
+        .collect();
+    let mut picks = Vec::new();
+    for &serial in serials {
+        let Some(guest) = guests.get(&serial).filter(|g| g.greedy) else {
+            continue;
+        };
+        let mut busy = [false; LOGITS_BUFFERS];
+        busy[guest.readable.min(LOGITS_BUFFERS - 1)] = true;
+        let mut ahead_of_guest = 0;
+        while ahead_of_guest < depth {
+            let at = (serial, guest.len + ahead_of_guest);
+            let buffer = match (flight.get(&at), ready.get(&at)) {
+                (Some(row), _) => row.buffer,
+                (None, Some(guess)) => guess.buffer,
+                (None, None) => break,
+            };
+            busy[buffer.min(LOGITS_BUFFERS - 1)] = true;
+            ahead_of_guest += 1;
+        }
+        let position = guest.len + ahead_of_guest;
+        if ahead_of_guest >= depth || position >= guest.seat.capacity {
+            continue;
+        }
+        let Some(buffer) = (0..LOGITS_BUFFERS).find(|&b| !busy[b]) else {
+            continue;
+        };
+        let before = position.checked_sub(1).map(|p| (serial, p));
+        let (token, fed) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
+            Some((Some(row), _)) => (0, Some(row.row)),
+            Some((None, Some(guess))) => (guess.argmax, None),
+            _ => match (ahead_of_guest, known.get(&serial)) {
+                (0, Some(&token)) => (token, None),
+                _ => continue,
+            },
+        };
+        let next = NextStep {
+            token,
+            fed,
+            position,
+            seat: guest.seat,
+            buffer,
+        };
+        picks.push((serial, next));
+    }
+    picks
+}
+
+/// Forget everything run ahead for a context (its guest came back with something else): its
+/// results resolved, and its rows in the pass in flight (which still run, and are
+/// overwritten by its next rows).
+fn forget_ahead(ahead: &mut Ahead, serial: u64) {
+    let before = ahead.ready.len();
+    ahead.ready.retain(|&(s, _), _| s != serial);
+    let mut forgot = ahead.ready.len() < before;
+    if let Some(flight) = ahead.in_flight.as_mut() {
+        let rows = flight.rows.len();
+        flight.rows.retain(|r| r.serial != serial);
+        forgot |= flight.rows.len() < rows;
+    }
+    if forgot {
+        ahead.misses += 1;
+    }
+}
+
+/// Whether `item` came back with the token run ahead for it at its position, resolved: then
+/// it takes that result (a hit).
+fn take_ready(ahead: &mut Ahead, item: &mut StepItem<'_, CudaSeq>) -> bool {
+    let at = (item.seq.serial, item.seq.len());
+    let Some(&guess) = ahead.ready.get(&at) else {
+        return false;
+    };
+    let same = item.tokens == [guess.token] && item.first_chunk && !item.all_positions;
     if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
-        session.advanced_ahead(guess.argmax);
+        session.advanced_ahead(guess.argmax, guess.buffer);
+        ahead.ready.remove(&at);
         ahead.hits += 1;
         true
     } else {
-        ahead.misses += 1;
         false
     }
 }
@@ -1414,6 +1596,37 @@ impl BatchModel for CudaBatch {
     /// 43.7k tokens/s).
     fn spin(&self) -> std::time::Duration {
         self.exec.gpu.tuning().spin
+    }
+
+    /// A result run ahead and resolved, for a guest back with its token at its position
+    /// (see "Two steps ahead" in the module docs): taken at once, without a step.
+    fn take_ready(&self, seq: &mut CudaSeq, tokens: &[u32], all_positions: bool) -> bool {
+        let (&[token], false) = (tokens, all_positions) else {
+            return false;
+        };
+        if seq.late.load(Ordering::Acquire) || !self.exec.gpu.tuning().run_ahead {
+            return false;
+        }
+        let serial = seq.serial;
+        let Some(session) = seq.session.as_mut().filter(|s| s.idle_own()) else {
+            return false;
+        };
+        let mut ahead = self.idle.ahead();
+        let at = (serial, session.len());
+        let Some(guess) = ahead.ready.get(&at).copied().filter(|g| g.token == token) else {
+            return false;
+        };
+        ahead.ready.remove(&at);
+        session.advanced_ahead(guess.argmax, guess.buffer);
+        ahead.hits += 1;
+        ahead.taken += 1;
+        // a guest that read logits samples: no more steps run ahead for it
+        let sampled = seq.read_logits.swap(false, Ordering::Relaxed);
+        if let Some(guest) = ahead.guests.get_mut(&serial) {
+            (guest.len, guest.readable) = (session.len(), session.readable());
+            guest.greedy &= !sampled;
+        }
+        true
     }
 
     fn new_seq(&self) -> Result<CudaSeq, EngineError> {
@@ -1472,13 +1685,9 @@ impl BatchModel for CudaBatch {
         let resolved = started.elapsed();
         let (pass_gpu, gap_gpu) = (ahead.gpu_time, ahead.gpu_gap);
         take_late(&mut ahead, items);
-        let mut hit = vec![false; items.len()];
-        for (i, item) in items.iter_mut().enumerate() {
-            let Some(guess) = ahead.ready.remove(&item.seq.serial) else {
-                continue;
-            };
-            hit[i] = take_guess(&mut ahead, item, guess);
-        }
+        let hit: Vec<bool> = (items.iter_mut())
+            .map(|item| take_ready(&mut ahead, item))
+            .collect();
         let hits = hit.iter().filter(|&&h| h).count();
         // Long prompts (and prompts asking for every position's logits) start on their own
         // streams at once; decodes and short prompts go through the batched step, one row a
@@ -1543,26 +1752,33 @@ impl BatchModel for CudaBatch {
             }
         }
         let late: &[usize] = if merge { &batched } else { &[] };
-        let mut guesses: Vec<usize> = (0..items.len())
-            .filter(|&i| {
-                let room = items[i].seq.session().is_ok_and(|s| s.len() < s.capacity());
-                // (a lone decode run ahead on its own stream is not run in a pass too)
-                greedy[i] && room && late.binary_search(&i).is_err() && !lone_ahead
+        // (a lone decode run ahead on its own stream is not run in a pass too)
+        let eligible: Vec<bool> = (0..items.len())
+            .map(|i| greedy[i] && late.binary_search(&i).is_err() && !lone_ahead)
+            .collect();
+        let known: HashMap<u64, u32> = (0..items.len())
+            .filter(|&i| eligible[i])
+            .filter_map(|i| {
+                let seq = &*items[i].seq;
+                Some((seq.serial, seq.session().ok()?.argmax_now().ok()?))
             })
             .collect();
-        // one pass holds them all when merged; otherwise the first that fit
-        let late_rows = if merge { late_tokens } else { 0 };
-        guesses.truncate(MAX_ROWS - late_rows);
-        let room = MAX_ROWS - late_rows - guesses.len();
-        let launch = run_ahead && (merge || guesses.len() + ahead.follow.len().min(room) >= 2);
-        let follows = match launch {
-            true => take_follows(&mut ahead, room),
+        let serials = self.note_guests(&mut ahead, items, &hit, &eligible);
+        let mut picks = match run_ahead {
+            true => plan_ahead(&ahead, &serials, &known, self.depth()),
             false => Vec::new(),
         };
-        let guesses: Vec<(usize, Option<usize>)> = guesses.into_iter().map(|i| (i, None)).collect();
+        // one pass holds them all when merged; otherwise the first that fit
+        let late_rows = if merge { late_tokens } else { 0 };
+        picks.truncate(MAX_ROWS - late_rows);
+        let room = MAX_ROWS - late_rows - picks.len();
+        let launch = run_ahead && (merge || picks.len() + ahead.follow.len().min(room) >= 2);
+        if launch {
+            picks.extend(take_follows(&mut ahead, room));
+        }
         let run_ahead_rows = match launch {
             true => self
-                .launch_ahead(&mut ahead, items, &guesses, late, &greedy, follows)
+                .launch_ahead(&mut ahead, items, picks, late, &greedy)
                 .map(|flight| {
                     let n = flight.n;
                     ahead.in_flight = Some(flight);
@@ -1616,9 +1832,10 @@ impl BatchModel for CudaBatch {
         }
     }
 
-    /// Until `WASI_NN_HOST_GATHER_MARGIN_US` before the pass in flight is expected
-    /// to end: it began at its launch, or when the pass before it ended, whichever came
-    /// later, and takes about as long on the GPU as the last pass resolved.
+    /// Until shortly before the pass in flight is expected to end: by the time a step takes
+    /// to launch its pass (averaged) and `WASI_NN_HOST_GATHER_MARGIN_US` more (waking the
+    /// step's thread). The pass began at its launch, or when the pass before it ended,
+    /// whichever came later, and takes about as long on the GPU as the last pass resolved.
     fn gather(&self) -> Option<Duration> {
         let ahead = self.idle.ahead();
         let flight = ahead.in_flight.as_ref()?;
@@ -1629,9 +1846,11 @@ impl BatchModel for CudaBatch {
         if ahead.gpu_time.is_zero() {
             return Some(ahead.took);
         }
-        let began = ahead.resolved.map_or(flight.launched, |r| r.max(flight.launched));
+        let began = ahead
+            .resolved
+            .map_or(flight.launched, |r| r.max(flight.launched));
         let end = began + ahead.gpu_time;
-        Some(end.saturating_duration_since(Instant::now() + margin))
+        Some(end.saturating_duration_since(Instant::now() + margin + ahead.launch))
     }
 }
 
@@ -1651,6 +1870,134 @@ mod tests {
         assert_eq!(attention_splits(3 * SPAN, 32 * 12, 1056), 2);
         // no limit: as many spans as the positions ask for
         assert_eq!(attention_splits(3 * SPAN, 256 * 12, 0), 3);
+    }
+
+    fn seat(capacity: usize) -> Seat {
+        Seat {
+            k: 1,
+            v: 2,
+            layer_floats: 3,
+            capacity,
+            logits: [10, 11, 12],
+        }
+    }
+
+    fn guest(len: usize, readable: usize) -> GuestAt {
+        GuestAt {
+            len,
+            readable,
+            greedy: true,
+            seat: seat(64),
+        }
+    }
+
+    fn row(serial: u64, position: usize, row: usize, buffer: usize) -> AheadRow {
+        AheadRow {
+            serial,
+            position,
+            token: 5,
+            fed: false,
+            row,
+            buffer,
+        }
+    }
+
+    fn guess(argmax: u32, buffer: usize) -> Guess {
+        Guess {
+            token: 5,
+            argmax,
+            buffer,
+        }
+    }
+
+    #[test]
+    fn a_guest_not_back_gets_its_second_step_ahead_fed_from_its_row_in_flight() {
+        // context 7's guest is at 10, its step at 10 is in flight (row 3, buffer 1)
+        let guests = HashMap::from([(7, guest(10, 0))]);
+        let in_flight = [row(7, 10, 3, 1)];
+        let plan = plan_rows(
+            &in_flight,
+            &HashMap::new(),
+            &guests,
+            &[7],
+            &HashMap::new(),
+            2,
+        );
+        let [(7, next)] = &plan[..] else {
+            panic!("one step for context 7")
+        };
+        assert_eq!((next.position, next.fed), (11, Some(3)));
+        // neither the buffer the guest reads nor the one the step in flight writes
+        assert_eq!(next.buffer, 2);
+        assert_eq!(next.rows().logits, 12);
+        // one step ahead at most: nothing
+        let plan = plan_rows(
+            &in_flight,
+            &HashMap::new(),
+            &guests,
+            &[7],
+            &HashMap::new(),
+            1,
+        );
+        assert!(plan.is_empty());
+    }
+
+    #[test]
+    fn no_third_step_runs_ahead_of_a_guest() {
+        // its step at 10 resolved, at 11 in flight: two ahead already
+        let guests = HashMap::from([(7, guest(10, 2))]);
+        let ready = HashMap::from([((7, 10), guess(40, 0))]);
+        let in_flight = [row(7, 11, 0, 1)];
+        assert!(plan_rows(&in_flight, &ready, &guests, &[7], &HashMap::new(), 2).is_empty());
+        // both resolved: still two ahead
+        let ready = HashMap::from([((7, 10), guess(40, 0)), ((7, 11), guess(41, 1))]);
+        assert!(plan_rows(&[], &ready, &guests, &[7], &HashMap::new(), 2).is_empty());
+    }
+
+    #[test]
+    fn a_step_ahead_takes_the_argmax_of_the_step_before_it() {
+        // resolved at 10 (argmax 40, buffer 1): the next is at 11 with token 40, buffer 0
+        let guests = HashMap::from([(7, guest(10, 2))]);
+        let ready = HashMap::from([((7, 10), guess(40, 1))]);
+        let plan = plan_rows(&[], &ready, &guests, &[7], &HashMap::new(), 2);
+        let [(7, next)] = &plan[..] else {
+            panic!("one step for context 7")
+        };
+        assert_eq!(
+            (next.position, next.token, next.fed, next.buffer),
+            (11, 40, None, 0)
+        );
+        // nothing ahead: the item's own argmax, at its position
+        let known = HashMap::from([(7, 33)]);
+        let plan = plan_rows(&[], &HashMap::new(), &guests, &[7], &known, 2);
+        let [(7, next)] = &plan[..] else {
+            panic!("one step for context 7")
+        };
+        assert_eq!((next.position, next.token, next.buffer), (10, 33, 0));
+        // and without it (a guest away with nothing run ahead), no step
+        assert!(plan_rows(&[], &HashMap::new(), &guests, &[7], &HashMap::new(), 2).is_empty());
+    }
+
+    #[test]
+    fn no_step_ahead_past_the_cache_or_for_a_sampling_guest() {
+        let mut full = guest(63, 0);
+        full.seat = seat(64);
+        let in_flight = [row(7, 63, 0, 1)];
+        let guests = HashMap::from([(7, full)]);
+        assert!(plan_rows(
+            &in_flight,
+            &HashMap::new(),
+            &guests,
+            &[7],
+            &HashMap::new(),
+            2
+        )
+        .is_empty());
+        let mut sampling = guest(10, 0);
+        sampling.greedy = false;
+        let guests = HashMap::from([(7, sampling)]);
+        let known = HashMap::from([(7, 33)]);
+        assert!(plan_rows(&[], &HashMap::new(), &guests, &[7], &known, 2).is_empty());
     }
 
     #[test]

@@ -71,11 +71,16 @@ pub struct Tuning {
     /// How long a context waiting for a batched step spins before it parks
     /// (`_SPIN_US`, 0 by default).
     pub spin: std::time::Duration,
-    /// A batched step waits for the last step's contexts to come back until this long before
-    /// the pass run ahead for them is expected to end on the GPU, then runs with the contexts
-    /// that are back (`_GATHER_MARGIN_US=N`, default 120). `_GATHER_MARGIN_US=all` waits for
-    /// all of them (up to the pass's time from launch to end, at most 2 ms).
+    /// A batched step waits for the last step's contexts to come back until shortly before the
+    /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
+    /// launch its pass, and this much more), then runs with the contexts that are back
+    /// (`_GATHER_MARGIN_US=N`, default 60). `_GATHER_MARGIN_US=all` waits for all of them (up
+    /// to the pass's time from launch to end, at most 2 ms).
     pub gather_margin: Option<std::time::Duration>,
+    /// Steps run ahead of a greedy guest at most (`_AHEAD_DEPTH=N`, 1 or 2; default 2): with
+    /// 2, a context whose guest is not back when the next pass is launched still gets its
+    /// next step in it.
+    pub ahead_depth: usize,
     /// Compile the `.cu` files of this folder instead of the built-in ones
     /// (`WASI_NN_HOST_KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
@@ -147,9 +152,14 @@ impl Tuning {
             gather_margin: match std::env::var("WASI_NN_HOST_GATHER_MARGIN_US") {
                 Ok(v) if v == "all" => None,
                 v => Some(std::time::Duration::from_micros(
-                    v.ok().and_then(|v| v.parse().ok()).unwrap_or(120),
+                    v.ok().and_then(|v| v.parse().ok()).unwrap_or(60),
                 )),
             },
+            ahead_depth: std::env::var("WASI_NN_HOST_AHEAD_DEPTH")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(2)
+                .clamp(1, 2),
             kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
         }
     }

@@ -28,6 +28,10 @@ use std::sync::Arc;
 /// remembered: a length is captured the second time it is seen.
 const PREFILL_GRAPHS: usize = 4;
 
+/// Logits buffers of a session: the one the guest reads and one for each of the (at most
+/// two) steps run ahead of it (see [`super::batch`]).
+pub(crate) const LOGITS_BUFFERS: usize = 3;
+
 /// How this session's prefills run, chosen once from the GPU, the dtype, the model and the
 /// switches.
 #[derive(Clone, Copy, Debug)]
@@ -49,6 +53,8 @@ pub struct PrefillPlan {
 struct LoneAhead {
     position: usize,
     token: u32,
+    /// The logits buffer it writes (see [`CudaSession::logits_at`]).
+    buffer: usize,
 }
 
 /// One sequence on the GPU: KV cache, activations, and the captured graphs.
@@ -66,12 +72,12 @@ pub struct CudaSession {
     fc: DevBuf<f32>,  // [capacity, 4C]
     partial: DevBuf<f32>,
     logits: DevBuf<f32>, // [V]
-    /// A second `[V]` for a batched step run ahead (see [`super::batch`]): it writes the
-    /// buffer the guest is not reading; when the guest's token is the one guessed, the
-    /// buffers change roles (`in_spare`).
-    spare: DevBuf<f32>,
-    /// The last logits are in `spare`, not `logits`.
-    in_spare: bool,
+    /// Two more `[V]` for steps run ahead (see [`super::batch`]): each writes a buffer the
+    /// guest is not reading and no other step run ahead for it is writing; when the guest's
+    /// token is the one guessed, the buffer of that step becomes the one read (`readable`).
+    spares: [DevBuf<f32>; 2],
+    /// Which buffer holds the last logits: 0 `logits`, 1 and 2 `spares`.
+    readable: usize,
     all_logits: Option<DevBuf<f32>>,
     /// [position, ids...]: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
@@ -103,7 +109,7 @@ pub struct CudaSession {
     own_in_flight: bool,
     /// Page-locked landing of the argmax key a decode run ahead is fed from.
     key_copy: Option<HostCopy<u64>>,
-    /// Captured decode steps run ahead: logits into `logits` (0) or `spare` (1).
+    /// Captured decode steps run ahead: logits into `logits` (0) or the first spare (1).
     ahead_graphs: [Option<CudaGraph>; 2],
     plan: PrefillPlan,
     /// Captured prefills by (prompt length, all positions), most recently used last.
@@ -130,7 +136,7 @@ impl CudaSession {
         let kv = 2 * l * capacity * c * dtype.kv_bytes(); // keys and values
         let f32s = capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
             + cfg.n_head * chunks * (cfg.head_dim() + 2) // attention partials
-            + 2 * v // logits, spare
+            + LOGITS_BUFFERS * v // logits, spares
             + capacity * 4 * c; // cuBLAS's f32 scratch
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
         kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
@@ -183,8 +189,11 @@ impl CudaSession {
                 "attention scratch",
             )?,
             logits: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-            spare: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-            in_spare: false,
+            spares: [
+                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+            ],
+            readable: 0,
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
@@ -820,8 +829,7 @@ impl CudaSession {
         match (&self.all_logits, all) {
             (Some(buf), true) => buf.read(stream, count),
             (None, true) => Ok(Vec::new()),
-            _ if self.in_spare => self.spare.read(stream, count),
-            _ => self.logits.read(stream, count),
+            _ => self.logits_buffer(self.readable).read(stream, count),
         }
     }
 
@@ -871,7 +879,7 @@ impl CudaSession {
     pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
         self.check(1)?;
         self.cached_argmax = None;
-        self.in_spare = false;
+        self.readable = 0;
         self.decode(token)?;
         self.len += 1;
         Ok(())
@@ -904,7 +912,7 @@ impl CudaSession {
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
         self.cached_argmax = None;
-        self.in_spare = false;
+        self.readable = 0;
         self.all_offset = if all_positions && continued { self.all_rows } else { 0 };
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
@@ -938,7 +946,7 @@ impl CudaSession {
         self.fed_from = None;
         self.len += added;
         self.all_rows = 0;
-        self.in_spare = false;
+        self.readable = 0;
         self.cached_argmax = Some(argmax);
     }
 
@@ -948,7 +956,7 @@ impl CudaSession {
         self.fed_from = None;
         self.len += added;
         self.all_rows = 0;
-        self.in_spare = false;
+        self.readable = 0;
         self.cached_argmax = None;
     }
 
@@ -957,28 +965,37 @@ impl CudaSession {
         self.cached_argmax = Some(argmax);
     }
 
-    /// Where a step run ahead writes this session's next logits: the buffer not being read.
-    pub(crate) fn ahead_logits(&self) -> u64 {
-        match self.in_spare {
-            true => self.logits.ptr().addr(),
-            false => self.spare.ptr().addr(),
+    fn logits_buffer(&self, buffer: usize) -> &DevBuf<f32> {
+        match buffer {
+            1 | 2 => &self.spares[buffer - 1],
+            _ => &self.logits,
         }
     }
 
-    /// The step run ahead (one position, its logits in the other buffer) is this session's
-    /// next step: take its results.
-    pub(crate) fn advanced_ahead(&mut self, argmax: u32) {
-        self.advanced_ahead_pending();
+    /// The device address of logits buffer `buffer` (0 to [`LOGITS_BUFFERS`] - 1).
+    pub(crate) fn logits_at(&self, buffer: usize) -> u64 {
+        self.logits_buffer(buffer).ptr().addr()
+    }
+
+    /// The buffer holding the last logits, the one the guest reads.
+    pub(crate) fn readable(&self) -> usize {
+        self.readable
+    }
+
+    /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
+    /// take its results.
+    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize) {
+        self.advanced_ahead_pending(buffer);
         self.cached_argmax = Some(argmax);
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
-    /// its position and logits now; its argmax comes with [`Self::set_argmax`].
-    pub(crate) fn advanced_ahead_pending(&mut self) {
+    /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
+    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize) {
         self.fed_from = None;
         self.len += 1;
         self.all_rows = 0;
-        self.in_spare = !self.in_spare;
+        self.readable = buffer;
         self.cached_argmax = None;
     }
 
@@ -996,10 +1013,10 @@ impl CudaSession {
         if !last_decode || !graphs || self.len >= self.capacity {
             return Ok(None);
         }
-        // the step run ahead writes the buffer not being read
-        let which = usize::from(!self.in_spare);
+        // the step run ahead writes a buffer not being read (`logits` or the first spare)
+        let which = usize::from(self.readable == 0);
         if self.ahead_graphs[which].is_none() {
-            let logits = if which == 0 { self.logits.ptr() } else { self.spare.ptr() };
+            let logits = self.logits_buffer(which).ptr();
             match self.capture(|s| s.decode_kernels_into(true, logits)) {
                 Ok(Some(graph)) => self.ahead_graphs[which] = Some(graph),
                 Ok(None) => return Ok(None),
@@ -1028,6 +1045,7 @@ impl CudaSession {
             self.lone = Some(LoneAhead {
                 position: self.len,
                 token: argmax,
+                buffer: which,
             });
         }
         self.cached_argmax = Some(argmax);
@@ -1039,17 +1057,17 @@ impl CudaSession {
     /// may still be under way; reads are ordered after it on the stream). False, and the step
     /// run ahead forgotten, otherwise.
     pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
-        let hit = self
+        let Some(ahead) = self
             .lone
             .take()
-            .is_some_and(|a| a.position == self.len && a.token == token);
-        if !hit {
+            .filter(|a| a.position == self.len && a.token == token)
+        else {
             return false;
-        }
+        };
         self.fed_from = Some(self.len);
         self.len += 1;
         self.all_rows = 0;
-        self.in_spare = !self.in_spare;
+        self.readable = ahead.buffer;
         self.cached_argmax = None;
         true
     }
@@ -1064,6 +1082,11 @@ impl CudaSession {
             self.own_in_flight = false;
         }
         Ok(())
+    }
+
+    /// Nothing run ahead on the session's own stream (see [`Self::settle_own`]).
+    pub(crate) fn idle_own(&self) -> bool {
+        self.lone.is_none() && !self.own_in_flight
     }
 
     /// Positions the KV cache holds.
@@ -1127,7 +1150,7 @@ impl CudaSession {
         self.fed_from = None;
         self.own_in_flight = false;
         self.len = 0;
-        self.in_spare = false;
+        self.readable = 0;
         self.all_rows = 0;
         self.all_offset = 0;
         self.cached_argmax = None;

@@ -74,6 +74,13 @@ pub trait BatchModel: Send + Sync + 'static {
         AheadCounts::default()
     }
 
+    /// Take a result the model already has for `seq`'s next call: a step run ahead for it
+    /// with exactly `tokens` (one token, not every position's logits), finished. True: `seq`
+    /// advanced as if a step had run it, and the call needs no step.
+    fn take_ready(&self, _seq: &mut Self::Seq, _tokens: &[u32], _all_positions: bool) -> bool {
+        false
+    }
+
     /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
     fn new_seq(&self) -> Result<Self::Seq, EngineError>;
 
@@ -616,6 +623,13 @@ impl<M: BatchModel> Session for BatchedSession<M> {
     fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::EmptySequence);
+        }
+        let ready = (self.seq.as_mut())
+            .is_some_and(|seq| self.batcher.model.take_ready(seq, tokens, all_positions));
+        if ready {
+            // not expected back by the next step any more
+            self.batcher.forget(self.id);
+            return Ok(());
         }
         let seq = self
             .seq
