@@ -317,6 +317,9 @@ struct GuestAt {
     /// Steps may be run ahead for it (its guest reads only the argmax).
     greedy: bool,
     seat: Seat,
+    /// The argmax of its guest's last position when known on the host (a result its guest
+    /// took without a step): the token of the step after it.
+    argmax: Option<u32>,
 }
 
 /// A context's rows in a pass run ahead whose step did not wait for them (see the module
@@ -1197,8 +1200,11 @@ impl CudaBatch {
             return Err("off");
         }
         let flight = ahead.in_flight.as_ref().ok_or("nothing in flight")?;
-        if items.len() < 2 {
-            return Err("one context");
+        // one context alone keeps its own decode step (the pass in flight is its alone)
+        if let [item] = items {
+            if flight.rows.iter().all(|r| r.serial == item.seq.serial) {
+                return Err("one context");
+            }
         }
         let rows: HashMap<(u64, usize), &AheadRow> = (flight.rows.iter())
             .map(|r| ((r.serial, r.position), r))
@@ -1407,6 +1413,7 @@ impl CudaBatch {
                 readable: session.readable(),
                 greedy: eligible[i],
                 seat: Seat::of(session),
+                argmax: None,
             };
             ahead.guests.insert(serial, at);
             serials.push(serial);
@@ -1495,7 +1502,7 @@ fn plan_rows(
         let (token, fed) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
             Some((Some(row), _)) => (0, Some(row.row)),
             Some((None, Some(guess))) => (guess.argmax, None),
-            _ => match (ahead_of_guest, known.get(&serial)) {
+            _ => match (ahead_of_guest, known.get(&serial).or(guest.argmax.as_ref())) {
                 (0, Some(&token)) => (token, None),
                 _ => continue,
             },
@@ -1625,6 +1632,8 @@ impl BatchModel for CudaBatch {
         if let Some(guest) = ahead.guests.get_mut(&serial) {
             (guest.len, guest.readable) = (session.len(), session.readable());
             guest.greedy &= !sampled;
+            // its next step may run ahead before it is back
+            guest.argmax = Some(guess.argmax);
         }
         true
     }
@@ -1888,6 +1897,7 @@ mod tests {
             readable,
             greedy: true,
             seat: seat(64),
+            argmax: None,
         }
     }
 
@@ -1976,6 +1986,15 @@ mod tests {
         assert_eq!((next.position, next.token, next.buffer), (10, 33, 0));
         // and without it (a guest away with nothing run ahead), no step
         assert!(plan_rows(&[], &HashMap::new(), &guests, &[7], &HashMap::new(), 2).is_empty());
+        // unless it took a result without a step: that result's argmax
+        let mut took = guest(10, 2);
+        took.argmax = Some(34);
+        let guests = HashMap::from([(7, took)]);
+        let plan = plan_rows(&[], &HashMap::new(), &guests, &[7], &HashMap::new(), 2);
+        let [(7, next)] = &plan[..] else {
+            panic!("one step for context 7")
+        };
+        assert_eq!((next.position, next.token), (10, 34));
     }
 
     #[test]
