@@ -1389,8 +1389,8 @@ impl CudaBatch {
 
     /// Keep each item as this step leaves it ([`GuestAt`]); a context that did not take what
     /// was run ahead for it loses all of it. Returns the contexts that may get steps run
-    /// ahead: the step's, then those with results run ahead (in flight or resolved) whose
-    /// guests are away.
+    /// ahead: the step's, then those whose guests are away with results run ahead for them (in
+    /// flight or resolved) or with the argmax of a result taken without a step.
     fn note_guests(
         &self,
         ahead: &mut Ahead,
@@ -1422,6 +1422,8 @@ impl CudaBatch {
         let mut away: Vec<u64> = (ahead.in_flight.iter())
             .flat_map(|f| f.rows.iter().map(|r| r.serial))
             .chain(ahead.ready.keys().map(|&(serial, _)| serial))
+            // (and those that took a result without a step: their next step from its argmax)
+            .chain((ahead.guests.iter()).filter_map(|(&serial, g)| g.argmax.map(|_| serial)))
             .filter(|serial| !mine.contains(serial))
             .collect();
         away.sort_unstable();
