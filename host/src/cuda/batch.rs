@@ -1922,80 +1922,67 @@ mod tests {
         }
     }
 
+    /// The step planned for context 7 (at most one), with `known` its argmax after its step.
+    fn plan_7(
+        in_flight: &[AheadRow],
+        ready: &[((u64, usize), Guess)],
+        guest: GuestAt,
+        known: Option<u32>,
+        depth: usize,
+    ) -> Option<NextStep> {
+        let ready: HashMap<(u64, usize), Guess> = ready.iter().copied().collect();
+        let guests = HashMap::from([(7, guest)]);
+        let known: HashMap<u64, u32> = known.map(|k| (7, k)).into_iter().collect();
+        let mut plan = plan_rows(in_flight, &ready, &guests, &[7], &known, depth);
+        assert!(plan.len() <= 1, "one step a context");
+        plan.pop().map(|(serial, next)| {
+            assert_eq!(serial, 7);
+            next
+        })
+    }
+
     #[test]
     fn a_guest_not_back_gets_its_second_step_ahead_fed_from_its_row_in_flight() {
         // context 7's guest is at 10, its step at 10 is in flight (row 3, buffer 1)
-        let guests = HashMap::from([(7, guest(10, 0))]);
         let in_flight = [row(7, 10, 3, 1)];
-        let plan = plan_rows(
-            &in_flight,
-            &HashMap::new(),
-            &guests,
-            &[7],
-            &HashMap::new(),
-            2,
-        );
-        let [(7, next)] = &plan[..] else {
-            panic!("one step for context 7")
-        };
+        let next = plan_7(&in_flight, &[], guest(10, 0), None, 2).expect("a step");
         assert_eq!((next.position, next.fed), (11, Some(3)));
         // neither the buffer the guest reads nor the one the step in flight writes
         assert_eq!(next.buffer, 2);
         assert_eq!(next.rows().logits, 12);
         // one step ahead at most: nothing
-        let plan = plan_rows(
-            &in_flight,
-            &HashMap::new(),
-            &guests,
-            &[7],
-            &HashMap::new(),
-            1,
-        );
-        assert!(plan.is_empty());
+        assert!(plan_7(&in_flight, &[], guest(10, 0), None, 1).is_none());
     }
 
     #[test]
     fn no_third_step_runs_ahead_of_a_guest() {
         // its step at 10 resolved, at 11 in flight: two ahead already
-        let guests = HashMap::from([(7, guest(10, 2))]);
-        let ready = HashMap::from([((7, 10), guess(40, 0))]);
         let in_flight = [row(7, 11, 0, 1)];
-        assert!(plan_rows(&in_flight, &ready, &guests, &[7], &HashMap::new(), 2).is_empty());
+        let ready = [((7, 10), guess(40, 0))];
+        assert!(plan_7(&in_flight, &ready, guest(10, 2), None, 2).is_none());
         // both resolved: still two ahead
-        let ready = HashMap::from([((7, 10), guess(40, 0)), ((7, 11), guess(41, 1))]);
-        assert!(plan_rows(&[], &ready, &guests, &[7], &HashMap::new(), 2).is_empty());
+        let ready = [((7, 10), guess(40, 0)), ((7, 11), guess(41, 1))];
+        assert!(plan_7(&[], &ready, guest(10, 2), None, 2).is_none());
     }
 
     #[test]
     fn a_step_ahead_takes_the_argmax_of_the_step_before_it() {
         // resolved at 10 (argmax 40, buffer 1): the next is at 11 with token 40, buffer 0
-        let guests = HashMap::from([(7, guest(10, 2))]);
-        let ready = HashMap::from([((7, 10), guess(40, 1))]);
-        let plan = plan_rows(&[], &ready, &guests, &[7], &HashMap::new(), 2);
-        let [(7, next)] = &plan[..] else {
-            panic!("one step for context 7")
-        };
+        let ready = [((7, 10), guess(40, 1))];
+        let next = plan_7(&[], &ready, guest(10, 2), None, 2).expect("a step");
         assert_eq!(
             (next.position, next.token, next.fed, next.buffer),
             (11, 40, None, 0)
         );
         // nothing ahead: the item's own argmax, at its position
-        let known = HashMap::from([(7, 33)]);
-        let plan = plan_rows(&[], &HashMap::new(), &guests, &[7], &known, 2);
-        let [(7, next)] = &plan[..] else {
-            panic!("one step for context 7")
-        };
+        let next = plan_7(&[], &[], guest(10, 2), Some(33), 2).expect("a step");
         assert_eq!((next.position, next.token, next.buffer), (10, 33, 0));
         // and without it (a guest away with nothing run ahead), no step
-        assert!(plan_rows(&[], &HashMap::new(), &guests, &[7], &HashMap::new(), 2).is_empty());
+        assert!(plan_7(&[], &[], guest(10, 2), None, 2).is_none());
         // unless it took a result without a step: that result's argmax
         let mut took = guest(10, 2);
         took.argmax = Some(34);
-        let guests = HashMap::from([(7, took)]);
-        let plan = plan_rows(&[], &HashMap::new(), &guests, &[7], &HashMap::new(), 2);
-        let [(7, next)] = &plan[..] else {
-            panic!("one step for context 7")
-        };
+        let next = plan_7(&[], &[], took, None, 2).expect("a step");
         assert_eq!((next.position, next.token), (10, 34));
     }
 
@@ -2003,22 +1990,10 @@ mod tests {
     fn no_step_ahead_past_the_cache_or_for_a_sampling_guest() {
         let mut full = guest(63, 0);
         full.seat = seat(64);
-        let in_flight = [row(7, 63, 0, 1)];
-        let guests = HashMap::from([(7, full)]);
-        assert!(plan_rows(
-            &in_flight,
-            &HashMap::new(),
-            &guests,
-            &[7],
-            &HashMap::new(),
-            2
-        )
-        .is_empty());
+        assert!(plan_7(&[row(7, 63, 0, 1)], &[], full, None, 2).is_none());
         let mut sampling = guest(10, 0);
         sampling.greedy = false;
-        let guests = HashMap::from([(7, sampling)]);
-        let known = HashMap::from([(7, 33)]);
-        assert!(plan_rows(&[], &HashMap::new(), &guests, &[7], &known, 2).is_empty());
+        assert!(plan_7(&[], &[], sampling, Some(33), 2).is_none());
     }
 
     #[test]
