@@ -20,13 +20,14 @@
 //! call, the GPU would sit idle. So at the end of a step, the contexts whose guests only
 //! read the argmax (greedy guests; a guest that read logits after its last step is left
 //! out) get their next step launched at once, with that argmax as their token: each row
-//! writes its own context's cache at the next position and its logits into the session's
-//! other logits buffer, so nothing the guest can still read changes. When a context comes
-//! back with exactly that token at that position, its step is already done (or under way):
-//! it takes the results and the buffers change roles. Any other call runs as usual and
-//! overwrites the guessed position; a step waits for the work run ahead before it launches
-//! anything on a session's own stream (the next batched pass may go first, see "Two
-//! passes"), and a context dropped while it is under way waits for it too.
+//! writes its own context's cache at the next position and its logits into a logits buffer
+//! of the session that the guest is not reading, so nothing the guest can still read
+//! changes. When a context comes back with exactly that token at that position, its step is
+//! already done (or under way): it takes the results, and that buffer becomes the one read.
+//! Any other call runs as usual and overwrites the guessed position; a step waits for the
+//! work run ahead before it launches anything on a session's own stream (the next batched
+//! pass may go first, see "Two passes"), and a context dropped while it is under way waits
+//! for it too.
 //!
 //! **A lone decode runs ahead too**, on its session's own stream and through its captured
 //! decode graph rather than a pass: a variant of the graph whose embedding kernel takes the

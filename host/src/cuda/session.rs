@@ -1053,9 +1053,9 @@ impl CudaSession {
     }
 
     /// Take the decode run ahead as this session's next step when it is `token` at the
-    /// current position: the position advances and the logits buffers change roles (the step
-    /// may still be under way; reads are ordered after it on the stream). False, and the step
-    /// run ahead forgotten, otherwise.
+    /// current position: the position advances and its logits buffer becomes the one read
+    /// (the step may still be under way; reads are ordered after it on the stream). False, and
+    /// the step run ahead forgotten, otherwise.
     pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
         let Some(ahead) = self
             .lone
