@@ -1078,7 +1078,7 @@ impl CudaBatch {
     }
 
     /// Launch the pass run ahead (see the module docs): the steps `picks` (contexts' next
-    /// steps run ahead, see [`Self::plan_ahead`], and those of contexts whose late rows were
+    /// steps run ahead, see [`plan_ahead`], and those of contexts whose late rows were
     /// resolved) and the rows of `items[late]`, which this step does not wait for
     /// (`greedy[i]`: a step may be run ahead after them). Returns the pass for the caller to
     /// keep; on an error nothing was launched.
