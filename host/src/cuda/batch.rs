@@ -90,7 +90,7 @@ use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -390,14 +390,14 @@ struct Guess {
 struct Ahead {
     in_flight: Option<InFlight>,
     /// Results run ahead, by context and position.
-    ready: HashMap<(u64, usize), Guess>,
+    ready: FxHashMap<(u64, usize), Guess>,
     /// Each context as its last step left it.
-    guests: HashMap<u64, GuestAt>,
+    guests: FxHashMap<u64, GuestAt>,
     /// The argmax of late rows resolved, until their context's next step (None: the pass
     /// failed).
-    late_done: HashMap<u64, Option<u32>>,
+    late_done: FxHashMap<u64, Option<u32>>,
     /// Steps to run ahead, with the next pass, for contexts whose late rows were resolved.
-    follow: HashMap<u64, NextStep>,
+    follow: FxHashMap<u64, NextStep>,
     /// How long the last pass run ahead took from its launch, as the step that waited for it
     /// saw it.
     took: Duration,
@@ -562,7 +562,7 @@ struct StepBuffers {
     addrs: DevBuf<u64>,
     keys: DevBuf<u64>,
     /// Captured steps.
-    graphs: HashMap<GraphKey, CudaGraph>,
+    graphs: FxHashMap<GraphKey, CudaGraph>,
     graphs_failed: bool,
 }
 
@@ -593,7 +593,7 @@ impl StepBuffers {
             keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
             launcher,
             blas,
-            graphs: HashMap::new(),
+            graphs: FxHashMap::default(),
             graphs_failed: false,
         })
     }
@@ -1207,10 +1207,10 @@ impl CudaBatch {
                 return Err("one context");
             }
         }
-        let rows: HashMap<(u64, usize), &AheadRow> = (flight.rows.iter())
+        let rows: FxHashMap<(u64, usize), &AheadRow> = (flight.rows.iter())
             .map(|r| ((r.serial, r.position), r))
             .collect();
-        let late: HashSet<u64> = flight.late.iter().map(|l| l.serial).collect();
+        let late: FxHashSet<u64> = flight.late.iter().map(|l| l.serial).collect();
         let mut total = ahead.follow.len();
         let mut hits = Vec::with_capacity(items.len());
         let mut any = false;
@@ -1283,7 +1283,7 @@ impl CudaBatch {
         }
         let greedy = greedy(items);
         // the argmax of the contexts that took a result resolved before
-        let known: HashMap<u64, u32> = (0..items.len())
+        let known: FxHashMap<u64, u32> = (0..items.len())
             .filter(|&i| hit[i] && early[i].is_none())
             .filter_map(|i| {
                 let seq = &*items[i].seq;
@@ -1419,7 +1419,7 @@ impl CudaBatch {
             ahead.guests.insert(serial, at);
             serials.push(serial);
         }
-        let mine: HashSet<u64> = serials.iter().copied().collect();
+        let mine: FxHashSet<u64> = serials.iter().copied().collect();
         let mut away: Vec<u64> = (ahead.in_flight.iter())
             .flat_map(|f| f.rows.iter().map(|r| r.serial))
             .chain(ahead.ready.keys().map(|&(serial, _)| serial))
@@ -1450,7 +1450,7 @@ struct Taken {
 fn plan_ahead(
     ahead: &Ahead,
     serials: &[u64],
-    known: &HashMap<u64, u32>,
+    known: &FxHashMap<u64, u32>,
     depth: usize,
 ) -> Vec<(u64, NextStep)> {
     let in_flight = ahead.in_flight.as_ref().map_or(&[][..], |f| &f.rows[..]);
@@ -1467,13 +1467,13 @@ fn plan_ahead(
 /// [`plan_ahead`] over the rows of the pass in flight, the results resolved and the contexts.
 fn plan_rows(
     in_flight: &[AheadRow],
-    ready: &HashMap<(u64, usize), Guess>,
-    guests: &HashMap<u64, GuestAt>,
+    ready: &FxHashMap<(u64, usize), Guess>,
+    guests: &FxHashMap<u64, GuestAt>,
     serials: &[u64],
-    known: &HashMap<u64, u32>,
+    known: &FxHashMap<u64, u32>,
     depth: usize,
 ) -> Vec<(u64, NextStep)> {
-    let flight: HashMap<(u64, usize), &AheadRow> = (in_flight.iter())
+    let flight: FxHashMap<(u64, usize), &AheadRow> = (in_flight.iter())
         .map(|r| ((r.serial, r.position), r))
         .collect();
     let mut picks = Vec::new();
@@ -1768,7 +1768,7 @@ impl BatchModel for CudaBatch {
         let eligible: Vec<bool> = (0..items.len())
             .map(|i| greedy[i] && late.binary_search(&i).is_err() && !lone_ahead)
             .collect();
-        let known: HashMap<u64, u32> = (0..items.len())
+        let known: FxHashMap<u64, u32> = (0..items.len())
             .filter(|&i| eligible[i])
             .filter_map(|i| {
                 let seq = &*items[i].seq;
@@ -1931,9 +1931,9 @@ mod tests {
         known: Option<u32>,
         depth: usize,
     ) -> Option<NextStep> {
-        let ready: HashMap<(u64, usize), Guess> = ready.iter().copied().collect();
-        let guests = HashMap::from([(7, guest)]);
-        let known: HashMap<u64, u32> = known.map(|k| (7, k)).into_iter().collect();
+        let ready: FxHashMap<(u64, usize), Guess> = ready.iter().copied().collect();
+        let guests: FxHashMap<u64, GuestAt> = [(7, guest)].into_iter().collect();
+        let known: FxHashMap<u64, u32> = known.map(|k| (7, k)).into_iter().collect();
         let mut plan = plan_rows(in_flight, &ready, &guests, &[7], &known, depth);
         assert!(plan.len() <= 1, "one step a context");
         plan.pop().map(|(serial, next)| {
