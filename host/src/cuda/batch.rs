@@ -318,8 +318,8 @@ struct GuestAt {
     /// Steps may be run ahead for it (its guest reads only the argmax).
     greedy: bool,
     seat: Seat,
-    /// The argmax of its guest's last position when known on the host (a result its guest
-    /// took without a step): the token of the step after it.
+    /// The argmax of its guest's last position when known on the host (after its step, or a
+    /// result its guest took without one): the token of the step after it.
     argmax: Option<u32>,
 }
 
@@ -1282,20 +1282,21 @@ impl CudaBatch {
             }
         }
         let greedy = greedy(items);
-        // the argmax of the contexts that took a result resolved before
-        let known: FxHashMap<u64, u32> = (0..items.len())
-            .filter(|&i| hit[i] && early[i].is_none())
-            .filter_map(|i| {
-                let seq = &*items[i].seq;
-                Some((seq.serial, seq.session().ok()?.argmax_now().ok()?))
-            })
-            .collect();
         // a late row's next step goes with its late row (`LateRow::next`)
         let eligible: Vec<bool> = (0..items.len()).map(|i| greedy[i] && hit[i]).collect();
-        let serials = self.note_guests(&mut ahead, items, &hit, &eligible);
+        // the argmax of the contexts that took a result resolved before (the others' comes
+        // with the pass in flight)
+        let argmax: Vec<Option<u32>> = (0..items.len())
+            .map(|i| {
+                (hit[i] && early[i].is_none())
+                    .then(|| host_argmax(&items[i]))
+                    .flatten()
+            })
+            .collect();
+        let serials = self.note_guests(&mut ahead, items, &hit, &eligible, &argmax);
         let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
         let mut room = MAX_ROWS.saturating_sub(late_tokens);
-        let mut picks = plan_ahead(&ahead, &serials, &known, self.depth());
+        let mut picks = plan_ahead(&ahead, &serials, self.depth());
         picks.truncate(room);
         room -= picks.len();
         // The contexts whose late rows are in the pass in flight (their guests wait for it,
@@ -1388,16 +1389,18 @@ impl CudaBatch {
         self.exec.gpu.tuning().ahead_depth
     }
 
-    /// Keep each item as this step leaves it ([`GuestAt`]); a context that did not take what
-    /// was run ahead for it loses all of it. Returns the contexts that may get steps run
-    /// ahead: the step's, then those whose guests are away with results run ahead for them (in
-    /// flight or resolved) or with the argmax of a result taken without a step.
+    /// Keep each item as this step leaves it ([`GuestAt`], with `argmax[i]` its argmax when
+    /// known on the host); a context that did not take what was run ahead for it loses all of
+    /// it. Returns the contexts that may get steps run ahead: the step's, then those whose
+    /// guests are away with results run ahead for them (in flight or resolved) or with the
+    /// argmax of a result taken without a step.
     fn note_guests(
         &self,
         ahead: &mut Ahead,
         items: &[StepItem<'_, CudaSeq>],
         hit: &[bool],
         eligible: &[bool],
+        argmax: &[Option<u32>],
     ) -> Vec<u64> {
         let mut serials = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
@@ -1414,7 +1417,7 @@ impl CudaBatch {
                 readable: session.readable(),
                 greedy: eligible[i],
                 seat: Seat::of(session),
-                argmax: None,
+                argmax: argmax[i],
             };
             ahead.guests.insert(serial, at);
             serials.push(serial);
@@ -1423,7 +1426,6 @@ impl CudaBatch {
         let mut away: Vec<u64> = (ahead.in_flight.iter())
             .flat_map(|f| f.rows.iter().map(|r| r.serial))
             .chain(ahead.ready.keys().map(|&(serial, _)| serial))
-            // (and those that took a result without a step: their next step from its argmax)
             .chain((ahead.guests.iter()).filter_map(|(&serial, g)| g.argmax.map(|_| serial)))
             .filter(|serial| !mine.contains(serial))
             .collect();
@@ -1445,23 +1447,11 @@ struct Taken {
 /// context of `serials`, the position after the last step run ahead for it (or after its
 /// guest's position), while fewer than `depth` steps are ahead of its guest and its cache
 /// has room. The token is the argmax of the position before: fed on the GPU from the pass in
-/// flight, or known (a result resolved, or `known`: an item's argmax after its step). Its
-/// logits go to a buffer that neither the guest reads nor another step run ahead writes.
-fn plan_ahead(
-    ahead: &Ahead,
-    serials: &[u64],
-    known: &FxHashMap<u64, u32>,
-    depth: usize,
-) -> Vec<(u64, NextStep)> {
+/// flight, or known on the host (a result resolved, or [`GuestAt::argmax`]). Its logits go
+/// to a buffer that neither the guest reads nor another step run ahead writes.
+fn plan_ahead(ahead: &Ahead, serials: &[u64], depth: usize) -> Vec<(u64, NextStep)> {
     let in_flight = ahead.in_flight.as_ref().map_or(&[][..], |f| &f.rows[..]);
-    plan_rows(
-        in_flight,
-        &ahead.ready,
-        &ahead.guests,
-        serials,
-        known,
-        depth,
-    )
+    plan_rows(in_flight, &ahead.ready, &ahead.guests, serials, depth)
 }
 
 /// [`plan_ahead`] over the rows of the pass in flight, the results resolved and the contexts.
@@ -1470,7 +1460,6 @@ fn plan_rows(
     ready: &FxHashMap<(u64, usize), Guess>,
     guests: &FxHashMap<u64, GuestAt>,
     serials: &[u64],
-    known: &FxHashMap<u64, u32>,
     depth: usize,
 ) -> Vec<(u64, NextStep)> {
     let flight: FxHashMap<(u64, usize), &AheadRow> = (in_flight.iter())
@@ -1505,8 +1494,8 @@ fn plan_rows(
         let (token, fed) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
             Some((Some(row), _)) => (0, Some(row.row)),
             Some((None, Some(guess))) => (guess.argmax, None),
-            _ => match (ahead_of_guest, known.get(&serial).or(guest.argmax.as_ref())) {
-                (0, Some(&token)) => (token, None),
+            _ => match (ahead_of_guest, guest.argmax) {
+                (0, Some(token)) => (token, None),
                 _ => continue,
             },
         };
@@ -1520,6 +1509,11 @@ fn plan_rows(
         picks.push((serial, next));
     }
     picks
+}
+
+/// An item's argmax when known on the host (read back if its step ran on its own stream).
+fn host_argmax(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
+    item.seq.session().ok()?.argmax_now().ok()
 }
 
 /// Forget everything run ahead for a context (its guest came back with something else): its
@@ -1768,16 +1762,12 @@ impl BatchModel for CudaBatch {
         let eligible: Vec<bool> = (0..items.len())
             .map(|i| greedy[i] && late.binary_search(&i).is_err() && !lone_ahead)
             .collect();
-        let known: FxHashMap<u64, u32> = (0..items.len())
-            .filter(|&i| eligible[i])
-            .filter_map(|i| {
-                let seq = &*items[i].seq;
-                Some((seq.serial, seq.session().ok()?.argmax_now().ok()?))
-            })
+        let argmax: Vec<Option<u32>> = (0..items.len())
+            .map(|i| eligible[i].then(|| host_argmax(&items[i])).flatten())
             .collect();
-        let serials = self.note_guests(&mut ahead, items, &hit, &eligible);
+        let serials = self.note_guests(&mut ahead, items, &hit, &eligible, &argmax);
         let mut picks = match run_ahead {
-            true => plan_ahead(&ahead, &serials, &known, self.depth()),
+            true => plan_ahead(&ahead, &serials, self.depth()),
             false => Vec::new(),
         };
         // one pass holds them all when merged; otherwise the first that fit
@@ -1927,14 +1917,14 @@ mod tests {
     fn plan_7(
         in_flight: &[AheadRow],
         ready: &[((u64, usize), Guess)],
-        guest: GuestAt,
+        mut guest: GuestAt,
         known: Option<u32>,
         depth: usize,
     ) -> Option<NextStep> {
         let ready: FxHashMap<(u64, usize), Guess> = ready.iter().copied().collect();
+        guest.argmax = guest.argmax.or(known);
         let guests: FxHashMap<u64, GuestAt> = [(7, guest)].into_iter().collect();
-        let known: FxHashMap<u64, u32> = known.map(|k| (7, k)).into_iter().collect();
-        let mut plan = plan_rows(in_flight, &ready, &guests, &[7], &known, depth);
+        let mut plan = plan_rows(in_flight, &ready, &guests, &[7], depth);
         assert!(plan.len() <= 1, "one step a context");
         plan.pop().map(|(serial, next)| {
             assert_eq!(serial, 7);
