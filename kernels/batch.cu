@@ -181,19 +181,28 @@ __device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) 
     }
     return acc;
 }
+// The spans a row of `len` positions is cut into, in a grid of `grid`: one per BA_SPAN positions,
+// at most `grid`. A function of the row alone once the grid has as many spans as the longest
+// row asks for, which makes a row's attention the same whatever rows run beside it.
+__device__ __forceinline__ int ba_row_spans(int len, int grid) {
+    return max(1, min(grid, (len + BA_SPAN - 1) / BA_SPAN));
+}
 // The span of its row's positions that block (head, span, row) of the batched attention
-// takes: len (0 for a padding row), [first, end) and its partial results' place. An empty
-// span leaves what the combine or the next product reads (no positions, or zeros) and false.
+// takes: len (0 for a padding row), the row's spans, [first, end) and its partial results'
+// place. A block past the row's spans does nothing; an empty span leaves what the combine or
+// the next product reads (no positions, or zeros). Both return false.
 __device__ __forceinline__ bool ba_span(void* out, float* partial, const int* positions, int c, int hd, int rows,
-                                        int split_out, int& len, int& first, int& end, float*& part) {
-    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, splits = gridDim.y;
+                                        int split_out, int& len, int& spans, int& first, int& end, float*& part) {
+    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, grid = gridDim.y;
     len = positions[r] + 1;
-    int span = ((len + splits - 1) / splits + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
+    spans = ba_row_spans(len, grid);
+    if (s >= spans) return false;
+    int span = ((len + spans - 1) / spans + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
     first = s * span;
     end = min(len, first + span);
-    part = partial + (((size_t)r * gridDim.x + h) * splits + s) * (hd + 2);
+    part = partial + (((size_t)r * gridDim.x + h) * grid + s) * (hd + 2);
     if (first < end) return true;
-    if (splits > 1) {
+    if (spans > 1) {
         if (threadIdx.x == 0) { part[0] = -INFINITY; part[1] = 0.0f; }
     } else {
         for (int d = threadIdx.x; d < hd; d += blockDim.x) store_act(out, rows, r, h * hd + d, c, 0.0f, split_out);
@@ -201,16 +210,16 @@ __device__ __forceinline__ bool ba_span(void* out, float* partial, const int* po
     return false;
 }
 // The four groups' sums of each dimension (`acc_s`, groups `stride` floats apart), normalised
-// into `out` (one span), or left with the span's max and sum for the combine.
+// into `out` (the row's one span), or left with the span's max and sum for the combine.
 __device__ __forceinline__ void ba_finish(const float* acc_s, int stride, float m_run, float sum_run, float* part,
-                                          void* out, int c, int hd, int rows, int split_out) {
-    int h = blockIdx.x, r = blockIdx.z, splits = gridDim.y;
+                                          void* out, int c, int hd, int rows, int split_out, int spans) {
+    int h = blockIdx.x, r = blockIdx.z;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = acc_s[d] + acc_s[stride + d] + acc_s[2 * stride + d] + acc_s[3 * stride + d];
-        if (splits == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
+        if (spans == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
         else part[2 + d] = a;
     }
-    if (splits > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
+    if (spans > 1 && threadIdx.x == 0) { part[0] = m_run; part[1] = sum_run; }
 }
 // Thread j's probability of its position in the chunk (score sc, `in` the chunk) into p[j],
 // against the running max and sum of the chunks before, both updated; returns the factor the
@@ -237,9 +246,9 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     __shared__ float scratch[32];
     pdl_launch_dependents();
     pdl_wait();
-    int h = blockIdx.x, r = blockIdx.z, len, first, end;
+    int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, first, end, part)) return;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, spans, first, end, part)) return;
     typedef typename KvOf<W>::T KV;
     KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + h * hd;
     KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + h * hd;
@@ -294,7 +303,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
         }
     }
     __syncthreads();
-    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out);
+    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out, spans);
 }
 
 // `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), its
@@ -336,9 +345,9 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     pdl_launch_dependents();
     pdl_wait();
     const int hd = BA_HD;
-    int h = blockIdx.x, r = blockIdx.z, len, first, end;
+    int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, first, end, part)) return;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, spans, first, end, part)) return;
     kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
     kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
     int own = append && end == len ? len - 1 : -1;
@@ -406,7 +415,7 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     acc_s[g][d2] = acc.x;
     acc_s[g][d2 + 1] = acc.y;
     __syncthreads();
-    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out);
+    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out, spans);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_f32(void* out, float* partial, const float* tmp, const float* bias, int split_in,
@@ -462,30 +471,32 @@ extern "C" __global__ void batch_append_kv_bf16(const float* tmp, const bf16_t* 
     batch_append_kv_impl(tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows);
 }
 
-// Block (h, r): the row's spans rescaled by exp(max_span - max) and normalised, into `out` as
-// a product input (f32, or split); zeros for a padding row.
+// Block (h, r): the row's spans (`ba_row_spans` of the grid's `splits`) rescaled by
+// exp(max_span - max) and normalised, into `out` as a product input (f32, or split). A row of
+// one span (a padding row too) was written by its attention block.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_combine(void* out, const float* partial, const int* positions, int hd, int c, int rows,
                             int splits, int split) {
     pdl_launch_dependents();
     pdl_wait();
     int h = blockIdx.x, r = blockIdx.y;
+    int spans = ba_row_spans(positions[r] + 1, splits);
+    if (spans == 1) return;
     const float* base = partial + ((size_t)r * gridDim.x + h) * splits * (hd + 2);
-    bool pad = positions[r] < 0;
     float m = -INFINITY;
-    for (int s = 0; s < splits; s++) m = fmaxf(m, base[(size_t)s * (hd + 2)]);
+    for (int s = 0; s < spans; s++) m = fmaxf(m, base[(size_t)s * (hd + 2)]);
     float denom = 0.0f;
-    for (int s = 0; s < splits; s++) {
+    for (int s = 0; s < spans; s++) {
         float ms = base[(size_t)s * (hd + 2)];
         if (ms != -INFINITY) denom += __expf(ms - m) * base[(size_t)s * (hd + 2) + 1];
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
+        for (int s = 0; s < spans; s++) {
             float ms = base[(size_t)s * (hd + 2)];
             if (ms != -INFINITY) acc += __expf(ms - m) * base[(size_t)s * (hd + 2) + 2 + d];
         }
-        store_act(out, rows, r, h * hd + d, c, pad ? 0.0f : acc / denom, split);
+        store_act(out, rows, r, h * hd + d, c, acc / denom, split);
     }
 }
 
@@ -560,9 +571,15 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 // strip whose rows 0-7 are the rows' hi halves and 8-15 their lo halves, so each thread ends with
 // a row's hi and lo partial sums in the same registers. K goes through shared memory in stages of
 // BG_BK (cp.async, BG_STAGES - 1 in flight); the weights of the first stages are fetched before
-// the wait on the previous kernel, as they do not depend on it. K may be cut into gridDim.x
-// slices, slice z into plane z of `out` (`[gridDim.x, rows, N]`); the consumer sums the planes
-// in order (`product_value`): the same sums every run, no atomics and no wait on other blocks.
+// the wait on the previous kernel, as they do not depend on it.
+//
+// K is cut into `slices` slices of whole stages, and a row's result is the sum, in slice order,
+// of its slices' sums: the same bits for a row whatever the other rows of the product, however
+// many (the batched step's products are batch-invariant). The grid's x is (plane, row tile),
+// row tiles next to each other; a block covers K / planes of K (planes is 1 or `slices`); the
+// `_fold` kernels fold each slice's sum into a total as the slice ends, for several slices a
+// block. Plane z goes to `out` (`[planes, rows, N]`), and the consumer adds the planes in order
+// (`product_value`): the same additions either way, no atomics and no wait on other blocks.
 #define BG_STREAMS 64
 #define BG_BK 64
 #define BG_STAGES 4
@@ -571,9 +588,9 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 
 typedef unsigned short bg_row_t[BG_LD];
 
-template <int WN>
+template <int WN, bool FOLD>
 __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, const bf16_t* w, int rows, int n,
-                                                int k) {
+                                                int k, int slices) {
     constexpr int BN = 8 * WN;
     constexpr int CH = BG_BK / 8;                            // 16-byte pieces of a row's stage
     constexpr int A_PER = 2 * BG_STREAMS * CH / BG_THREADS;  // a thread's pieces of a stage
@@ -585,8 +602,11 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     bg_row_t* as = reinterpret_cast<bg_row_t*>(bg_smem);  // [BG_STAGES][2 * BG_STREAMS]
     bg_row_t* ws = as + BG_STAGES * 2 * BG_STREAMS;      // [BG_STAGES][BN]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int parts = gridDim.x, col0 = blockIdx.y * BN, s0 = blockIdx.z * BG_STREAMS;
-    int slice = k / parts, k0 = blockIdx.x * slice, stages = slice / BG_BK;
+    // blockIdx.x: the row tile, then the plane (row tiles next to each other share weights)
+    int row_tiles = (rows + BG_STREAMS - 1) / BG_STREAMS, z = blockIdx.x / row_tiles;
+    int planes = gridDim.x / row_tiles, col0 = blockIdx.y * BN, s0 = (blockIdx.x % row_tiles) * BG_STREAMS;
+    int span = k / planes, k0 = z * span, stages = span / BG_BK;
+    int fold = k / slices / BG_BK;  // stages of one slice
     // A thread copies the same pieces at every stage: piece ch of tile rows r, r + ROW_STEP, ...
     // Tile row 16 * wp + q of the input holds row s0 + 8 * wp + (q & 7)'s hi half (q < 8) or
     // lo half, zeros past `rows`; the weights' tile row r is output column col0 + r.
@@ -621,9 +641,12 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
         if (s < stages) load_a(s);
         cp_async_commit();
     }
-    float acc[WN][4];
+    // without FOLD a block's span is one slice (gridDim.z == slices, or one slice in all)
+    float acc[WN][4], total[FOLD ? WN : 1][2];
 #pragma unroll
     for (int j = 0; j < WN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < (FOLD ? WN : 1); ++j) total[j][0] = total[j][1] = 0.0f;
     for (int s = 0; s < stages; ++s) {
         // stage s has landed (BG_STAGES - 1 + s groups committed, at most BG_STAGES - 2 pending),
         // and every warp is done with stage s - 1, whose buffers the next load takes
@@ -651,22 +674,43 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
                 mma_bf16_16816(acc[j + 1], af, bf[2], bf[3]);
             }
         }
+        if (FOLD && (s + 1) % fold == 0) {
+            // a slice ends: its sum (hi and lo) joins the total, as the consumer adds planes
+#pragma unroll
+            for (int j = 0; j < (FOLD ? WN : 1); ++j) {
+                total[j][0] += acc[j][0] + acc[j][2];
+                total[j][1] += acc[j][1] + acc[j][3];
+                acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            }
+        }
     }
     // thread (g, t) holds row s0 + 8 * warp + g: its hi sums in acc[j][0..1], its lo sums in
-    // acc[j][2..3], at columns 8j + 2t and 8j + 2t + 1; K slice z goes to plane z
+    // acc[j][2..3], folded into total[j][0..1], at columns 8j + 2t and 8j + 2t + 1
     int g = lane >> 2, t = lane & 3, row = s0 + warp * 8 + g;
     if (row >= rows) return;
-    float* plane = out + (size_t)blockIdx.x * rows * n + (size_t)row * n + col0 + 2 * t;
+    float* plane = out + (size_t)z * rows * n + (size_t)row * n + col0 + 2 * t;
 #pragma unroll
-    for (int j = 0; j < WN; ++j)
-        *reinterpret_cast<float2*>(plane + j * 8) = make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+    for (int j = 0; j < WN; ++j) {
+        // one slice: 0 + (hi + lo), as a fold would give
+        float2 v = FOLD ? make_float2(total[j][0], total[j][1])
+                        : make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+        *reinterpret_cast<float2*>(plane + j * 8) = v;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
-    batch_gemm_bf16_n64(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k) {
-    batch_gemm_impl<8>(out, a, w, rows, n, k);
+    batch_gemm_bf16_n64(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k, int slices) {
+    batch_gemm_impl<8, false>(out, a, w, rows, n, k, slices);
 }
 extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
-    batch_gemm_bf16_n32(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k) {
-    batch_gemm_impl<4>(out, a, w, rows, n, k);
+    batch_gemm_bf16_n32(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k, int slices) {
+    batch_gemm_impl<4, false>(out, a, w, rows, n, k, slices);
+}
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
+    batch_gemm_bf16_n64_fold(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k, int slices) {
+    batch_gemm_impl<8, true>(out, a, w, rows, n, k, slices);
+}
+extern "C" __global__ void __launch_bounds__(BG_THREADS, 2)
+    batch_gemm_bf16_n32_fold(float* out, const bf16_t* a, const bf16_t* w, int rows, int n, int k, int slices) {
+    batch_gemm_impl<4, true>(out, a, w, rows, n, k, slices);
 }

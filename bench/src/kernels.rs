@@ -438,9 +438,11 @@ fn check_one(
 
     // the batched step's tensor-core products (bf16): f32 rows split into bf16 hi and lo rows
     // (as the batched kernels store a product's input) against the layer's QKV and
-    // MLP-projection weights; the hi and lo rows summed in the kernel, a plane per K slice
-    // (summed here in order, as the next kernel does). Each shape with the step's plan, one
-    // slice of wide tiles and the most slices of narrow ones.
+    // MLP-projection weights; the hi and lo rows summed in the kernel, the planes summed here in
+    // order, as the next kernel does. Each shape with the step's plan, a plane per slice of
+    // narrow tiles, the same slices folded into one plane, and one slice of wide tiles. The
+    // first rows of one input at each row count: the step's plans must give every row the same
+    // bits at every count (batch invariance), and folding must not change them.
     if dtype == GpuDtype::Bf16 {
         let shapes = [
             ("qkv", dl.qkv_w.ptr(), &lw.qkv_w, 3 * c, c),
@@ -453,38 +455,50 @@ fn check_one(
             ),
         ];
         let sms = b.l.gpu().sms();
+        let counts = [256usize, 1, 17, 64, 130];
         for (name, on_gpu, on_cpu, n, k) in shapes {
-            for m in [1usize, 17, 130] {
-                let x = b.random(m * k);
+            let x = b.random(counts[0] * k);
+            let mut want = vec![0.0; counts[0] * n];
+            for (row, out) in x.chunks(k).zip(want.chunks_mut(n)) {
+                cpu::linear(out, row, on_cpu, None, k, n);
+            }
+            // the step's plan's results at the most rows
+            let mut widest: Option<Vec<f32>> = None;
+            for m in counts {
                 let mut bits = vec![0 as Bf16; 2 * m * k];
-                for (i, v) in x.iter().enumerate() {
+                for (i, v) in x[..m * k].iter().enumerate() {
                     let hi = half::bf16::from_f32(*v);
                     bits[i] = hi.to_bits();
                     bits[m * k + i] = half::bf16::from_f32(v - hi.to_f32()).to_bits();
                 }
                 let stream = b.l.stream().clone();
                 let input = DevBuf::<Bf16>::from_host(&stream, &bits, "product input")?;
-                let mut want = vec![0.0; m * n];
-                for r in 0..m {
-                    let row = &x[r * k..(r + 1) * k];
-                    cpu::linear(&mut want[r * n..(r + 1) * n], row, on_cpu, None, k, n);
-                }
+                let step = batch_gemm_plan(m, n, k, sms, MAX_PARTS * m * n);
+                let most = gemm_most_parts(k, MAX_PARTS);
                 let plans = [
-                    batch_gemm_plan(m, n, k, sms, MAX_PARTS * m * n),
+                    step,
                     GemmPlan {
-                        parts: 1,
-                        wide: true,
-                    },
-                    GemmPlan {
-                        parts: gemm_most_parts(k, MAX_PARTS),
+                        slices: most,
+                        planes: most,
                         wide: false,
                     },
+                    GemmPlan {
+                        slices: most,
+                        planes: 1,
+                        wide: false,
+                    },
+                    GemmPlan {
+                        slices: 1,
+                        planes: 1,
+                        wide: true,
+                    },
                 ];
+                let mut sliced: Option<Vec<f32>> = None;
                 for (i, plan) in plans.into_iter().enumerate() {
                     if plans[..i].contains(&plan) {
                         continue;
                     }
-                    let len = plan.parts * m * n;
+                    let len = plan.planes * m * n;
                     let out = DevBuf::<f32>::zeros(&stream, len, "product planes")?;
                     match b
                         .l
@@ -495,15 +509,39 @@ fn check_one(
                     }
                     let planes = out.read(&stream, len)?;
                     let ours: Vec<f32> = (0..m * n)
-                        .map(|i| (0..plan.parts).fold(0.0, |v, p| v + planes[p * m * n + i]))
+                        .map(|i| (0..plan.planes).fold(0.0, |v, p| v + planes[p * m * n + i]))
                         .collect();
-                    let (slices, cols) = (plan.parts, plan.cols());
-                    report(
-                        &format!("batched product {name} ({m} rows, {slices} K slices, {cols}-column tiles)"),
-                        &ours,
-                        &want,
-                        1e-4,
+                    let (slices, folded, cols) = (plan.slices, plan.planes == 1, plan.cols());
+                    let what = format!(
+                        "batched product {name} ({m} rows, {slices} K slices{}, {cols}-column tiles)",
+                        if folded && slices > 1 { " folded" } else { "" }
                     );
+                    report(&what, &ours, &want[..m * n], 1e-4);
+                    if plan == step {
+                        match &widest {
+                            None => widest = Some(ours.clone()),
+                            Some(all) => report(
+                                &format!(
+                                    "batched product {name}: {m} rows' bits as {}'s",
+                                    counts[0]
+                                ),
+                                &ours,
+                                &all[..m * n],
+                                0.0,
+                            ),
+                        }
+                    }
+                    if plan.slices == most && !plan.wide {
+                        match &sliced {
+                            None => sliced = Some(ours),
+                            Some(planes) => report(
+                                &format!("batched product {name}: {m} rows, {most} slices folded as planes"),
+                                &ours,
+                                planes,
+                                0.0,
+                            ),
+                        }
+                    }
                 }
             }
         }

@@ -8,8 +8,8 @@
 //! everything else, decodes and short prompts, is one batched pass on the batch's stream,
 //! one row a token: every row's embedding, the products over all rows (bf16 inputs split in
 //! hi and lo halves so the rows see their activations to ~16 bits, as the one-row kernels do;
-//! our tensor-core kernel up to [`super::Gpu::batch_gemm_rows`] rows, cuBLAS above and for the LM
-//! head), each row's key and value appended to its own context's cache,
+//! our tensor-core kernel up to [`super::Gpu::batch_gemm_rows`] rows, LM head included,
+//! cuBLAS above), each row's key and value appended to its own context's cache,
 //! attention of each row over its own context's cache in one launch (ragged lengths), and
 //! the LM head writing each context's last row's logits into its session with their argmax.
 //! The batched pass is captured as a CUDA graph per size bucket (rows rounded up; padding
@@ -79,7 +79,7 @@ use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::ops::batch::{
     batch_gemm_plan, batch_gemm_suits, BatchAttention, BatchEpilogue, ResidualNorm, RowTable,
-    Update, BATCH_ATT_SPLITS,
+    Update, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
 };
 use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
@@ -104,14 +104,16 @@ pub const MAX_ROWS: usize = 320;
 /// attention).
 const BATCHED_PROMPT: usize = 64;
 
-/// Positions one block of the batched attention takes before the step's rows are split in
-/// more spans (up to [`BATCH_ATT_SPLITS`]) and combined.
-const SPAN: usize = 64;
+/// Positions one block of the batched attention takes before a row is split in more spans
+/// (up to [`BATCH_ATT_SPLITS`]) and combined.
+const SPAN: usize = BATCH_ATT_SPAN as usize;
 
-/// The spans the batched attention cuts each row's positions into: one per [`SPAN`] positions
-/// of the longest row (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and
-/// no more than keep the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no
-/// limit). Past a wave, more spans only add blocks that wait for a free SM, and the combine.
+/// The spans of the batched attention's grid: one per [`SPAN`] positions of the longest row
+/// (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and no more than keep
+/// the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no limit). Past a wave,
+/// more spans only add blocks that wait for a free SM, and the combine. Each row takes one
+/// span per [`SPAN`] of its own positions, at most the grid's (`ba_row_spans` in
+/// `kernels/batch.cu`): without the wave's limit, a row's spans depend on the row alone.
 fn attention_splits(longest: usize, row_heads: usize, wave: usize) -> usize {
     let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
     match wave {
@@ -682,10 +684,24 @@ impl CudaBatch {
         })
     }
 
-    /// Blocks of the batched attention the GPU runs at once (see [`attention_splits`]).
+    /// Blocks of the batched attention the GPU runs at once (see [`attention_splits`]; 0, no
+    /// limit, when batch-invariant).
     fn wave(&self) -> usize {
         let gpu = &self.exec.gpu;
-        gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms())
+        match gpu.batch_invariant() {
+            true => 0,
+            false => gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms()),
+        }
+    }
+
+    /// The most tokens of a prompt (or chunk) that run in a batched pass: [`BATCHED_PROMPT`],
+    /// or when batch-invariant every chunk a pass holds (the prefill path's products and
+    /// attention are not the pass's).
+    fn batched_prompt(&self) -> usize {
+        match self.exec.gpu.batch_invariant() {
+            true => MAX_ROWS,
+            false => BATCHED_PROMPT,
+        }
     }
 
     /// `f` with the step's buffers (made at first use) locked.
@@ -758,18 +774,22 @@ impl CudaBatch {
         let x = b.x.ptr();
         // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
         let skip = &self.exec.gpu.tuning().skip;
-        // Steps of up to `batch_gemm_rows` rows (64 on sm_90+) use our tensor-core kernel
-        // where it fits (bf16) and suits the shape (small weights, a plan that fills the GPU):
-        // the hi and lo rows already summed, a plane per K slice.
-        // Returns how the next kernel reads the product: (its input was split, planes).
+        // Steps of up to `batch_gemm_rows` rows (all, on sm_90+) use our tensor-core kernel
+        // where it fits (bf16) and suits the shape (small weights, a plan that fills the GPU),
+        // whatever the step's rows: each product's K is cut the same way in every step, so a
+        // row's results do not depend on the rows beside it. The hi and lo rows are summed in
+        // the kernel. Returns how the next kernel reads the product: (its input was split,
+        // planes).
+        // Batch-invariant: every product the kernel can take (GPT-2's widths), suited or not.
         let ours = n <= self.exec.gpu.batch_gemm_rows();
+        let invariant = self.exec.gpu.batch_invariant();
         let sms = self.exec.gpu.sms();
         let product = |w: DevPtr<_>, n_out: usize, k: usize| -> Result<(bool, usize), CudaError> {
             if let (true, Act::Bf16(a)) = (ours, act) {
-                let plan = batch_gemm_plan(n, n_out, k, sms, tmp.len());
-                if batch_gemm_suits(n, (n_out, k), plan, sms) {
+                if invariant || batch_gemm_suits((n_out, k), sms) {
+                    let plan = batch_gemm_plan(n, n_out, k, sms, tmp.len());
                     if let Some(ran) = l.batch_gemm(w, a, (n, n_out, k), tmp, plan) {
-                        return ran.map(|()| (false, plan.parts));
+                        return ran.map(|()| (false, plan.planes));
                     }
                 }
             }
@@ -855,6 +875,17 @@ impl CudaBatch {
         let (head, ld) = (b.head.ptr(), head_ld(v));
         if skip.head {
             return Ok(());
+        }
+        // batch-invariant: the LM head on our kernel too (one slice: its many column tiles
+        // fill the GPU), so a row's logits do not depend on the step either
+        if let (true, Act::Bf16(a)) = (ours && invariant, act) {
+            let plan = batch_gemm_plan(n, ld, c, sms, head.len());
+            if plan.planes == 1 {
+                if let Some(ran) = l.batch_gemm(w.wte.ptr(), a, (n, ld, c), head, plan) {
+                    ran?;
+                    return l.batch_logits(t, head, ld, false);
+                }
+            }
         }
         b.blas.gemm(
             l,
@@ -1036,7 +1067,7 @@ impl CudaBatch {
         own: &mut Vec<usize>,
     ) {
         if let [i] = batched[..] {
-            if items[i].tokens.len() == 1 {
+            if items[i].tokens.len() == 1 && !self.exec.gpu.batch_invariant() {
                 // a lone decode keeps its own captured decode step
                 let item = &mut items[i];
                 let token = item.tokens;
@@ -1219,7 +1250,7 @@ impl CudaBatch {
             if late.contains(&serial) {
                 return Err("late rows in flight");
             }
-            if item.tokens.len() > BATCHED_PROMPT || item.all_positions {
+            if item.tokens.len() > self.batched_prompt() || item.all_positions {
                 return Err("a prompt of its own");
             }
             total += item.tokens.len();
@@ -1709,7 +1740,7 @@ impl BatchModel for CudaBatch {
             let admitted = item.seq.session().and_then(|s| s.admit(item.tokens));
             if let Err(e) = admitted {
                 item.error = Some(e);
-            } else if item.tokens.len() <= BATCHED_PROMPT && !item.all_positions {
+            } else if item.tokens.len() <= self.batched_prompt() && !item.all_positions {
                 batched.push(i);
             } else {
                 own.push(i);

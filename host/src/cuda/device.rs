@@ -84,6 +84,9 @@ pub struct Tuning {
     /// Compile the `.cu` files of this folder instead of the built-in ones
     /// (`WASI_NN_HOST_KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
+    /// Batch-invariant batched steps (`_BATCH_INVARIANT`): a context's logits are the same
+    /// bits whatever contexts share its steps, and alone (see [`Gpu::batch_invariant`]).
+    pub batch_invariant: bool,
 }
 
 impl Tuning {
@@ -161,6 +164,7 @@ impl Tuning {
                 .unwrap_or(2)
                 .clamp(1, 2),
             kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
+            batch_invariant: off("BATCH_INVARIANT"),
         }
     }
 }
@@ -267,8 +271,21 @@ impl Gpu {
     /// elsewhere; `WASI_NN_HOST_BATCH_GEMM=ROWS` sets it. From 128 rows on cuBLAS's products
     /// are faster (BENCHMARKS.md).
     pub fn batch_gemm_rows(&self) -> usize {
+        if self.batch_invariant() {
+            return usize::MAX;
+        }
         let default = if self.pdl { BATCH_GEMM_ROWS } else { 0 };
         self.tuning.batch_gemm.unwrap_or(default)
+    }
+
+    /// Whether batched steps are batch-invariant (`WASI_NN_HOST_BATCH_INVARIANT`, bf16
+    /// tensor cores): every product and the LM head on our kernel at every step size (each
+    /// product's K cut the same way), each row's attention in spans of its own length, and
+    /// every decode and prompt of up to a pass's rows in a batched pass, also alone. A
+    /// context's logits are then the same bits whatever contexts share its steps; a long
+    /// prompt's pass and a lone stream's decode pay for it (BENCHMARKS.md).
+    pub fn batch_invariant(&self) -> bool {
+        self.tuning.batch_invariant && self.tensor_cores
     }
 
     /// Whether the fused decode kernel (thread-block clusters, sm_90+) is in use.
@@ -354,13 +371,19 @@ impl Gpu {
             batch_logits: f("batch_logits")?,
             batch_feed: f("batch_feed")?,
             batch_gemm: {
-                let (wide, narrow) = (f("batch_gemm_bf16_n64")?, f("batch_gemm_bf16_n32")?);
+                let funcs = [
+                    f("batch_gemm_bf16_n64")?,
+                    f("batch_gemm_bf16_n32")?,
+                    f("batch_gemm_bf16_n64_fold")?,
+                    f("batch_gemm_bf16_n32_fold")?,
+                ];
                 // GPUs with less shared memory a block than the kernel's stages take (sm_86:
                 // 99 KiB) keep cuBLAS for every product
                 let fits = self.tensor_cores
-                    && super::ops::batch::allow_gemm_shared_memory(&wide, true).is_ok()
-                    && super::ops::batch::allow_gemm_shared_memory(&narrow, false).is_ok();
-                fits.then_some([wide, narrow])
+                    && (funcs.iter().enumerate()).all(|(i, func)| {
+                        super::ops::batch::allow_gemm_shared_memory(func, i % 2 == 0).is_ok()
+                    });
+                fits.then_some(funcs)
             },
         })
     }

@@ -12,6 +12,11 @@ use cudarc::driver::LaunchConfig;
 /// head and row); steps whose rows are all short take one.
 pub const BATCH_ATT_SPLITS: usize = 4;
 
+/// Positions of a row one block of the batched attention takes before the row is cut into
+/// more spans (`BA_SPAN` in `kernels/batch.cu`): a row's spans are one per this many of its
+/// positions, at most the step's (see `ba_row_spans`).
+pub const BATCH_ATT_SPAN: u32 = 64;
+
 /// The rows of a batched step: per row its token, position (-1: a padding row that touches
 /// no cache and no output), the addresses of its layer-0 key and value caches
 /// (`[capacity, C]` per layer, `layer_floats` apart), its logits buffer (V floats) and its
@@ -303,11 +308,13 @@ impl Launcher {
         unsafe { self.launch(&self.kernels.batch_feed, cfg, 1, &mut args, "batched token feed") }
     }
 
-    /// `out[z][r, :] = (a[r] + a[rows + r])[K slice z] w[:, K slice z]^T` for the `rows` rows
-    /// of a split bf16 input (`[2 * rows, k]`, hi rows then lo rows) and the `plan.parts` K
-    /// slices z, f32 planes of `[rows, n]` one after the other, for a consumer that sums them
-    /// (`product_value`): the batched step's products on our tensor-core kernel. `None` when
-    /// the GPU or the shape does not suit the kernel (the caller then uses cuBLAS).
+    /// `out[z][r, :] = (a[r] + a[rows + r]) w^T` over plane z's share of K, for the `rows` rows
+    /// of a split bf16 input (`[2 * rows, k]`, hi rows then lo rows): K cut into `plan.slices`
+    /// slices summed in order, `plan.planes` f32 planes of `[rows, n]` one after the other
+    /// (each slice its own plane, or all folded into one), for a consumer that sums them in
+    /// order (`product_value`). The batched step's products on our tensor-core kernel; a row's
+    /// result does not depend on the other rows. `None` when the GPU or the shape does not suit
+    /// the kernel (the caller then uses cuBLAS).
     pub fn batch_gemm(
         &self,
         w: DevPtr<Stored>,
@@ -316,36 +323,37 @@ impl Launcher {
         out: DevPtr<f32>,
         plan: GemmPlan,
     ) -> Option<Result<(), CudaError>> {
-        let (parts, cols) = (plan.parts, plan.cols());
+        let (slices, planes, cols) = (plan.slices, plan.planes, plan.cols());
         let funcs = self.kernels.batch_gemm.as_ref()?;
         let usable = self.dtype == crate::engine::GpuDtype::Bf16
-            && (1..=MAX_PARTS).contains(&parts)
+            && (1..=MAX_PARTS).contains(&slices)
+            && (planes == 1 || planes == slices)
             && rows >= 1
             && n.is_multiple_of(cols)
-            && k.is_multiple_of(parts * BG_BK);
+            && k.is_multiple_of(slices * BG_BK);
         if !usable {
             return None;
         }
         let checked = ensure(
-            w.len() >= n * k && a.len() >= 2 * rows * k && out.len() >= parts * rows * n,
+            w.len() >= n * k && a.len() >= 2 * rows * k && out.len() >= planes * rows * n,
             "batched product",
         );
         if let Err(e) = checked {
             return Some(Err(e));
         }
         let cfg = LaunchConfig {
-            grid_dim: (parts as u32, (n / cols) as u32, rows.div_ceil(BG_STREAMS) as u32),
+            grid_dim: ((planes * rows.div_ceil(BG_STREAMS)) as u32, (n / cols) as u32, 1),
             block_dim: (BG_THREADS, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(cols) as u32,
         };
         let (c, a, w) = (out.addr(), a.addr(), w.addr());
-        let (rows, n, k) = (rows as i32, n as i32, k as i32);
-        let func = &funcs[usize::from(!plan.wide)];
-        // SAFETY: w holds n rows of k, a 2 * rows rows of k, out `parts` planes of rows rows
-        // of n (checked); the grid covers n in whole column tiles, the rows in tiles of 64
-        // (rows past `rows` neither read nor written) and K in `parts` slices of whole
-        // 64-wide stages.
-        let mut args = kernel_args![&c, &a, &w, &rows, &n, &k];
+        let (rows, n, k, slices) = (rows as i32, n as i32, k as i32, slices as i32);
+        let func = &funcs[usize::from(!plan.wide) + 2 * usize::from(plan.planes < plan.slices)];
+        // SAFETY: w holds n rows of k, a 2 * rows rows of k, out `planes` planes of rows rows
+        // of n (checked); the grid covers the rows in tiles of 64 (rows past `rows` neither
+        // read nor written), n in whole column tiles and K in `planes` spans of whole slices,
+        // each of whole 64-wide stages.
+        let mut args = kernel_args![&c, &a, &w, &rows, &n, &k, &slices];
         Some(unsafe { self.launch(func, cfg, 1, &mut args, "batched product") })
     }
 }
@@ -370,7 +378,7 @@ fn gemm_shared_bytes(cols: usize) -> usize {
 pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide: bool) -> Result<(), CudaError> {
     use super::super::error::DriverContext;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    let cols = GemmPlan { parts: 1, wide }.cols();
+    let cols = if wide { BG_WIDE } else { BG_NARROW };
     func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(cols) as i32)
         .ctx("product shared memory")
 }
@@ -379,11 +387,13 @@ pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide
 /// product is cut into.
 pub const MAX_PARTS: usize = 8;
 
-/// How [`Launcher::batch_gemm`] runs one product: K in `parts` slices, 64-column tiles (`wide`)
-/// or 32.
+/// How [`Launcher::batch_gemm`] runs one product: K in `slices` slices (summed in order, which
+/// fixes a row's bits), written as `planes` planes (1: the slices folded in the kernel, or one
+/// plane each), 64-column tiles (`wide`) or 32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmPlan {
-    pub parts: usize,
+    pub slices: usize,
+    pub planes: usize,
     pub wide: bool,
 }
 
@@ -396,29 +406,58 @@ impl GemmPlan {
             BG_NARROW
         }
     }
+
+    /// Blocks of a product of `rows` rows and `n` columns.
+    fn blocks(&self, rows: usize, n: usize) -> usize {
+        (n / self.cols()) * rows.div_ceil(BG_STREAMS) * self.planes
+    }
+}
+
+/// The slices of a product of `n` columns and depth `k` on a GPU of `sms` multiprocessors, and
+/// whether a step of up to 64 rows takes it in 64-column tiles: those tiles unless even 8 slices
+/// of them leave SMs idle, then K cut into as many slices as keep the blocks within two an SM
+/// (at most [`MAX_PARTS`], whole stages each). Not a function of the rows: every step cuts a
+/// product's K the same way, so a row's sums are the same whatever rows it runs with.
+fn batch_gemm_slices(n: usize, k: usize, sms: usize) -> (usize, bool) {
+    let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * MAX_PARTS >= sms;
+    let cols = if wide { BG_WIDE } else { BG_NARROW };
+    let tiles = (n / cols).max(1);
+    (gemm_most_parts(k, (2 * sms / tiles).clamp(1, MAX_PARTS)), wide)
 }
 
 /// The plan for a product of `rows` rows, `n` columns and depth `k` on a GPU of `sms`
-/// multiprocessors, its planes within `room` floats: 64-column tiles unless even 8 slices of
-/// them leave SMs idle, then K cut into as many slices as keep the blocks within two an SM
-/// (at most [`MAX_PARTS`], whole stages each).
+/// multiprocessors, its planes within `room` floats. The slices are the product's own
+/// ([`batch_gemm_slices`]); up to 64 rows each slice is a plane, as the 64-column choice says.
+/// More rows fold the slices into one plane in the kernel, in the widest tiles that still give
+/// every SM a block, and keep a plane per slice only where a single plane would not.
 pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize) -> GemmPlan {
-    let row_tiles = rows.div_ceil(BG_STREAMS).max(1);
-    let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * row_tiles * MAX_PARTS >= sms;
-    let cols = GemmPlan { parts: 1, wide }.cols();
-    let tiles = (n / cols).max(1) * row_tiles;
-    let fit = room / (rows * n).max(1);
-    let parts = gemm_most_parts(k, (2 * sms / tiles).min(fit).clamp(1, MAX_PARTS));
-    GemmPlan { parts, wide }
+    let (slices, wide) = batch_gemm_slices(n, k, sms);
+    let fits = |planes: usize| planes * rows * n <= room;
+    let own = GemmPlan {
+        slices,
+        planes: if fits(slices) { slices } else { 1 },
+        wide,
+    };
+    if rows <= BG_STREAMS {
+        return own;
+    }
+    let wides: &[bool] = if n.is_multiple_of(BG_WIDE) { &[true, false] } else { &[false] };
+    [1, slices]
+        .into_iter()
+        .filter(|&planes| fits(planes))
+        .flat_map(|planes| wides.iter().map(move |&wide| GemmPlan { slices, planes, wide }))
+        .find(|plan| plan.blocks(rows, n) >= sms)
+        .unwrap_or(GemmPlan { wide: false, ..own })
 }
 
-/// Whether our kernel suits a product of `rows` rows, `n` columns and depth `k` under `plan`:
-/// weights of at most [`BG_MOST_WEIGHT_BYTES`] (bf16) and at least a block for each of the
-/// GPU's `sms` multiprocessors. Elsewhere cuBLAS was faster (H200, 64 rows: 774M's pass 2.60
-/// ms with ours against 2.19 with cuBLAS; 1558M's QKV and MLP products, 25 stages deep without
-/// a fitting cut, take one slice of 75 or 100 tiles).
-pub fn batch_gemm_suits(rows: usize, (n, k): (usize, usize), plan: GemmPlan, sms: usize) -> bool {
-    n * k * 2 <= BG_MOST_WEIGHT_BYTES && (n / plan.cols()) * rows.div_ceil(BG_STREAMS) * plan.parts >= sms
+/// Whether our kernel suits a product of `n` columns and depth `k` on a GPU of `sms`
+/// multiprocessors, at any number of rows: weights of at most [`BG_MOST_WEIGHT_BYTES`] (bf16),
+/// and a 64-row step's plan that gives every multiprocessor a block. Elsewhere cuBLAS was
+/// faster (H200, 64 rows: 774M's pass 2.60 ms with ours against 2.19 with cuBLAS; 1558M's QKV
+/// and MLP products, 25 stages deep without a fitting cut, take one slice of 75 or 100 tiles).
+pub fn batch_gemm_suits((n, k): (usize, usize), sms: usize) -> bool {
+    let plan = batch_gemm_plan(BG_STREAMS, n, k, sms, usize::MAX);
+    n * k * 2 <= BG_MOST_WEIGHT_BYTES && plan.blocks(BG_STREAMS, n) >= sms
 }
 
 /// The largest weights (bytes) of a product our kernel takes: 124M's MLP products (768 x 3072).
@@ -465,14 +504,47 @@ mod tests {
             .map(|&(n, k)| batch_gemm_plan(64, n, k, sms, room))
             .collect();
         let want = [(6, true), (6, false), (4, true), (8, false)];
-        for (plan, (parts, wide)) in plans.iter().zip(want) {
-            assert_eq!(*plan, GemmPlan { parts, wide });
+        for (plan, (slices, wide)) in plans.iter().zip(want) {
+            assert_eq!(
+                *plan,
+                GemmPlan {
+                    slices,
+                    planes: slices,
+                    wide
+                }
+            );
         }
         for (&(n, k), &plan) in products(768).iter().zip(&plans) {
-            assert!(batch_gemm_suits(64, (n, k), plan, sms), "{n}x{k}");
+            assert!(batch_gemm_suits((n, k), sms), "{n}x{k}");
             // the planes fit the scratch buffer
-            assert!(plan.parts * 64 * n <= room);
+            assert!(plan.planes * 64 * n <= room);
         }
+    }
+
+    #[test]
+    fn every_step_cuts_k_the_same_way() {
+        let (sms, room) = (132, 2 * 320 * 4 * 768);
+        for (n, k) in products(768) {
+            let own = batch_gemm_plan(1, n, k, sms, room);
+            for rows in [1, 8, 17, 64, 65, 128, 130, 192, 256, 320] {
+                let plan = batch_gemm_plan(rows, n, k, sms, room);
+                assert_eq!(plan.slices, own.slices, "{rows} rows, {n}x{k}");
+                assert!(plan.planes == 1 || plan.planes == plan.slices);
+                assert!(plan.planes * rows * n <= room, "{rows} rows, {n}x{k}");
+                assert!(k.is_multiple_of(plan.slices * BG_BK) && n.is_multiple_of(plan.cols()));
+                // up to 64 rows a plane per slice; beyond, every SM gets a block
+                match rows <= BG_STREAMS {
+                    true => assert_eq!(plan, own),
+                    false => assert!(plan.blocks(rows, n) >= sms, "{rows} rows, {n}x{k}: {plan:?}"),
+                }
+            }
+        }
+        // 256 rows of QKV: enough 64-column tiles for one folded plane
+        let qkv = batch_gemm_plan(256, 3 * 768, 768, sms, room);
+        assert_eq!((qkv.slices, qkv.planes, qkv.wide), (6, 1, true));
+        // 256 rows of the MLP projection: too few tiles, so a plane per slice
+        let proj = batch_gemm_plan(256, 768, 4 * 768, sms, room);
+        assert_eq!((proj.slices, proj.planes), (8, 8));
     }
 
     #[test]
@@ -480,18 +552,16 @@ mod tests {
         let sms = 132;
         // 1558M: K = 1600 has no cut into 2-4 slices, so QKV (75 tiles) and FC (100) take one
         for (n, k) in products(1600) {
-            let plan = batch_gemm_plan(64, n, k, sms, usize::MAX);
-            assert!(!batch_gemm_suits(64, (n, k), plan, sms), "{n}x{k}");
+            assert!(!batch_gemm_suits((n, k), sms), "{n}x{k}");
         }
         // 355M: only the attention projection's 2 MiB of weights
         let suits: Vec<bool> = products(1024)
             .iter()
-            .map(|&(n, k)| batch_gemm_suits(64, (n, k), batch_gemm_plan(64, n, k, sms, usize::MAX), sms))
+            .map(|&(n, k)| batch_gemm_suits((n, k), sms))
             .collect();
         assert_eq!(suits, [false, true, false, false]);
-        // a plan with fewer blocks than SMs
-        let thin = GemmPlan { parts: 1, wide: true };
-        assert!(!batch_gemm_suits(64, (768, 768), thin, sms));
+        // a product whose plan has fewer blocks than SMs
+        assert!(!batch_gemm_suits((64, 64), sms));
     }
 
     #[test]
@@ -500,7 +570,7 @@ mod tests {
             for (n, k) in products(768) {
                 let room = 2 * 64 * 4 * 768;
                 let plan = batch_gemm_plan(rows, n, k, 132, room);
-                assert!(plan.parts == 1 || plan.parts * rows * n <= room, "{rows} rows, {n}x{k}");
+                assert!(plan.planes == 1 || plan.planes * rows * n <= room, "{rows} rows, {n}x{k}");
             }
         }
     }

@@ -53,6 +53,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("TC_THREADS", attention::TC_THREADS),
     ("FA_SMEM", attention::FA_SMEM),
     ("BL_PER", batch::BL_PER),
+    ("BA_SPAN", batch::BATCH_ATT_SPAN),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).
@@ -92,9 +93,10 @@ pub struct Kernels {
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
     pub(crate) batch_feed: CudaFunction,
-    /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), where the GPU gives
-    /// their blocks the shared memory they take.
-    pub(crate) batch_gemm: Option<[CudaFunction; 2]>,
+    /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), then their `_fold`
+    /// forms (several K slices a block), where the GPU gives their blocks the shared memory
+    /// they take.
+    pub(crate) batch_gemm: Option<[CudaFunction; 4]>,
 }
 
 /// Launches kernels of one model shape and weight dtype on one stream, with programmatic
