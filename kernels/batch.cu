@@ -146,7 +146,8 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 
 // The QKV product's epilogue and attention in one kernel. Block (h, s, r) takes head h of row
 // r: its query (product rows of `tmp`, `[rows or 2 * rows, 3C]`, plus the bias), and the s-th of
-// gridDim.y spans of the row's positions 0..=positions[r]; with `append`, the block whose span
+// the row's spans of its positions 0..=positions[r] (`ba_row_spans`: one per `span_len`
+// positions, at most gridDim.y; blocks past them do nothing); with `append`, the block whose span
 // holds the row's own position first appends the row's key and value (head h) to the row's
 // cache there (without, `batch_append_kv` did it for every row before: rows of one prompt read
 // each other's keys). The
@@ -181,21 +182,23 @@ __device__ __forceinline__ float key_dot(const KV* kr, const float* qs, int hd) 
     }
     return acc;
 }
-// The spans a row of `len` positions is cut into, in a grid of `grid`: one per BA_SPAN positions,
-// at most `grid`. A function of the row alone once the grid has as many spans as the longest
-// row asks for, which makes a row's attention the same whatever rows run beside it.
-__device__ __forceinline__ int ba_row_spans(int len, int grid) {
-    return max(1, min(grid, (len + BA_SPAN - 1) / BA_SPAN));
+// The spans a row of `len` positions is cut into, in a grid of `grid`: one per `span_len`
+// positions, at most `grid`. A function of the row alone once the grid has as many spans as the
+// longest row asks for (or the most there are), which makes a row's attention the same whatever
+// rows run beside it.
+__device__ __forceinline__ int ba_row_spans(int len, int grid, int span_len) {
+    return max(1, min(grid, (len + span_len - 1) / span_len));
 }
 // The span of its row's positions that block (head, span, row) of the batched attention
 // takes: len (0 for a padding row), the row's spans, [first, end) and its partial results'
 // place. A block past the row's spans does nothing; an empty span leaves what the combine or
 // the next product reads (no positions, or zeros). Both return false.
 __device__ __forceinline__ bool ba_span(void* out, float* partial, const int* positions, int c, int hd, int rows,
-                                        int split_out, int& len, int& spans, int& first, int& end, float*& part) {
+                                        int split_out, int span_len, int& len, int& spans, int& first, int& end,
+                                        float*& part) {
     int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, grid = gridDim.y;
     len = positions[r] + 1;
-    spans = ba_row_spans(len, grid);
+    spans = ba_row_spans(len, grid, span_len);
     if (s >= spans) return false;
     int span = ((len + spans - 1) / spans + ATT_CHUNK - 1) / ATT_CHUNK * ATT_CHUNK;
     first = s * span;
@@ -239,7 +242,7 @@ template <typename W>
 __device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
                                      const unsigned long long* v_caches, long long layer_off, int c, int hd,
-                                     int rows, int split_out, int append) {
+                                     int rows, int split_out, int append, int span_len) {
     __shared__ float qs[MAX_HD];
     __shared__ float p[BA_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
@@ -248,7 +251,7 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     pdl_wait();
     int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, spans, first, end, part)) return;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
     typedef typename KvOf<W>::T KV;
     KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + h * hd;
     KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + h * hd;
@@ -335,7 +338,7 @@ __device__ __forceinline__ void ba_stage_values(u32 (*vbuf)[BA_HD / 2], const kv
 __device__ void batch_attention_h64(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
                                     const int* positions, const unsigned long long* k_caches,
                                     const unsigned long long* v_caches, long long layer_off, int c, int rows,
-                                    int split_out, int append) {
+                                    int split_out, int append, int span_len) {
     __shared__ float qs[BA_HD];
     __shared__ float own_k[BA_HD], own_v[BA_HD];  // the appended position, as the cache keeps it
     __shared__ float p[BA_CHUNK];
@@ -347,7 +350,7 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     const int hd = BA_HD;
     int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, len, spans, first, end, part)) return;
+    if (!ba_span(out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
     kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
     kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
     int own = append && end == len ? len - 1 : -1;
@@ -420,21 +423,21 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_f32(void* out, float* partial, const float* tmp, const float* bias, int split_in,
                         const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
-                        long long layer_off, int c, int hd, int rows, int split_out, int append) {
+                        long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len) {
     batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, rows,
-                         split_out, append);
+                         split_out, append, span_len);
 }
 // Six blocks an SM (80 registers a thread): the 768 blocks of 64 rows of GPT-2 124M in one wave.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 6)
     batch_attention_bf16(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
                          const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
-                         long long layer_off, int c, int hd, int rows, int split_out, int append) {
+                         long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len) {
     if (hd == BA_HD && blockDim.x == BA_CHUNK)
         batch_attention_h64(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows,
-                            split_out, append);
+                            split_out, append, span_len);
     else
         batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd,
-                             rows, split_out, append);
+                             rows, split_out, append, span_len);
 }
 
 // The keys and values of every row (the QKV product's rows of `tmp` plus the bias) into the rows'
@@ -476,11 +479,11 @@ extern "C" __global__ void batch_append_kv_bf16(const float* tmp, const bf16_t* 
 // one span (a padding row too) was written by its attention block.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_combine(void* out, const float* partial, const int* positions, int hd, int c, int rows,
-                            int splits, int split) {
+                            int splits, int split, int span_len) {
     pdl_launch_dependents();
     pdl_wait();
     int h = blockIdx.x, r = blockIdx.y;
-    int spans = ba_row_spans(positions[r] + 1, splits);
+    int spans = ba_row_spans(positions[r] + 1, splits, span_len);
     if (spans == 1) return;
     const float* base = partial + ((size_t)r * gridDim.x + h) * splits * (hd + 2);
     float m = -INFINITY;

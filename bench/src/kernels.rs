@@ -1171,7 +1171,8 @@ fn check_batch_feed(
 /// positions, each with its own cache, against the CPU's attention of each row alone: the
 /// QKV product's rows plus the bias give the query and the key and value appended at the
 /// row's position. In bf16 mode the product rows come split (hi and lo rows summed) and the
-/// output is split too (summed back here). One span per row, and four spans combined.
+/// output is split too (summed back here). One span per row, and up to three and four spans
+/// combined, of 64 and 256 positions.
 fn check_batch_attention(
     b: &mut Bench,
     dtype: GpuDtype,
@@ -1179,7 +1180,9 @@ fn check_batch_attention(
     qkv_b: (&[f32], DevPtr<wasi_nn_host::cuda::buffer::Stored>),
     report: &mut impl FnMut(&str, &[f32], &[f32], f32),
 ) -> Result<(), EngineError> {
-    use wasi_nn_host::cuda::ops::batch::{BatchAttention, BATCH_ATT_SPLITS};
+    use wasi_nn_host::cuda::ops::batch::{
+        BatchAttention, BATCH_ATT_SPAN as SPAN, BATCH_ATT_SPLITS,
+    };
     let cfg = b.l.config();
     let (c, t) = (cfg.n_embd, cfg.n_ctx);
     let positions: Vec<i32> = vec![0, 31, 32, 33, (t / 2) as i32, (t - 1) as i32, -1];
@@ -1248,7 +1251,15 @@ fn check_batch_attention(
             c,
         );
     }
-    for splits in [1, BATCH_ATT_SPLITS] {
+    // a row's spans come from its own length (one per `span` positions, at most the grid's):
+    // the rows that take at most 3 spans of 64 get the same bits from grids of 3 and 4 spans
+    let mut at_most_3 = None;
+    for (splits, span) in [
+        (1, SPAN),
+        (BATCH_ATT_SPLITS, SPAN),
+        (3, SPAN),
+        (BATCH_ATT_SPLITS, 4 * SPAN),
+    ] {
         let attention = BatchAttention {
             out,
             tmp: tmp.ptr(),
@@ -1258,18 +1269,37 @@ fn check_batch_attention(
             partial: partial.ptr(),
             layer: 0,
             splits,
+            span,
             append: true,
         };
         b.l.batch_attention(&table, attention)?;
-        let got = if split {
+        let got: Vec<f32> = if split {
             let halves = b.get_bf16(2 * rows * c)?;
             let (hi, lo) = halves.split_at(rows * c);
             hi.iter().zip(lo).map(|(h, l)| h + l).collect()
         } else {
             b.get(B::H, rows * c)?
         };
-        let name = format!("attention batched rows={rows} spans={splits} split={split}");
+        let name = format!("attention batched rows={rows} spans={splits} of {span} split={split}");
         report(&name, &got, &want, 2e-4);
+        if span == SPAN && splits >= 3 {
+            // the rows of at most 3 spans of their own
+            let few: Vec<f32> = (positions.iter().enumerate())
+                .filter(|&(_, &p)| (p + 1).max(1) as usize <= 3 * SPAN)
+                .flat_map(|(r, _)| got[r * c..(r + 1) * c].to_vec())
+                .collect();
+            match &at_most_3 {
+                None => at_most_3 = Some(few),
+                Some(before) => report(
+                    &format!(
+                        "attention batched rows={rows}: a row's bits from grids of 4 and 3 spans"
+                    ),
+                    &few,
+                    before,
+                    0.0,
+                ),
+            }
+        }
     }
     // the appended keys: row 5's cache holds its key at its position
     let (r, p) = (5, positions[5] as usize);

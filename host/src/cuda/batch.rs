@@ -106,16 +106,20 @@ const BATCHED_PROMPT: usize = 64;
 
 /// Positions one block of the batched attention takes before a row is split in more spans
 /// (up to [`BATCH_ATT_SPLITS`]) and combined.
-const SPAN: usize = BATCH_ATT_SPAN as usize;
+const SPAN: usize = BATCH_ATT_SPAN;
 
-/// The spans of the batched attention's grid: one per [`SPAN`] positions of the longest row
+/// [`SPAN`] when batch-invariant, where the wave's limit is off: rows of up to this many
+/// positions (every stream of a 128-token request) still take one span and no combine.
+const INVARIANT_SPAN: usize = 4 * SPAN;
+
+/// The spans of the batched attention's grid: one per `span` positions of the longest row
 /// (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and no more than keep
 /// the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no limit). Past a wave,
 /// more spans only add blocks that wait for a free SM, and the combine. Each row takes one
-/// span per [`SPAN`] of its own positions, at most the grid's (`ba_row_spans` in
+/// span per `span` of its own positions, at most the grid's (`ba_row_spans` in
 /// `kernels/batch.cu`): without the wave's limit, a row's spans depend on the row alone.
-fn attention_splits(longest: usize, row_heads: usize, wave: usize) -> usize {
-    let splits = longest.div_ceil(SPAN).clamp(1, BATCH_ATT_SPLITS);
+fn attention_splits(longest: usize, row_heads: usize, wave: usize, span: usize) -> usize {
+    let splits = longest.div_ceil(span).clamp(1, BATCH_ATT_SPLITS);
     match wave {
         0 => splits,
         _ => splits.min(wave / row_heads.max(1)).max(1),
@@ -672,8 +676,12 @@ impl CudaBatch {
             sizes.dedup();
             for padded in sizes {
                 // the spans a step of this size can ask for
-                let most =
-                    attention_splits(usize::MAX, padded * self.exec.config.n_head, self.wave());
+                let most = attention_splits(
+                    usize::MAX,
+                    padded * self.exec.config.n_head,
+                    self.wave(),
+                    self.span(),
+                );
                 for splits in 1..=most {
                     for prompts in [false, true] {
                         self.capture(b, (padded, splits, prompts), layer_floats);
@@ -691,6 +699,14 @@ impl CudaBatch {
         match gpu.batch_invariant() {
             true => 0,
             false => gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms()),
+        }
+    }
+
+    /// Positions a span of the batched attention takes (see [`attention_splits`]).
+    fn span(&self) -> usize {
+        match self.exec.gpu.batch_invariant() {
+            true => INVARIANT_SPAN,
+            false => SPAN,
         }
     }
 
@@ -848,6 +864,7 @@ impl CudaBatch {
                 partial: b.partial.ptr(),
                 layer: i,
                 splits,
+                span: self.span(),
                 append: !prompts,
             };
             if !skip.attn {
@@ -940,7 +957,12 @@ impl CudaBatch {
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
         }
-        let splits = attention_splits(longest, padded * self.exec.config.n_head, self.wave());
+        let splits = attention_splits(
+            longest,
+            padded * self.exec.config.n_head,
+            self.wave(),
+            self.span(),
+        );
         let key = (padded, splits, prompts);
         let stream = b.stream().clone();
         let t0 = Instant::now();
@@ -1894,15 +1916,24 @@ mod tests {
     #[test]
     fn attention_spans_grow_with_the_longest_row_until_the_wave_is_full() {
         // few rows: a span per SPAN positions, at most BATCH_ATT_SPLITS
-        assert_eq!(attention_splits(1, 12, 1056), 1);
-        assert_eq!(attention_splits(SPAN, 12, 1056), 1);
-        assert_eq!(attention_splits(SPAN + 1, 12, 1056), 2);
-        assert_eq!(attention_splits(100 * SPAN, 12, 1056), BATCH_ATT_SPLITS);
+        assert_eq!(attention_splits(1, 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(SPAN, 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(SPAN + 1, 12, 1056, SPAN), 2);
+        assert_eq!(
+            attention_splits(100 * SPAN, 12, 1056, SPAN),
+            BATCH_ATT_SPLITS
+        );
         // 64 rows of 12 heads fill 768 of a 1056-block wave: a second span would not fit
-        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 1056), 1);
-        assert_eq!(attention_splits(3 * SPAN, 32 * 12, 1056), 2);
+        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(3 * SPAN, 32 * 12, 1056, SPAN), 2);
         // no limit: as many spans as the positions ask for
-        assert_eq!(attention_splits(3 * SPAN, 256 * 12, 0), 3);
+        assert_eq!(attention_splits(3 * SPAN, 256 * 12, 0, SPAN), 3);
+        // batch-invariant: no wave, longer spans
+        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 0, INVARIANT_SPAN), 1);
+        assert_eq!(
+            attention_splits(1000, 64 * 12, 0, INVARIANT_SPAN),
+            BATCH_ATT_SPLITS
+        );
     }
 
     fn seat(capacity: usize) -> Seat {

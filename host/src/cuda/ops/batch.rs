@@ -13,9 +13,8 @@ use cudarc::driver::LaunchConfig;
 pub const BATCH_ATT_SPLITS: usize = 4;
 
 /// Positions of a row one block of the batched attention takes before the row is cut into
-/// more spans (`BA_SPAN` in `kernels/batch.cu`): a row's spans are one per this many of its
-/// positions, at most the step's (see `ba_row_spans`).
-pub const BATCH_ATT_SPAN: u32 = 64;
+/// more spans, by default ([`BatchAttention::span`]).
+pub const BATCH_ATT_SPAN: usize = 64;
 
 /// The rows of a batched step: per row its token, position (-1: a padding row that touches
 /// no cache and no output), the addresses of its layer-0 key and value caches
@@ -126,7 +125,10 @@ pub struct BatchAttention {
     pub parts: usize,
     pub partial: DevPtr<f32>,
     pub layer: usize,
+    /// Spans of the grid: a row takes one per `span` of its positions, at most this many
+    /// (`ba_row_spans` in `kernels/batch.cu`).
     pub splits: usize,
+    pub span: usize,
     /// Each row appends its own key and value first (else [`Launcher::batch_append_kv`] did).
     pub append: bool,
 }
@@ -199,6 +201,7 @@ impl Launcher {
             (1..=MAX_PARTS).contains(&a.parts)
                 && a.tmp.len() >= product_len(t.rows, 3 * c, a.split, a.parts)
                 && (1..=BATCH_ATT_SPLITS).contains(&a.splits)
+                && (1..=1 << 20).contains(&a.span)
                 && (a.splits == 1 || a.partial.len() >= t.rows * heads * a.splits * (hd + 2))
                 && act_fits(a.out, act_len(a.out, t.rows, c))
                 && a.layer < cfg.n_layer
@@ -213,14 +216,15 @@ impl Launcher {
         let layer_off = (a.layer * t.layer_floats) as i64;
         let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
         let (split_in, split_out) = (split_in(a.split, a.parts), i32::from(a.out.is_bf16()));
-        let append = i32::from(a.append);
+        let (append, span) = (i32::from(a.append), a.span as i32);
         let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
         let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
         // SAFETY: each row reads and appends to its own cache of `layer` at positions
         // 0..=position < capacity (checked by the step; padding rows touch none); tmp, bias,
         // out and partial are covered (checked above).
         let mut args = kernel_args![
-            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out, &append
+            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out, &append,
+            &span
         ];
         unsafe { self.launch(&self.kernels.batch_attention, grid, 1, &mut args, "batched attention") }?;
         if a.splits == 1 {
@@ -233,7 +237,7 @@ impl Launcher {
         };
         let splits = a.splits as i32;
         // SAFETY: as above; out holds the rows' C values (or split rows).
-        let mut args = kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out];
+        let mut args = kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out, &span];
         unsafe { self.launch(&self.kernels.batch_att_combine, grid, 1, &mut args, "batched attention") }
     }
 

@@ -53,7 +53,6 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("TC_THREADS", attention::TC_THREADS),
     ("FA_SMEM", attention::FA_SMEM),
     ("BL_PER", batch::BL_PER),
-    ("BA_SPAN", batch::BATCH_ATT_SPAN),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).
