@@ -5,8 +5,8 @@
 // layer-0 cache, `[capacity, C]` per layer, `layer_off` elements apart, f32 or fp16 per `KvOf`); a padding row (the step
 // rounded up to a captured graph's size) has position -1 and touches no cache and no output.
 //
-// The products go through cuBLAS over all rows, or in bf16 mode for steps of up to 64 rows
-// through `batch_gemm_bf16_*` below. In bf16 mode their inputs are "split": each f32 activation
+// The products go through cuBLAS over all rows, or in bf16 mode for steps of up to 64 rows (every
+// step, and the LM head, when batch-invariant) through `batch_gemm_bf16_*` below. In bf16 mode their inputs are "split": each f32 activation
 // v is stored as two bf16 rows, hi = bf16(v) in row r and lo = bf16(v - hi) in row rows + r, and
 // the product's two result rows are summed (by the next kernel after cuBLAS, inside our kernel),
 // so a batched step sees the activations to ~16 bits, as the one-row f32 decode kernels do,

@@ -70,6 +70,15 @@
 //! position until the guest comes back to that position with that token; a guest that comes
 //! back with anything else loses all of them.
 //!
+//! **Batch invariance** (`WASI_NN_HOST_BATCH_INVARIANT`, [`super::Gpu::batch_invariant`]). By
+//! default a row's logits may differ in their last bits with its company: cuBLAS's products
+//! (past 64 rows, and the LM head) depend on the rows, the attention's grid of spans on the
+//! step, and a lone decode runs its own kernels. With the switch every product and the LM head
+//! run on our kernel at every size, each product's K always cut into the same slices (folded in
+//! the kernel past 64 rows); each row's attention takes spans of its own length; lone decodes
+//! and prompts up to a pass's rows run in batched passes. A context's logits are then the same
+//! bits whatever shares its steps, and alone.
+//!
 //! Sessions come from an idle list (their caches and graphs reused, emptied on the way) and
 //! hold a reservation of their KV bytes in a [`KvPool`]: a context over the cap is refused
 //! alone. `CudaBatch::warm` makes sessions and graphs ahead of the first requests.

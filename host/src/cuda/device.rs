@@ -268,8 +268,8 @@ impl Gpu {
     /// The most rows of a batched step whose bf16 products run on our kernel
     /// (`batch_gemm_bf16_*`) rather than cuBLAS: 64 where the kernel can fetch its weights
     /// while the kernel before it ends (programmatic dependent launch, sm_90+), none
-    /// elsewhere; `WASI_NN_HOST_BATCH_GEMM=ROWS` sets it. From 128 rows on cuBLAS's products
-    /// are faster (BENCHMARKS.md).
+    /// elsewhere; `WASI_NN_HOST_BATCH_GEMM=ROWS` sets it; every step when batch-invariant.
+    /// From 128 rows on cuBLAS's products are faster (BENCHMARKS.md).
     pub fn batch_gemm_rows(&self) -> usize {
         if self.batch_invariant() {
             return usize::MAX;
