@@ -8,8 +8,8 @@
 //! everything else, decodes and short prompts, is one batched pass on the batch's stream,
 //! one row a token: every row's embedding, the products over all rows (bf16 inputs split in
 //! hi and lo halves so the rows see their activations to ~16 bits, as the one-row kernels do;
-//! our tensor-core kernel up to [`super::Gpu::batch_gemm_rows`] rows, LM head included,
-//! cuBLAS above), each row's key and value appended to its own context's cache,
+//! our tensor-core kernel up to [`super::Gpu::batch_gemm_rows`] rows, cuBLAS above and for
+//! the LM head), each row's key and value appended to its own context's cache,
 //! attention of each row over its own context's cache in one launch (ragged lengths), and
 //! the LM head writing each context's last row's logits into its session with their argmax.
 //! The batched pass is captured as a CUDA graph per size bucket (rows rounded up; padding
@@ -799,13 +799,13 @@ impl CudaBatch {
         let x = b.x.ptr();
         // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
         let skip = &self.exec.gpu.tuning().skip;
-        // Steps of up to `batch_gemm_rows` rows (all, on sm_90+) use our tensor-core kernel
-        // where it fits (bf16) and suits the shape (small weights, a plan that fills the GPU),
-        // whatever the step's rows: each product's K is cut the same way in every step, so a
+        // Steps of up to `batch_gemm_rows` rows (64 on sm_90+; every step when batch-invariant)
+        // use our tensor-core kernel where it fits (bf16) and suits the shape (small weights, a
+        // plan that fills the GPU); batch-invariant, every product it can take (GPT-2's
+        // widths), suited or not. Each product's K is cut the same way at every step size, so a
         // row's results do not depend on the rows beside it. The hi and lo rows are summed in
         // the kernel. Returns how the next kernel reads the product: (its input was split,
         // planes).
-        // Batch-invariant: every product the kernel can take (GPT-2's widths), suited or not.
         let ours = n <= self.exec.gpu.batch_gemm_rows();
         let invariant = self.exec.gpu.batch_invariant();
         let sms = self.exec.gpu.sms();

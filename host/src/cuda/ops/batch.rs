@@ -128,6 +128,7 @@ pub struct BatchAttention {
     /// Spans of the grid: a row takes one per `span` of its positions, at most this many
     /// (`ba_row_spans` in `kernels/batch.cu`).
     pub splits: usize,
+    /// Positions a span of a row takes ([`BATCH_ATT_SPAN`] by default).
     pub span: usize,
     /// Each row appends its own key and value first (else [`Launcher::batch_append_kv`] did).
     pub append: bool,
