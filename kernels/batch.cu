@@ -5,8 +5,9 @@
 // layer-0 cache, `[capacity, C]` per layer, `layer_off` elements apart, f32 or fp16 per `KvOf`); a padding row (the step
 // rounded up to a captured graph's size) has position -1 and touches no cache and no output.
 //
-// The products go through cuBLAS over all rows, or in bf16 mode for steps of up to 64 rows (every
-// step, and the LM head, when batch-invariant) through `batch_gemm_bf16_*` below. In bf16 mode their inputs are "split": each f32 activation
+// The products go through cuBLAS over all rows, or in bf16 mode for steps of up to 64 rows
+// (every step, and the LM head, when batch-invariant) through `batch_gemm_bf16_*` below. In
+// bf16 mode their inputs are "split": each f32 activation
 // v is stored as two bf16 rows, hi = bf16(v) in row r and lo = bf16(v - hi) in row rows + r, and
 // the product's two result rows are summed (by the next kernel after cuBLAS, inside our kernel),
 // so a batched step sees the activations to ~16 bits, as the one-row f32 decode kernels do,
@@ -605,7 +606,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     bg_row_t* as = reinterpret_cast<bg_row_t*>(bg_smem);  // [BG_STAGES][2 * BG_STREAMS]
     bg_row_t* ws = as + BG_STAGES * 2 * BG_STREAMS;      // [BG_STAGES][BN]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // blockIdx.x: the row tile, then the plane (row tiles next to each other share weights)
+    // blockIdx.x: the plane, then the row tile (row tiles next to each other share weights)
     int row_tiles = (rows + BG_STREAMS - 1) / BG_STREAMS, z = blockIdx.x / row_tiles;
     int planes = gridDim.x / row_tiles, col0 = blockIdx.y * BN, s0 = (blockIdx.x % row_tiles) * BG_STREAMS;
     int span = k / planes, k0 = z * span, stages = span / BG_BK;
@@ -644,7 +645,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
         if (s < stages) load_a(s);
         cp_async_commit();
     }
-    // without FOLD a block's span is one slice (gridDim.z == slices, or one slice in all)
+    // without FOLD a block's span is one slice (planes == slices, or one slice in all)
     float acc[WN][4], total[FOLD ? WN : 1][2];
 #pragma unroll
     for (int j = 0; j < WN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;

@@ -370,6 +370,15 @@ const BG_STREAMS: usize = 64;
 const BG_BK: usize = 64;
 const BG_WIDE: usize = 64;
 const BG_NARROW: usize = 32;
+
+/// Output columns of one block of [`Launcher::batch_gemm`]: 64 (`wide`) or 32.
+fn tile_cols(wide: bool) -> usize {
+    if wide {
+        BG_WIDE
+    } else {
+        BG_NARROW
+    }
+}
 const BG_STAGES: usize = 4;
 const BG_THREADS: u32 = 256;
 
@@ -383,7 +392,7 @@ fn gemm_shared_bytes(cols: usize) -> usize {
 pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide: bool) -> Result<(), CudaError> {
     use super::super::error::DriverContext;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    let cols = if wide { BG_WIDE } else { BG_NARROW };
+    let cols = tile_cols(wide);
     func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(cols) as i32)
         .ctx("product shared memory")
 }
@@ -405,11 +414,7 @@ pub struct GemmPlan {
 impl GemmPlan {
     /// Output columns of one block.
     pub fn cols(&self) -> usize {
-        if self.wide {
-            BG_WIDE
-        } else {
-            BG_NARROW
-        }
+        tile_cols(self.wide)
     }
 
     /// Blocks of a product of `rows` rows and `n` columns.
@@ -425,8 +430,7 @@ impl GemmPlan {
 /// product's K the same way, so a row's sums are the same whatever rows it runs with.
 fn batch_gemm_slices(n: usize, k: usize, sms: usize) -> (usize, bool) {
     let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * MAX_PARTS >= sms;
-    let cols = if wide { BG_WIDE } else { BG_NARROW };
-    let tiles = (n / cols).max(1);
+    let tiles = (n / tile_cols(wide)).max(1);
     (gemm_most_parts(k, (2 * sms / tiles).clamp(1, MAX_PARTS)), wide)
 }
 
