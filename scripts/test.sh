@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo fmt --all --check
+scripts/check-format.sh
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 # the library as embedders without HTTP build it
 cargo clippy --release -p wasi-nn-host --no-default-features --lib --quiet -- -D warnings

@@ -412,10 +412,10 @@ pub fn compare_batched(
     let ahead_misses = counts.ahead_misses - counts_before.ahead_misses;
     let ahead_late = counts.ahead_late - counts_before.ahead_late;
     let ahead_early = counts.ahead_early - counts_before.ahead_early;
-    let run_ahead = std::env::var_os("WASI_NN_HOST_NO_RUN_AHEAD").is_none();
-    let early = run_ahead && std::env::var_os("WASI_NN_HOST_NO_EARLY_LAUNCH").is_none();
-    let invariant =
-        dtype == GpuDtype::Bf16 && std::env::var_os("WASI_NN_HOST_BATCH_INVARIANT").is_some();
+    let switches = wasi_nn_host::switches::get();
+    let run_ahead = switches.measurement.run_ahead;
+    let early = run_ahead && switches.measurement.early_launch;
+    let invariant = dtype == GpuDtype::Bf16 && switches.settings.batch_invariant;
     let (mut decode_error, mut alone_error, mut ids_differ, mut disagree) = (0.0f32, 0.0f32, 0, 0);
     let mut bad_id_refused = false;
     for (i, result) in together.into_iter().enumerate() {

@@ -11,7 +11,7 @@ use wasi_nn_host::cuda::blas::{Blas, LtBias, LtEpilogue, Shape};
 use wasi_nn_host::cuda::buffer::{Act, Bf16, DevBuf, DevPtr};
 use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::attention::{
-    DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
+    decode_cluster_shape, DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
 };
 use wasi_nn_host::cuda::ops::batch::{
     batch_gemm_plan, gemm_most_parts, GemmPlan, RowTable, MAX_PARTS,
@@ -120,7 +120,7 @@ impl Bench {
         let (c, t) = (config.n_embd, config.n_ctx);
         let max_chunks = t.div_ceil(ATT_CHUNK as usize);
         let zeros = |n, what| DevBuf::<f32>::zeros(&stream, n, what);
-        let tuning = exec.gpu().tuning();
+        let switches = exec.gpu().measurement();
         Ok(Self {
             x: zeros(t * c, "x")?,
             h: zeros(t * c, "h")?,
@@ -136,9 +136,9 @@ impl Bench {
             ids: DevBuf::zeros(&stream, t + 1, "ids")?,
             next: DevBuf::zeros(&stream, 1, "argmax")?,
             max_chunks,
-            blas: tuning
+            blas: switches
                 .cublas
-                .then(|| Blas::new(&stream, t, c, tuning.cublaslt))
+                .then(|| Blas::new(&stream, t, c, switches.cublaslt))
                 .flatten(),
             kv16: l.dtype().kv_bytes() == 2,
             tensor_cores: plan.tensor_cores,
@@ -1024,8 +1024,8 @@ fn check_one(
             b.put_ids(Some(pos), &[])?;
             // the session's default cluster shape (8 blocks; 128 threads for wide f32)
             let wide_f32 = dtype == GpuDtype::F32 && c > 768;
-            let chosen = b.l.gpu().tuning().decode_cluster;
-            let (cluster, threads) = chosen.unwrap_or(if wide_f32 { (8, 128) } else { (8, 256) });
+            let chosen = b.l.gpu().measurement().decode_cluster;
+            let (cluster, threads) = decode_cluster_shape(chosen, wide_f32);
             b.l.fused_decode(FusedDecode {
                 out: b.ptr(B::H),
                 x: b.ptr(B::X),

@@ -455,7 +455,7 @@ fn check_cuda(
     // Whether a context's rows run late depends on when its prompt meets the others' step (on
     // the smallest model, they sometimes meet none): some checks must have seen it, each check
     // compares whatever ran late.
-    let run_ahead = std::env::var_os("WASI_NN_HOST_NO_RUN_AHEAD").is_none();
+    let run_ahead = wasi_nn_host::switches::get().measurement.run_ahead;
     if run_ahead && batched.iter().all(|r| r.ahead_late == 0) {
         println!("no context's rows ran late in any batched check");
         failed += 1;

@@ -11,6 +11,8 @@
 //! - [`cpu`]: the CPU reference forward pass (the specification).
 //! - [`cuda`]: the CUDA backend (our kernels, NVRTC, cuBLAS/cuBLASLt).
 //! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
+//! - [`switches`]: every `WASI_NN_HOST_*` switch, read once: production settings and
+//!   measurement switches.
 //!
 //! Above them, `serve` (cargo feature `serve`, on by default): the OpenAI-style HTTP
 //! completions service over the component, behind `wasi-nn-host serve`.
@@ -35,6 +37,7 @@ pub mod model;
 pub mod runtime;
 #[cfg(feature = "serve")]
 pub mod serve;
+pub mod switches;
 pub mod wasi_nn;
 
 pub use engine::{Device, EngineError, EngineOptions, GpuDtype};

@@ -97,7 +97,7 @@ impl CpuBatch {
     pub fn new(weights: Arc<Gpt2Weights>, pool: Arc<KvPool>) -> Self {
         let cfg = weights.config;
         // `WASI_NN_HOST_NO_PACKED` keeps `gemm` for every step (for measurements)
-        let packing = std::env::var_os("WASI_NN_HOST_NO_PACKED").is_none();
+        let packing = crate::switches::get().measurement.packed;
         let c = cfg.n_embd;
         let head = packing
             .then(|| Packed::new(&weights.wte, cfg.vocab_size, c))

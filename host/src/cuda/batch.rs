@@ -86,6 +86,7 @@
 use super::blas::Blas;
 use super::buffer::{Act, DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
+use super::loaded::LoadedModel;
 use super::ops::batch::{
     batch_gemm_plan, batch_gemm_suits, BatchAttention, BatchEpilogue, ResidualNorm, RowTable,
     Update, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
@@ -94,7 +95,6 @@ use super::ops::matvec::argmax_row;
 use super::ops::{Epilogue, Launcher};
 use super::session::{CudaSession, LOGITS_BUFFERS};
 use super::weights::head_rows;
-use super::ExecutorInner;
 use crate::engine::batch::{AheadCounts, BatchModel, KvPool, SeqState, StepItem};
 use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::sys::CUevent_flags;
@@ -586,7 +586,7 @@ struct StepBuffers {
 unsafe impl Send for StepBuffers {}
 
 impl StepBuffers {
-    fn new(exec: &Arc<ExecutorInner>) -> Result<Self, CudaError> {
+    fn new(exec: &Arc<LoadedModel>) -> Result<Self, CudaError> {
         let gpu = exec.gpu.clone();
         let cfg = exec.config;
         let c = cfg.n_embd;
@@ -636,12 +636,12 @@ impl StepBuffers {
 
 /// GPT-2 on the GPU for the engine's batcher (see the module docs).
 pub struct CudaBatch {
-    exec: Arc<ExecutorInner>,
+    exec: Arc<LoadedModel>,
     idle: Arc<Idle>,
 }
 
 impl CudaBatch {
-    pub(crate) fn new(exec: Arc<ExecutorInner>, pool: Arc<KvPool>, max_idle: usize) -> Self {
+    pub(crate) fn new(exec: Arc<LoadedModel>, pool: Arc<KvPool>, max_idle: usize) -> Self {
         let cfg = exec.config;
         let per_position = 2 * cfg.n_layer * cfg.n_embd * exec.dtype.kv_bytes();
         let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position.max(1));
@@ -676,7 +676,7 @@ impl CudaBatch {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .extend(made);
-        let (Some(layer_floats), true) = (layer_floats, self.exec.gpu.tuning().graphs) else {
+        let (Some(layer_floats), true) = (layer_floats, self.exec.gpu.measurement().graphs) else {
             return Ok(());
         };
         self.with_buffers(|b| {
@@ -707,7 +707,7 @@ impl CudaBatch {
         let gpu = &self.exec.gpu;
         match gpu.batch_invariant() {
             true => 0,
-            false => gpu.tuning().batch_wave.unwrap_or(8 * gpu.sms()),
+            false => gpu.measurement().batch_wave.unwrap_or(8 * gpu.sms()),
         }
     }
 
@@ -749,7 +749,7 @@ impl CudaBatch {
     /// The graph of `key` captured into `b.graphs` unless it is there, graphs are off, or a
     /// capture failed before (then steps run kernel by kernel from here on).
     fn capture(&self, b: &mut StepBuffers, key: GraphKey, layer_floats: usize) {
-        if !self.exec.gpu.tuning().graphs || b.graphs_failed || b.graphs.contains_key(&key) {
+        if !self.exec.gpu.measurement().graphs || b.graphs_failed || b.graphs.contains_key(&key) {
             return;
         }
         let (padded, splits, prompts) = key;
@@ -798,7 +798,7 @@ impl CudaBatch {
         let tmp = b.blas.tmp.ptr();
         let x = b.x.ptr();
         // `WASI_NN_HOST_SKIP` leaves parts out, to measure what the rest costs (wrong results)
-        let skip = &self.exec.gpu.tuning().skip;
+        let skip = &self.exec.gpu.measurement().skip;
         // Steps of up to `batch_gemm_rows` rows (64 on sm_90+; every step when batch-invariant)
         // use our tensor-core kernel where it fits (bf16) and suits the shape (small weights, a
         // plan that fills the GPU); batch-invariant, every product it can take (GPT-2's
@@ -1078,7 +1078,7 @@ impl CudaBatch {
         }
         let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
         let ran = item.seq.session_mut().and_then(|s| {
-            match sampled || !self.exec.gpu.tuning().run_ahead {
+            match sampled || !self.exec.gpu.measurement().run_ahead {
                 true => Ok(None),
                 false => s.launch_ahead_decode(),
             }
@@ -1258,7 +1258,7 @@ impl CudaBatch {
         ahead: &Ahead,
         items: &[StepItem<'_, CudaSeq>],
     ) -> Result<Vec<Option<Taken>>, &'static str> {
-        let tuning = self.exec.gpu.tuning();
+        let tuning = self.exec.gpu.measurement();
         if !tuning.run_ahead || !tuning.early_launch {
             return Err("off");
         }
@@ -1448,7 +1448,7 @@ impl CudaBatch {
 
     /// How many steps may be run ahead of a guest (`WASI_NN_HOST_AHEAD_DEPTH`).
     fn depth(&self) -> usize {
-        self.exec.gpu.tuning().ahead_depth
+        self.exec.gpu.settings().ahead_depth
     }
 
     /// Keep each item as this step leaves it ([`GuestAt`], with `argmax[i]` its argmax when
@@ -1661,7 +1661,7 @@ impl BatchModel for CudaBatch {
     /// (yielding) for 3 ms slowed the guests down more than they saved (33.9k against
     /// 43.7k tokens/s).
     fn spin(&self) -> std::time::Duration {
-        self.exec.gpu.tuning().spin
+        self.exec.gpu.settings().spin
     }
 
     /// A result run ahead and resolved, for a guest back with its token at its position
@@ -1670,7 +1670,7 @@ impl BatchModel for CudaBatch {
         let (&[token], false) = (tokens, all_positions) else {
             return false;
         };
-        if seq.late.load(Ordering::Acquire) || !self.exec.gpu.tuning().run_ahead {
+        if seq.late.load(Ordering::Acquire) || !self.exec.gpu.measurement().run_ahead {
             return false;
         }
         let serial = seq.serial;
@@ -1786,7 +1786,7 @@ impl BatchModel for CudaBatch {
         let launched = started.elapsed();
         // With hits, the batched rows join the pass run ahead for them, and the step does
         // not wait for them: they run late (see the module docs).
-        let run_ahead = self.exec.gpu.tuning().run_ahead;
+        let run_ahead = self.exec.gpu.measurement().run_ahead;
         let late_tokens: usize = batched.iter().map(|&i| items[i].tokens.len()).sum();
         let others = items.len() - batched.len();
         let merge = run_ahead
@@ -1903,7 +1903,7 @@ impl BatchModel for CudaBatch {
     fn gather(&self) -> Option<Duration> {
         let ahead = self.idle.ahead();
         let flight = ahead.in_flight.as_ref()?;
-        let Some(margin) = self.exec.gpu.tuning().gather_margin else {
+        let Some(margin) = self.exec.gpu.settings().gather_margin else {
             // every context waited for: up to the pass's time from launch to end
             return Some(ahead.took);
         };

@@ -99,8 +99,10 @@ impl Blas {
         (dst, ldc): (DevPtr<f32>, usize),
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-        if l.gpu().tuning().skip.gemm {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        if l.gpu().measurement().skip.gemm {
             return Ok(());
         }
         let dtype = match l.dtype() {
@@ -158,7 +160,7 @@ impl Blas {
         let Some(lt) = self.lt.as_ref().filter(|_| l.dtype() == GpuDtype::Bf16) else {
             return Ok(false);
         };
-        if l.gpu().tuning().skip.gemm {
+        if l.gpu().measurement().skip.gemm {
             return Ok(true);
         }
         let (bias_bf16, bias) = match bias {
@@ -174,6 +176,12 @@ impl Blas {
         // SAFETY: the callers pass the session's buffers and the layer's weights, which cover
         // the shape (x: rows*k bf16, checked; W: n*k, bias: n, dst: rows*ldc) and outlive the
         // stream's work.
-        unsafe { lt.matmul(l.stream().cu_stream() as _, shape, (w.addr(), x.addr(), bias, dst.addr())) }
+        unsafe {
+            lt.matmul(
+                l.stream().cu_stream() as _,
+                shape,
+                (w.addr(), x.addr(), bias, dst.addr()),
+            )
+        }
     }
 }

@@ -62,6 +62,7 @@ impl<T> DevPtr<T> {
         self.len
     }
 
+    #[cfg(feature = "dev")]
     pub fn is_empty(self) -> bool {
         self.len == 0
     }
@@ -84,6 +85,7 @@ impl<T: DeviceRepr> DevPtr<T> {
     }
 
     /// The same bytes as KV-cache elements of `element_bytes` each.
+    #[cfg(feature = "dev")]
     pub fn as_cached(self, element_bytes: usize) -> DevPtr<Cached> {
         let bytes = self.len * std::mem::size_of::<T>();
         DevPtr::new(self.addr, bytes / element_bytes.max(1))
@@ -93,13 +95,6 @@ impl<T: DeviceRepr> DevPtr<T> {
     pub fn cast<U: DeviceRepr>(self) -> DevPtr<U> {
         let bytes = self.len * std::mem::size_of::<T>();
         DevPtr::new(self.addr, bytes / std::mem::size_of::<U>())
-    }
-}
-
-impl DevPtr<Stored> {
-    /// The weights from element `offset` on (elements of `element_bytes`: 4 or 2).
-    pub fn skip_stored(self, offset: usize, element_bytes: usize) -> Self {
-        self.skip_bytes(offset, element_bytes)
     }
 }
 
@@ -131,7 +126,11 @@ pub struct DevBuf<T: DeviceRepr> {
 
 impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
     /// `len` zeroed elements (at least one) on `stream`; `what` names it in errors.
-    pub fn zeros(stream: &Arc<CudaStream>, len: usize, what: &'static str) -> Result<Self, CudaError> {
+    pub fn zeros(
+        stream: &Arc<CudaStream>,
+        len: usize,
+        what: &'static str,
+    ) -> Result<Self, CudaError> {
         let slice = stream.alloc_zeros::<T>(len.max(1)).ctx(what)?;
         let addr = slice.device_ptr(stream).0;
         Ok(Self { slice, addr })
@@ -140,7 +139,11 @@ impl<T: DeviceRepr + ValidAsZeroBits> DevBuf<T> {
 
 impl<T: DeviceRepr> DevBuf<T> {
     /// A copy of `values` on the device.
-    pub fn from_host(stream: &Arc<CudaStream>, values: &[T], what: &'static str) -> Result<Self, CudaError> {
+    pub fn from_host(
+        stream: &Arc<CudaStream>,
+        values: &[T],
+        what: &'static str,
+    ) -> Result<Self, CudaError> {
         let slice = stream.clone_htod(values).ctx(what)?;
         let addr = slice.device_ptr(stream).0;
         Ok(Self { slice, addr })
@@ -155,14 +158,22 @@ impl<T: DeviceRepr> DevBuf<T> {
         self.slice.len()
     }
 
+    #[cfg(feature = "dev")]
     pub fn is_empty(&self) -> bool {
         self.slice.len() == 0
     }
 
     /// Copy `values` to the buffer's first elements (stream-ordered).
-    pub fn write(&mut self, stream: &Arc<CudaStream>, at: usize, values: &[T]) -> Result<(), CudaError> {
+    pub fn write(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        at: usize,
+        values: &[T],
+    ) -> Result<(), CudaError> {
         let mut dst = self.slice.slice_mut(at..at + values.len());
-        stream.memcpy_htod(values, &mut dst).ctx("copy to the device")
+        stream
+            .memcpy_htod(values, &mut dst)
+            .ctx("copy to the device")
     }
 
     /// The first `count` elements, copied back once the stream reaches this point.
@@ -179,6 +190,7 @@ impl<T: DeviceRepr> DevBuf<T> {
     }
 
     /// Set every element to zero bits (stream-ordered).
+    #[cfg(feature = "dev")]
     pub fn clear(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError>
     where
         T: ValidAsZeroBits,

@@ -1,173 +1,10 @@
-//! The GPU: its context, the compiled kernel module, its capabilities, and [`Tuning`], the
-//! run-time switches read once per process (`WASI_NN_HOST_*`, for measurements).
+//! The GPU: its context, its capabilities, the run-time switches that apply to it
+//! ([`crate::switches`]), the module of our kernels once loaded, and graph capture.
 
 use super::error::{CudaError, DriverContext};
-use super::ops::{attention, Kernels};
-use crate::engine::GpuDtype;
-use cudarc::driver::{CudaContext, CudaModule};
-use std::path::PathBuf;
+use crate::switches::{Measurement, Settings, Switches};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use std::sync::{Arc, Mutex, OnceLock};
-
-/// Parts of a forward pass to leave out (`WASI_NN_HOST_SKIP=attn,qkv,proj,mlp,head` in the
-/// decode graph, `gemm,pattn,ln,epi` in a prefill): a profiling aid; the results are then
-/// wrong, only the time counts.
-#[derive(Clone, Debug, Default)]
-pub struct Skip {
-    pub attn: bool,
-    pub qkv: bool,
-    pub proj: bool,
-    pub mlp: bool,
-    pub head: bool,
-    pub gemm: bool,
-    pub pattn: bool,
-    pub ln: bool,
-    pub epi: bool,
-}
-
-/// Every run-time switch, read once (see the README for what each is for).
-#[derive(Clone, Debug)]
-pub struct Tuning {
-    /// Decode and prefill CUDA graphs (`WASI_NN_HOST_NO_GRAPH` turns them off).
-    pub graphs: bool,
-    /// Programmatic dependent launch on sm_90+ (`_NO_PDL`).
-    pub pdl: bool,
-    /// cuBLAS for prefill products (`_NO_CUBLAS`: our tiled kernel).
-    pub cublas: bool,
-    /// cuBLASLt for bf16 products with fused epilogues (`_NO_CUBLASLT`).
-    pub cublaslt: bool,
-    /// Tensor-core prefill attention in bf16 mode (`_NO_TC_ATTENTION`).
-    pub tc_attention: bool,
-    /// The tiled CUDA-core prefill attention (`_NO_TILED_ATTENTION`: one block per row).
-    pub tiled_attention: bool,
-    /// Tensor-core attention reading the QKV product's bf16 rows (`_NO_FRESH_KV`).
-    pub fresh_kv: bool,
-    /// The fused decode QKV + attention kernel on sm_90+ (`_NO_FUSED_ATTENTION`).
-    pub fused_attention: bool,
-    /// Blocks per head and threads of the fused decode kernel (`_DECODE_CLUSTER=8x256`).
-    pub decode_cluster: Option<(u32, u32)>,
-    pub skip: Skip,
-    /// Our tensor-core kernel for the batched step's bf16 products instead of cuBLAS in
-    /// steps of at most this many rows (`_BATCH_GEMM=ROWS`, 0 for cuBLAS everywhere; unset:
-    /// [`Gpu::batch_gemm_rows`] decides).
-    pub batch_gemm: Option<usize>,
-    /// Steps run ahead for greedy contexts in batched steps (`_NO_RUN_AHEAD` turns it off).
-    pub run_ahead: bool,
-    /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
-    /// the GPU (`_NO_EARLY_LAUNCH` makes it wait for that pass first).
-    pub early_launch: bool,
-    /// Each decode kernel asks L2 for up to this many bytes of the next kernel's weights
-    /// while it runs (`_L2_PREFETCH=BYTES`, 0 turns it off; default 2 MiB).
-    pub l2_prefetch: usize,
-    /// Independent batchers ("lanes") the contexts are spread over, each with its own
-    /// batched-step stream, so their passes run side by side on the GPU (`_BATCH_LANES=N`,
-    /// 1 to 8; default 2).
-    pub batch_lanes: usize,
-    /// Contexts a lane takes before a new one goes to the next lane (`_LANE_FILL=N`; default
-    /// 128): below that many streams all share one lane's steps.
-    pub lane_fill: usize,
-    /// Blocks of the batched attention the GPU runs in one wave, past which a step's rows are
-    /// not cut into more spans (`_BATCH_WAVE=N`; 0: no limit; default 8 an SM).
-    pub batch_wave: Option<usize>,
-    /// How long a context waiting for a batched step spins before it parks
-    /// (`_SPIN_US`, 0 by default).
-    pub spin: std::time::Duration,
-    /// A batched step waits for the last step's contexts to come back until shortly before the
-    /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
-    /// launch its pass, and this much more), then runs with the contexts that are back
-    /// (`_GATHER_MARGIN_US=N`, default 60). `_GATHER_MARGIN_US=all` waits for all of them (up
-    /// to the pass's time from launch to end, at most 2 ms).
-    pub gather_margin: Option<std::time::Duration>,
-    /// Steps run ahead of a greedy guest at most (`_AHEAD_DEPTH=N`, 1 or 2; default 2): with
-    /// 2, a context whose guest is not back when the next pass is launched still gets its
-    /// next step in it.
-    pub ahead_depth: usize,
-    /// Compile the `.cu` files of this folder instead of the built-in ones
-    /// (`WASI_NN_HOST_KERNELS=DIR`).
-    pub kernels_dir: Option<PathBuf>,
-    /// Batch-invariant batched steps (`_BATCH_INVARIANT`): a context's logits are the same
-    /// bits whatever contexts share its steps, and alone (see [`Gpu::batch_invariant`]).
-    pub batch_invariant: bool,
-}
-
-impl Tuning {
-    pub fn from_env() -> Self {
-        let off = |name: &str| std::env::var_os(format!("WASI_NN_HOST_{name}")).is_some();
-        let decode_cluster = std::env::var("WASI_NN_HOST_DECODE_CLUSTER")
-            .ok()
-            .and_then(|v| {
-                let (n, t) = v.split_once('x')?;
-                Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
-            })
-            .filter(|&(n, t)| {
-                (2..=attention::DA_MAX_CLUSTER).contains(&n) && (t == 128 || t == 256)
-            });
-        let parts = std::env::var("WASI_NN_HOST_SKIP").unwrap_or_default();
-        let has = |part: &str| parts.split(',').any(|s| s == part);
-        Self {
-            graphs: !off("NO_GRAPH"),
-            pdl: !off("NO_PDL"),
-            cublas: !off("NO_CUBLAS"),
-            cublaslt: !off("NO_CUBLASLT"),
-            tc_attention: !off("NO_TC_ATTENTION"),
-            tiled_attention: !off("NO_TILED_ATTENTION"),
-            fresh_kv: !off("NO_FRESH_KV"),
-            fused_attention: !off("NO_FUSED_ATTENTION"),
-            decode_cluster,
-            skip: Skip {
-                attn: has("attn"),
-                qkv: has("qkv"),
-                proj: has("proj"),
-                mlp: has("mlp"),
-                head: has("head"),
-                gemm: has("gemm"),
-                pattn: has("pattn"),
-                ln: has("ln"),
-                epi: has("epi"),
-            },
-            run_ahead: !off("NO_RUN_AHEAD"),
-            early_launch: !off("NO_EARLY_LAUNCH"),
-            l2_prefetch: std::env::var("WASI_NN_HOST_L2_PREFETCH")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(2 << 20),
-            batch_lanes: std::env::var("WASI_NN_HOST_BATCH_LANES")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(2)
-                .clamp(1, 8),
-            lane_fill: std::env::var("WASI_NN_HOST_LANE_FILL")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(128)
-                .max(1),
-            batch_wave: std::env::var("WASI_NN_HOST_BATCH_WAVE")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            batch_gemm: std::env::var("WASI_NN_HOST_BATCH_GEMM")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            spin: std::time::Duration::from_micros(
-                std::env::var("WASI_NN_HOST_SPIN_US")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
-            ),
-            gather_margin: match std::env::var("WASI_NN_HOST_GATHER_MARGIN_US") {
-                Ok(v) if v == "all" => None,
-                v => Some(std::time::Duration::from_micros(
-                    v.ok().and_then(|v| v.parse().ok()).unwrap_or(60),
-                )),
-            },
-            ahead_depth: std::env::var("WASI_NN_HOST_AHEAD_DEPTH")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(2)
-                .clamp(1, 2),
-            kernels_dir: std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from),
-            batch_invariant: off("BATCH_INVARIANT"),
-        }
-    }
-}
 
 /// Rows of a batched step up to which its products run on our kernel by default (sm_90+).
 const BATCH_GEMM_ROWS: usize = 64;
@@ -175,9 +12,12 @@ const BATCH_GEMM_ROWS: usize = 64;
 /// The GPU and its compiled kernels, shared by every graph in the process.
 pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
-    module: Arc<CudaModule>,
+    /// `compute_XY`, the architecture the kernels are compiled for.
+    arch: String,
+    /// Our kernels, compiled for `arch` and loaded at the first executor ([`Self::module`]).
+    module: OnceLock<Arc<CudaModule>>,
     name: String,
-    pub(crate) tuning: Tuning,
+    switches: &'static Switches,
     /// Programmatic dependent launch (sm_90+, unless switched off).
     pub(crate) pdl: bool,
     /// bf16 tensor-core instructions (mma.sync, sm_80+).
@@ -227,13 +67,10 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().ctx("compute capability")?;
         let name = ctx.name().unwrap_or_default();
-        let tuning = Tuning::from_env();
-        let arch = format!("compute_{major}{minor}");
-        let ptx = super::nvrtc::cached_ptx(&arch, tuning.kernels_dir.as_deref())?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .ctx("loading the kernels")?;
-        let clusters = (major >= 9 && tuning.fused_attention).then_some(tuning.decode_cluster);
+        let switches = crate::switches::get();
+        let measurement = &switches.measurement;
+        let clusters =
+            (major >= 9 && measurement.fused_attention).then_some(measurement.decode_cluster);
         let sms = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -241,13 +78,14 @@ impl Gpu {
             .ctx("multiprocessor count")?;
         Ok(Gpu {
             ctx,
-            module,
+            arch: format!("compute_{major}{minor}"),
+            module: OnceLock::new(),
             name,
-            pdl: major >= 9 && tuning.pdl,
+            pdl: major >= 9 && measurement.pdl,
             tensor_cores: major >= 8,
             clusters,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
-            tuning,
+            switches,
             setup: Mutex::new(()),
         })
     }
@@ -256,8 +94,46 @@ impl Gpu {
         &self.name
     }
 
-    pub fn tuning(&self) -> &Tuning {
-        &self.tuning
+    /// The production settings ([`crate::switches::Settings`]).
+    pub fn settings(&self) -> &Settings {
+        &self.switches.settings
+    }
+
+    /// The measurement switches ([`crate::switches::Measurement`]).
+    pub fn measurement(&self) -> &Measurement {
+        &self.switches.measurement
+    }
+
+    /// The architecture the kernels are compiled for (`compute_XY`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The kernels' module: `load` compiles and loads it at the first call (the PTX); later
+    /// calls share it.
+    pub(crate) fn module(
+        &self,
+        load: impl FnOnce(&Self) -> Result<String, CudaError>,
+    ) -> Result<Arc<CudaModule>, CudaError> {
+        let _setup = self.setup_lock();
+        if let Some(module) = self.module.get() {
+            return Ok(module.clone());
+        }
+        let ptx = load(self)?;
+        let module = (self.ctx)
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .ctx("loading the kernels")?;
+        Ok(self.module.get_or_init(|| module).clone())
+    }
+
+    /// A kernel of `module` by name.
+    pub(crate) fn function(
+        module: &Arc<CudaModule>,
+        name: &str,
+    ) -> Result<CudaFunction, CudaError> {
+        module
+            .load_function(name)
+            .map_err(|e| CudaError::unavailable(format!("kernel {name}: {e:?}")))
     }
 
     /// Streaming multiprocessors.
@@ -275,7 +151,7 @@ impl Gpu {
             return usize::MAX;
         }
         let default = if self.pdl { BATCH_GEMM_ROWS } else { 0 };
-        self.tuning.batch_gemm.unwrap_or(default)
+        self.measurement().batch_gemm.unwrap_or(default)
     }
 
     /// Whether batched steps are batch-invariant (`WASI_NN_HOST_BATCH_INVARIANT`, bf16
@@ -285,7 +161,7 @@ impl Gpu {
     /// context's logits are then the same bits whatever contexts share its steps; a long
     /// prompt's pass and a lone stream's decode pay for it (BENCHMARKS.md).
     pub fn batch_invariant(&self) -> bool {
-        self.tuning.batch_invariant && self.tensor_cores
+        self.settings().batch_invariant && self.tensor_cores
     }
 
     /// Whether the fused decode kernel (thread-block clusters, sm_90+) is in use.
@@ -320,72 +196,6 @@ impl Gpu {
         // the capture is ended whatever the launches did
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         launched.and(graph.ctx("graph capture"))
-    }
-
-    /// The kernels for weights stored as `dtype`.
-    pub(crate) fn kernels(&self, dtype: GpuDtype) -> Result<Kernels, CudaError> {
-        let suffix = match dtype {
-            GpuDtype::F32 => "f32",
-            GpuDtype::Bf16 => "bf16",
-        };
-        let f = |name: &str| {
-            self.module
-                .load_function(name)
-                .map_err(|e| CudaError::unavailable(format!("kernel {name}: {e:?}")))
-        };
-        Ok(Kernels {
-            embed: f(&format!("embed_{suffix}"))?,
-            layernorm: f(&format!("layernorm_{suffix}"))?,
-            matvec: f(&format!("matvec_{suffix}"))?,
-            matmul: f(&format!("matmul_{suffix}"))?,
-            att_partial: f(&format!("attention_decode_partial_{suffix}"))?,
-            att_combine: f("attention_decode_combine")?,
-            decode_qkv_att: {
-                let func = f(&format!("decode_qkv_attention_{suffix}"))?;
-                if self.clusters.flatten().is_some_and(|(n, _)| n > 8) {
-                    // clusters above 8 blocks are allowed per kernel (sm_90 has up to 16)
-                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                        .ctx("cluster size")?;
-                }
-                func
-            },
-            att_prefill: f(&format!("attention_prefill_{suffix}"))?,
-            att_prefill_tiled: f(&format!("attention_prefill_tiled_{suffix}"))?,
-            att_prefill_mma: f("attention_prefill_mma")?,
-            att_prefill_fresh: {
-                let func = f("attention_prefill_fresh")?;
-                if self.tensor_cores {
-                    attention::allow_fresh_shared_memory(&func)?;
-                }
-                func
-            },
-            gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
-            add_bias: f(&format!("add_bias_{suffix}"))?,
-            to_bf16: f("f32_to_bf16")?,
-            batch_residual_norm: f(&format!("batch_residual_norm_{suffix}"))?,
-            batch_epilogue: f(&format!("batch_epilogue_{suffix}"))?,
-            batch_attention: f(&format!("batch_attention_{suffix}"))?,
-            batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
-            batch_att_combine: f("batch_attention_combine")?,
-            batch_logits: f("batch_logits")?,
-            batch_feed: f("batch_feed")?,
-            batch_gemm: {
-                let funcs = [
-                    f("batch_gemm_bf16_n64")?,
-                    f("batch_gemm_bf16_n32")?,
-                    f("batch_gemm_bf16_n64_fold")?,
-                    f("batch_gemm_bf16_n32_fold")?,
-                ];
-                // GPUs with less shared memory a block than the kernel's stages take (sm_86:
-                // 99 KiB) keep cuBLAS for every product
-                let fits = self.tensor_cores
-                    && (funcs.iter().enumerate()).all(|(i, func)| {
-                        super::ops::batch::allow_gemm_shared_memory(func, i % 2 == 0).is_ok()
-                    });
-                fits.then_some(funcs)
-            },
-        })
     }
 
     /// The GPU's name and free memory, for diagnostics.

@@ -1,11 +1,13 @@
 //! The kernels' source and its compilation: every `.cu` file of `kernels/` (built into the
 //! binary) pasted into one translation unit, compiled with NVRTC for the GPU at hand with the
-//! constants both sides share handed over as `-D` defines ([`super::ops::DEFINES`]), and the
-//! PTX cached on disk by a hash of source, defines and architecture.
+//! constants both sides share handed over as `-D` defines (the caller's), and the PTX cached
+//! on disk by a hash of source, defines and architecture.
 
 use super::error::CudaError;
-use super::ops::DEFINES;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+/// Constants handed to the kernels as `-D NAME=value`.
+pub type Defines = [(&'static str, u32)];
 
 const KERNEL_SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
@@ -48,26 +50,29 @@ pub fn kernel_source(dir: Option<&Path>) -> Result<String, CudaError> {
 }
 
 /// NVRTC's options for `arch`: the architecture, C++17, and the shared constants.
-fn options(arch: &str) -> Vec<String> {
+fn options(arch: &str, defines: &Defines) -> Vec<String> {
     let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     options.extend(
-        DEFINES
+        defines
             .iter()
             .map(|(name, value)| format!("-D{name}={value}")),
     );
     options
 }
 
-/// Compile all kernels to PTX for `arch` (e.g. `compute_90`) with NVRTC; no GPU needed.
-/// `WASI_NN_HOST_KERNELS=DIR` compiles the files in DIR instead of the built-in copies.
-pub fn compile_kernels(arch: &str) -> Result<String, CudaError> {
-    let dir = std::env::var_os("WASI_NN_HOST_KERNELS").map(PathBuf::from);
-    compile_source(kernel_source(dir.as_deref())?, arch)
+/// Compile all kernels (the files of `kernels_dir`, else the built-in copies) to PTX for
+/// `arch` (e.g. `compute_90`) with NVRTC; no GPU needed.
+pub fn compile_kernels(
+    arch: &str,
+    defines: &Defines,
+    kernels_dir: Option<&Path>,
+) -> Result<String, CudaError> {
+    compile_source(kernel_source(kernels_dir)?, arch, defines)
 }
 
-fn compile_source(source: String, arch: &str) -> Result<String, CudaError> {
+fn compile_source(source: String, arch: &str, defines: &Defines) -> Result<String, CudaError> {
     let opts = cudarc::nvrtc::CompileOptions {
-        options: options(arch),
+        options: options(arch, defines),
         ..Default::default()
     };
     let missing = || CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH");
@@ -82,28 +87,24 @@ fn compile_source(source: String, arch: &str) -> Result<String, CudaError> {
     Ok(compiled?.to_src())
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("WASI_NN_HOST_CACHE") {
-        return Some(dir.into());
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
-    Some(base.join("wasi-nn-host"))
-}
-
-/// PTX for `arch`, from the disk cache when the same source was compiled before.
-pub(crate) fn cached_ptx(arch: &str, kernels_dir: Option<&Path>) -> Result<String, CudaError> {
+/// PTX for `arch`, from `cache_dir` when the same source was compiled before with the same
+/// defines (and written there otherwise).
+pub(crate) fn cached_ptx(
+    arch: &str,
+    defines: &Defines,
+    kernels_dir: Option<&Path>,
+    cache_dir: Option<&Path>,
+) -> Result<String, CudaError> {
     use std::hash::{Hash, Hasher};
     let source = kernel_source(kernels_dir)?;
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     source.hash(&mut hasher);
-    options(arch).hash(&mut hasher);
-    let file = cache_dir().map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", hasher.finish())));
+    options(arch, defines).hash(&mut hasher);
+    let file = cache_dir.map(|d| d.join(format!("kernels-{:016x}-{arch}.ptx", hasher.finish())));
     if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
         return Ok(ptx);
     }
-    let ptx = compile_source(source, arch)?;
+    let ptx = compile_source(source, arch, defines)?;
     if let Some(file) = file {
         // A cache we cannot write is only slower.
         let _ = file.parent().map(std::fs::create_dir_all);

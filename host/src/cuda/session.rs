@@ -10,17 +10,19 @@
 
 use super::blas::{Blas, LtBias, LtEpilogue, Shape};
 use super::buffer::{Act, DevBuf, DevPtr, HostCopy, Stored};
-use super::device::Skip;
 use super::error::{CudaError, DriverContext};
-use super::ops::attention::{DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK};
+use super::loaded::LoadedModel;
+use super::ops::attention::{
+    decode_cluster_shape, DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
+};
 use super::ops::embed_norm::{Embed, LayerNorm};
 use super::ops::matmul::{GemmEpilogue, Matmul};
 use super::ops::matvec::{argmax_row, Matvec};
 use super::ops::{Epilogue, KvLayer, Launcher};
 use super::weights::DevLayer;
-use crate::model::Gpt2Config;
-use super::ExecutorInner;
 use crate::engine::{EngineError, GpuDtype, Session};
+use crate::model::Gpt2Config;
+use crate::switches::Skip;
 use cudarc::driver::CudaGraph;
 use std::sync::Arc;
 
@@ -59,7 +61,7 @@ struct LoneAhead {
 
 /// One sequence on the GPU: KV cache, activations, and the captured graphs.
 pub struct CudaSession {
-    exec: Arc<ExecutorInner>,
+    exec: Arc<LoadedModel>,
     launcher: Launcher,
     /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
     capacity: usize,
@@ -142,7 +144,7 @@ impl CudaSession {
         kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
     }
 
-    pub(crate) fn new(exec: Arc<ExecutorInner>) -> Result<Self, CudaError> {
+    pub(crate) fn new(exec: Arc<LoadedModel>) -> Result<Self, CudaError> {
         let gpu = exec.gpu.clone();
         let _setup = gpu.setup_lock();
         let cfg = exec.config;
@@ -158,24 +160,30 @@ impl CudaSession {
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
         let max_chunks = capacity.div_ceil(ATT_CHUNK as usize);
         let kv = cfg.n_layer * capacity * c * exec.dtype.kv_bytes();
-        let tuning = gpu.tuning();
-        let blas = tuning
+        let switches = gpu.measurement();
+        let blas = switches
             .cublas
-            .then(|| Blas::new(&stream, capacity, c, tuning.cublaslt))
+            .then(|| Blas::new(&stream, capacity, c, switches.cublaslt))
             .flatten();
         let tensor_cores = exec.dtype == GpuDtype::Bf16
             && cfg.head_dim() == 64
             && gpu.tensor_cores
-            && tuning.tc_attention;
+            && switches.tc_attention;
         let has_lt = blas.as_ref().is_some_and(Blas::has_lt);
         let plan = PrefillPlan {
             blas: blas.is_some(),
             tensor_cores,
-            fresh_kv: tensor_cores && tuning.fresh_kv && has_lt,
-            tiled_attention: cfg.head_dim() <= 64 && tuning.tiled_attention,
-            graphs: tensor_cores && has_lt && tuning.graphs && tuning.fresh_kv,
+            fresh_kv: tensor_cores && switches.fresh_kv && has_lt,
+            tiled_attention: cfg.head_dim() <= 64 && switches.tiled_attention,
+            graphs: tensor_cores && has_lt && switches.graphs && switches.fresh_kv,
         };
-        let launcher = Launcher::new(gpu.clone(), stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
+        let launcher = Launcher::new(
+            gpu.clone(),
+            stream.clone(),
+            exec.kernels.clone(),
+            cfg,
+            exec.dtype,
+        );
         Ok(Self {
             k_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
             v_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
@@ -226,7 +234,7 @@ impl CudaSession {
     }
 
     fn skip(&self) -> &Skip {
-        &self.exec.gpu.tuning.skip
+        &self.exec.gpu.measurement().skip
     }
 
     /// The position slot (`ids[0]`) and the token ids (`ids[1..]`).
@@ -299,7 +307,7 @@ impl CudaSession {
         let l = &self.launcher;
         // the first bytes of the next weights (more would hold up this kernel's own loads:
         // 1558M's 20 MB MLP weights made its step slower)
-        let most = self.exec.gpu.tuning.l2_prefetch / self.exec.dtype.bytes();
+        let most = self.exec.gpu.measurement().l2_prefetch / self.exec.dtype.bytes();
         let prefetch = |next: DevPtr<Stored>| {
             (most > 0).then(|| DevPtr::new(next.addr(), next.len().min(most)))
         };
@@ -308,7 +316,10 @@ impl CudaSession {
         self.embed(1, None, feed)?;
         for (i, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
-            let after_mlp = w.layers.get(i + 1).map_or(head_start, |next| next.qkv_w.ptr());
+            let after_mlp = w
+                .layers
+                .get(i + 1)
+                .map_or(head_start, |next| next.qkv_w.ptr());
             if self.exec.gpu.clusters.is_some() {
                 if !skip.attn {
                     self.fused_decode(lw, kv, prefetch(lw.proj_w.ptr()))?;
@@ -395,10 +406,8 @@ impl CudaSession {
         let chosen = self.exec.gpu.clusters.ok_or_else(|| {
             CudaError::unavailable("the fused decode attention needs sm_90 clusters")
         })?;
-        // 8 blocks per head; 128 threads for f32 weights past 124M's width (its 142 registers
-        // a thread would leave one 256-thread block per SM: measured slower there)
         let wide_f32 = self.exec.dtype == GpuDtype::F32 && self.exec.config.n_embd > 768;
-        let (cluster, threads) = chosen.unwrap_or(if wide_f32 { (8, 128) } else { (8, 256) });
+        let (cluster, threads) = decode_cluster_shape(chosen, wide_f32);
         self.launcher.fused_decode(FusedDecode {
             out: self.h.ptr(),
             x: self.x.ptr(),
@@ -431,7 +440,7 @@ impl CudaSession {
     /// Capture the decode step as a graph if it is not yet (it reads the token and the
     /// position from device memory, so it serves every step).
     pub(crate) fn capture_decode(&mut self) {
-        if self.graph.is_none() && !self.graph_failed && self.exec.gpu.tuning.graphs {
+        if self.graph.is_none() && !self.graph_failed && self.exec.gpu.measurement().graphs {
             match self.capture(Self::decode_kernels) {
                 Ok(graph) => self.graph = graph,
                 Err(e) => {
@@ -542,7 +551,12 @@ impl CudaSession {
 
     /// The launches of a prefill of the `n` ids in ids[1..] at positions `start..` (a device
     /// start: a graph, whose kernels read the first position from ids[0]).
-    fn prefill_kernels(&self, n: usize, start: Start, all_positions: bool) -> Result<(), CudaError> {
+    fn prefill_kernels(
+        &self,
+        n: usize,
+        start: Start,
+        all_positions: bool,
+    ) -> Result<(), CudaError> {
         let (cfg, c) = (self.exec.config, self.exec.config.n_embd);
         let l = &self.launcher;
         let host_start = match start {
@@ -695,7 +709,14 @@ impl CudaSession {
             };
             let mut pre_bias = Some(lw.proj_b.ptr());
             let proj_b32 = LtBias::F32(lw.proj_b32());
-            if blas.lt_matmul(l, residual(c), lw.proj_w.ptr(), bf16_in(a_c), proj_b32, Act::F32(x))? {
+            if blas.lt_matmul(
+                l,
+                residual(c),
+                lw.proj_w.ptr(),
+                bf16_in(a_c),
+                proj_b32,
+                Act::F32(x),
+            )? {
                 pre_bias = None;
             } else {
                 blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), (x, c), true)?;
@@ -719,7 +740,14 @@ impl CudaSession {
             }
             let fc_proj_b32 = LtBias::F32(lw.fc_proj_b32());
             let fp_w = lw.fc_proj_w.ptr();
-            if blas.lt_matmul(l, residual(4 * c), fp_w, bf16_in(a_4c), fc_proj_b32, Act::F32(x))? {
+            if blas.lt_matmul(
+                l,
+                residual(4 * c),
+                fp_w,
+                bf16_in(a_4c),
+                fc_proj_b32,
+                Act::F32(x),
+            )? {
                 pending = None;
             } else {
                 blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), (x, c), true)?;
@@ -764,7 +792,17 @@ impl CudaSession {
             let kv = self.kv_layer(i);
             self.layernorm(Act::F32(h), x, lw.ln1(), None, n)?;
             let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), lw.qkv_b.ptr());
-            product(self.qkv.ptr(), h, qkv_w, qkv_b, 3 * c, c, Epilogue::Qkv, Some(kv), 3 * c)?;
+            product(
+                self.qkv.ptr(),
+                h,
+                qkv_w,
+                qkv_b,
+                3 * c,
+                c,
+                Epilogue::Qkv,
+                Some(kv),
+                3 * c,
+            )?;
             if !self.skip().pattn {
                 let attention = PrefillAttention {
                     out: Act::F32(h),
@@ -788,7 +826,11 @@ impl CudaSession {
     /// Causal attention of new rows on the plan's kernel: tensor cores (from the bf16 QKV
     /// rows `fresh`, or from the cache), else tiled, else one block per row; a bf16 output
     /// without tensor cores goes through h and a conversion.
-    fn prefill_attention(&self, a: PrefillAttention, fresh: Option<DevPtr<super::buffer::Bf16>>) -> Result<(), CudaError> {
+    fn prefill_attention(
+        &self,
+        a: PrefillAttention,
+        fresh: Option<DevPtr<super::buffer::Bf16>>,
+    ) -> Result<(), CudaError> {
         let l = &self.launcher;
         if self.plan.tensor_cores {
             return match fresh {
@@ -803,7 +845,13 @@ impl CudaSession {
         }
         if let Act::Bf16(out) = a.out {
             let h = self.h.ptr();
-            self.prefill_attention(PrefillAttention { out: Act::F32(h), ..a }, None)?;
+            self.prefill_attention(
+                PrefillAttention {
+                    out: Act::F32(h),
+                    ..a
+                },
+                None,
+            )?;
             return l.to_bf16(out, h, a.rows * self.exec.config.n_embd);
         }
         if self.plan.tiled_attention {
@@ -844,8 +892,8 @@ impl CudaSession {
 impl CudaSession {
     /// Turn the capture of repeated prefill shapes on or off (benchmarks of the eager path).
     pub fn set_prefill_graphs(&mut self, on: bool) {
-        let tuning = self.exec.gpu.tuning();
-        self.plan.graphs = on && self.plan.tensor_cores && self.plan.fresh_kv && tuning.graphs;
+        let switches = self.exec.gpu.measurement();
+        self.plan.graphs = on && self.plan.tensor_cores && self.plan.fresh_kv && switches.graphs;
         if !on {
             self.prefill_graphs.clear();
             self.prefill_seen.clear();
@@ -913,13 +961,21 @@ impl CudaSession {
         self.admit(tokens)?;
         self.cached_argmax = None;
         self.readable = 0;
-        self.all_offset = if all_positions && continued { self.all_rows } else { 0 };
+        self.all_offset = if all_positions && continued {
+            self.all_rows
+        } else {
+            0
+        };
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
         } else {
             self.prefill(tokens, all_positions)?;
         }
-        self.all_rows = if all_positions { self.all_offset + tokens.len() } else { 0 };
+        self.all_rows = if all_positions {
+            self.all_offset + tokens.len()
+        } else {
+            0
+        };
         self.len += tokens.len();
         Ok(())
     }
@@ -932,7 +988,11 @@ impl CudaSession {
     /// The device addresses a batched step's row takes: (layer-0 keys, layer-0 values, the
     /// last logits).
     pub(crate) fn row_addresses(&self) -> (u64, u64, u64) {
-        (self.k_cache.ptr().addr(), self.v_cache.ptr().addr(), self.logits.ptr().addr())
+        (
+            self.k_cache.ptr().addr(),
+            self.v_cache.ptr().addr(),
+            self.logits.ptr().addr(),
+        )
     }
 
     /// Floats between two layers of the KV cache.
@@ -1008,8 +1068,12 @@ impl CudaSession {
     /// memory), or None when no step can run ahead: no room, no captured graphs, or the last
     /// step was not a decode through this session's graph (ids[0] holds another position).
     pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
-        let last_decode = self.len.checked_sub(1).is_some_and(|p| self.fed_from == Some(p));
-        let graphs = self.exec.gpu.tuning.graphs && !self.graph_failed && self.graph.is_some();
+        let last_decode = self
+            .len
+            .checked_sub(1)
+            .is_some_and(|p| self.fed_from == Some(p));
+        let graphs =
+            self.exec.gpu.measurement().graphs && !self.graph_failed && self.graph.is_some();
         if !last_decode || !graphs || self.len >= self.capacity {
             return Ok(None);
         }
@@ -1031,7 +1095,8 @@ impl CudaSession {
         if self.key_copy.is_none() {
             self.key_copy = Some(HostCopy::new(&stream, 1)?);
         }
-        let (Some(copy), Some(graph)) = (self.key_copy.as_mut(), self.ahead_graphs[which].as_ref()) else {
+        let (Some(copy), Some(graph)) = (self.key_copy.as_mut(), self.ahead_graphs[which].as_ref())
+        else {
             return Ok(None);
         };
         // this step's argmax key goes out before the step run ahead clears it

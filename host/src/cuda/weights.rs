@@ -26,7 +26,11 @@ enum Storage {
 
 impl DevTensor {
     /// `values` on the device as `dtype`.
-    pub fn upload(stream: &Arc<CudaStream>, values: &[f32], dtype: GpuDtype) -> Result<Self, CudaError> {
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        values: &[f32],
+        dtype: GpuDtype,
+    ) -> Result<Self, CudaError> {
         Self::upload_padded(stream, values, values.len(), dtype)
     }
 
@@ -49,14 +53,20 @@ impl DevTensor {
                     padded.resize(len, 0.0);
                     DevBuf::from_host(stream, &padded, WHAT)?
                 };
-                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), len), _storage: Storage::F32(buf) }
+                DevTensor {
+                    ptr: DevPtr::new(buf.ptr().addr(), len),
+                    _storage: Storage::F32(buf),
+                }
             }
             GpuDtype::Bf16 => {
                 let mut bits: Vec<Bf16> = Vec::with_capacity(len);
                 bits.extend(values.iter().map(|v| half::bf16::from_f32(*v).to_bits()));
                 bits.resize(len, 0);
                 let buf = DevBuf::from_host(stream, &bits, WHAT)?;
-                DevTensor { ptr: DevPtr::new(buf.ptr().addr(), len), _storage: Storage::Bf16(buf) }
+                DevTensor {
+                    ptr: DevPtr::new(buf.ptr().addr(), len),
+                    _storage: Storage::Bf16(buf),
+                }
             }
         })
     }
@@ -94,10 +104,16 @@ pub struct DevLayer {
 
 impl DevLayer {
     pub fn ln1(&self) -> Norm {
-        Norm { w: self.ln1_w.ptr(), b: self.ln1_b.ptr() }
+        Norm {
+            w: self.ln1_w.ptr(),
+            b: self.ln1_b.ptr(),
+        }
     }
     pub fn ln2(&self) -> Norm {
-        Norm { w: self.ln2_w.ptr(), b: self.ln2_b.ptr() }
+        Norm {
+            w: self.ln2_w.ptr(),
+            b: self.ln2_b.ptr(),
+        }
     }
     pub fn proj_b32(&self) -> DevPtr<f32> {
         self.proj_b32.ptr_f32()
@@ -124,7 +140,10 @@ pub struct DevWeights {
 
 impl DevWeights {
     pub fn lnf(&self) -> Norm {
-        Norm { w: self.lnf_w.ptr(), b: self.lnf_b.ptr() }
+        Norm {
+            w: self.lnf_w.ptr(),
+            b: self.lnf_b.ptr(),
+        }
     }
 
     /// The LM head over the row at `x` (final LayerNorm fused, tied to `wte`): logits into
@@ -152,12 +171,19 @@ impl DevWeights {
     }
 
     /// Upload `weights` as `dtype` on `stream` (and wait for it).
-    pub fn upload(stream: &Arc<CudaStream>, weights: &Gpt2Weights, dtype: GpuDtype) -> Result<Self, CudaError> {
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        weights: &Gpt2Weights,
+        dtype: GpuDtype,
+    ) -> Result<Self, CudaError> {
         let up = |values: &[f32]| DevTensor::upload(stream, values, dtype);
         let up32 = |values: &[f32]| {
             let stored: Vec<f32> = match dtype {
                 GpuDtype::F32 => values.to_vec(),
-                GpuDtype::Bf16 => values.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect(),
+                GpuDtype::Bf16 => values
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_f32())
+                    .collect(),
             };
             DevTensor::upload(stream, &stored, GpuDtype::F32)
         };

@@ -222,7 +222,9 @@ impl Lt {
         (w, x, bias, dst): (u64, u64, u64, u64),
     ) -> Result<bool, CudaError> {
         if output_overlaps_input(&shape, x, dst) {
-            return Err(CudaError::Bounds("cuBLASLt product: its output overlaps its input"));
+            return Err(CudaError::Bounds(
+                "cuBLASLt product: its output overlaps its input",
+            ));
         }
         let mut plans = self
             .plans

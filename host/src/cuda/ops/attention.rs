@@ -16,6 +16,23 @@ pub const ATT_THREADS: u32 = 128;
 pub const DA_MAX_CLUSTER: u32 = 16;
 /// Most threads per block of the fused decode kernel.
 pub const DA_THREADS: u32 = 256;
+
+/// Whether `blocks` per head of `threads` each is a cluster shape the fused decode kernel
+/// takes (`WASI_NN_HOST_DECODE_CLUSTER`; other values are ignored).
+pub fn valid_cluster(blocks: u32, threads: u32) -> bool {
+    (2..=DA_MAX_CLUSTER).contains(&blocks) && (threads == 128 || threads == 256)
+}
+
+/// The fused decode kernel's cluster shape (blocks per head, threads): the switch's when
+/// valid, else 8 blocks of 256 threads, or of 128 for f32 weights past 124M's width (its 142
+/// registers a thread would leave one 256-thread block per SM: measured slower there).
+pub fn decode_cluster_shape(chosen: Option<(u32, u32)>, wide_f32: bool) -> (u32, u32) {
+    match chosen.filter(|&(n, t)| valid_cluster(n, t)) {
+        Some(shape) => shape,
+        None if wide_f32 => (8, 128),
+        None => (8, 256),
+    }
+}
 /// Query rows per block of the tiled (CUDA-core) prefill attention.
 pub const FA_Q: u32 = 32;
 /// Query rows per block of the tensor-core prefill attentions.
@@ -99,7 +116,13 @@ impl Launcher {
             block_dim: (ATT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (partial, q, k, v, pos) = (a.partial.addr(), a.qkv.addr(), a.kv.k.addr(), a.kv.v.addr(), a.position.addr());
+        let (partial, q, k, v, pos) = (
+            a.partial.addr(),
+            a.qkv.addr(),
+            a.kv.k.addr(),
+            a.kv.v.addr(),
+            a.position.addr(),
+        );
         // SAFETY: the position is < capacity (checked by the session before the step); the
         // partial buffer holds n_head * max_chunks * (hd + 2) floats.
         let mut args = kernel_args![&partial, &q, &k, &v, &pos, &c32, &hd32, &chunks32];
@@ -136,15 +159,20 @@ impl Launcher {
         };
         let (c32, hd32) = (c as i32, cfg.head_dim() as i32);
         let (out, x, w, b) = (a.out.addr(), a.x.addr(), a.qkv_w.addr(), a.qkv_b.addr());
-        let (ln_w, ln_b, k, v, pos) = (a.norm.w.addr(), a.norm.b.addr(), a.kv.k.addr(), a.kv.v.addr(), a.position.addr());
+        let (ln_w, ln_b, k, v, pos) = (
+            a.norm.w.addr(),
+            a.norm.b.addr(),
+            a.kv.k.addr(),
+            a.kv.v.addr(),
+            a.position.addr(),
+        );
         let (pf, pf_bytes) = self.prefetch_args(a.prefetch);
         // SAFETY: x holds C floats and out C floats; the weights are [3C, C] and [3C]; the
         // position is < capacity (checked by the session before the step), so the cache rows
         // exist; shared memory holds C + ceil(capacity / cluster) floats, the kernel's need;
         // pf (when non-zero) pf_bytes of weights.
-        let mut args = kernel_args![
-            &out, &x, &w, &b, &ln_w, &ln_b, &k, &v, &pos, &c32, &hd32, &pf, &pf_bytes
-        ];
+        let mut args =
+            kernel_args![&out, &x, &w, &b, &ln_w, &ln_b, &k, &v, &pos, &c32, &hd32, &pf, &pf_bytes];
         let func = &self.kernels.decode_qkv_att;
         unsafe { self.launch(func, grid, a.cluster, &mut args, "QKV + attention") }
     }
@@ -152,7 +180,11 @@ impl Launcher {
     /// Tensor-core attention over the prompt's bf16 QKV rows (`qkv`, `[rows, 3C]`, bias
     /// added), appending their keys and values to the fp16 cache; a cached prefix is read from
     /// the cache. bf16 mode, head size 64, sm_80+.
-    pub fn prefill_attention_fresh(&self, a: PrefillAttention, qkv: DevPtr<Bf16>) -> Result<(), CudaError> {
+    pub fn prefill_attention_fresh(
+        &self,
+        a: PrefillAttention,
+        qkv: DevPtr<Bf16>,
+    ) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         ensure(qkv.len() >= a.rows * 3 * c, "attention")?;
         let grid = self.tensor_core_grid(a.rows, FA_SMEM);
@@ -164,12 +196,24 @@ impl Launcher {
         // SAFETY: start + rows <= capacity (checked by the session); qkv holds rows bf16 rows
         // of 3C, out rows rows of C; the kernel reads cache rows 0..start and writes rows
         // start..start+rows of head columns h*64.. < C.
-        unsafe { self.launch(&self.kernels.att_prefill_fresh, grid, 1, &mut args, "attention") }
+        unsafe {
+            self.launch(
+                &self.kernels.att_prefill_fresh,
+                grid,
+                1,
+                &mut args,
+                "attention",
+            )
+        }
     }
 
     /// Tensor-core attention of the queries in `qkv` (`[rows, 3C]` f32) over the cache, whose
     /// rows up to start + rows hold the keys and values already. Head size 64, sm_80+.
-    pub fn prefill_attention_mma(&self, a: PrefillAttention, qkv: DevPtr<f32>) -> Result<(), CudaError> {
+    pub fn prefill_attention_mma(
+        &self,
+        a: PrefillAttention,
+        qkv: DevPtr<f32>,
+    ) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         ensure(qkv.len() >= a.rows * 3 * c, "attention")?;
         let grid = self.tensor_core_grid(a.rows, 0);
@@ -181,37 +225,76 @@ impl Launcher {
         // SAFETY: start + rows <= capacity (checked by the session); qkv holds rows rows of
         // 3C, out rows rows of C; the kernel reads cache rows 0..start+rows of head columns
         // h*64.. < C.
-        unsafe { self.launch(&self.kernels.att_prefill_mma, grid, 1, &mut args, "attention") }
+        unsafe {
+            self.launch(
+                &self.kernels.att_prefill_mma,
+                grid,
+                1,
+                &mut args,
+                "attention",
+            )
+        }
     }
 
     /// CUDA-core tiled flash attention (f32 output, head size <= 64).
-    pub fn prefill_attention_tiled(&self, a: PrefillAttention, qkv: DevPtr<f32>) -> Result<(), CudaError> {
+    pub fn prefill_attention_tiled(
+        &self,
+        a: PrefillAttention,
+        qkv: DevPtr<f32>,
+    ) -> Result<(), CudaError> {
         let cfg = self.config;
-        ensure(qkv.len() >= a.rows * 3 * cfg.n_embd && !a.out.is_bf16() && cfg.head_dim() <= 64, "attention")?;
+        ensure(
+            qkv.len() >= a.rows * 3 * cfg.n_embd && !a.out.is_bf16() && cfg.head_dim() <= 64,
+            "attention",
+        )?;
         self.check_rows(&a)?;
         let Start::Host(start) = a.start else {
-            return Err(CudaError::Bounds("attention: the tiled kernel takes a host start"));
+            return Err(CudaError::Bounds(
+                "attention: the tiled kernel takes a host start",
+            ));
         };
         let grid = LaunchConfig {
             grid_dim: (cfg.n_head as u32, a.rows.div_ceil(FA_Q as usize) as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (start32, n32, c32, hd32) = (start as i32, a.rows as i32, cfg.n_embd as i32, cfg.head_dim() as i32);
+        let (start32, n32, c32, hd32) = (
+            start as i32,
+            a.rows as i32,
+            cfg.n_embd as i32,
+            cfg.head_dim() as i32,
+        );
         let (out, q, k, v) = (a.out.addr(), qkv.addr(), a.kv.k.addr(), a.kv.v.addr());
         let mut args = kernel_args![&out, &q, &k, &v, &start32, &n32, &c32, &hd32];
         // SAFETY: start + rows <= capacity (checked by the session); qkv holds rows rows of
         // 3C, out rows rows of C.
-        unsafe { self.launch(&self.kernels.att_prefill_tiled, grid, 1, &mut args, "attention") }
+        unsafe {
+            self.launch(
+                &self.kernels.att_prefill_tiled,
+                grid,
+                1,
+                &mut args,
+                "attention",
+            )
+        }
     }
 
     /// One block per (head, row): any head size, f32 output.
-    pub fn prefill_attention_plain(&self, a: PrefillAttention, qkv: DevPtr<f32>) -> Result<(), CudaError> {
+    pub fn prefill_attention_plain(
+        &self,
+        a: PrefillAttention,
+        qkv: DevPtr<f32>,
+    ) -> Result<(), CudaError> {
         let cfg = self.config;
-        ensure(qkv.len() >= a.rows * 3 * cfg.n_embd && !a.out.is_bf16(), "attention")?;
+        ensure(
+            qkv.len() >= a.rows * 3 * cfg.n_embd && !a.out.is_bf16(),
+            "attention",
+        )?;
         self.check_rows(&a)?;
         let Start::Host(start) = a.start else {
-            return Err(CudaError::Bounds("attention: the plain kernel takes a host start"));
+            return Err(CudaError::Bounds(
+                "attention: the plain kernel takes a host start",
+            ));
         };
         let grid = LaunchConfig {
             grid_dim: (cfg.n_head as u32, a.rows as u32, 1),
@@ -228,7 +311,11 @@ impl Launcher {
 
     fn tensor_core_grid(&self, rows: usize, shared_mem_bytes: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (self.config.n_head as u32, rows.div_ceil(TC_Q as usize) as u32, 1),
+            grid_dim: (
+                self.config.n_head as u32,
+                rows.div_ceil(TC_Q as usize) as u32,
+                1,
+            ),
             block_dim: (TC_THREADS, 1, 1),
             shared_mem_bytes,
         }
@@ -242,13 +329,21 @@ impl Launcher {
             Start::Host(start) => start + a.rows,
             Start::Device(_) => a.rows,
         };
-        ensure(a.kv.k.len() >= end * c && a.kv.v.len() >= end * c, "attention")
+        ensure(
+            a.kv.k.len() >= end * c && a.kv.v.len() >= end * c,
+            "attention",
+        )
     }
 }
 
 /// Let the bf16-rows prefill attention use [`FA_SMEM`] bytes of dynamic shared memory.
-pub(crate) fn allow_fresh_shared_memory(func: &cudarc::driver::CudaFunction) -> Result<(), CudaError> {
+pub(crate) fn allow_fresh_shared_memory(
+    func: &cudarc::driver::CudaFunction,
+) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, FA_SMEM as i32)
-        .ctx("attention shared memory")
+    func.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        FA_SMEM as i32,
+    )
+    .ctx("attention shared memory")
 }

@@ -82,9 +82,17 @@ fn act_fits(a: Act, len: usize) -> bool {
 /// or a product's result (f32 rows, or twice as many from a split input) and its bias.
 #[derive(Clone, Copy, Debug)]
 pub enum Update {
-    Embed { wte: DevPtr<Stored>, wpe: DevPtr<Stored> },
+    Embed {
+        wte: DevPtr<Stored>,
+        wpe: DevPtr<Stored>,
+    },
     /// `parts` planes of partial sums (a product over K slices, [`Launcher::batch_gemm`]).
-    Product { tmp: DevPtr<f32>, bias: DevPtr<Stored>, split: bool, parts: usize },
+    Product {
+        tmp: DevPtr<f32>,
+        bias: DevPtr<Stored>,
+        split: bool,
+        parts: usize,
+    },
 }
 
 /// `x = update(x)`, then `out = LayerNorm(x)` as a product input.
@@ -142,9 +150,15 @@ impl Launcher {
         t.check("batched residual + layernorm")?;
         let (tmp, bias, split, parts, wte, wpe) = match a.update {
             Update::Embed { wte, wpe } => (0, 0, false, 1, wte.addr(), wpe.addr()),
-            Update::Product { tmp, bias, split, parts } => {
+            Update::Product {
+                tmp,
+                bias,
+                split,
+                parts,
+            } => {
                 ensure(
-                    (1..=MAX_PARTS).contains(&parts) && tmp.len() >= product_len(t.rows, c, split, parts),
+                    (1..=MAX_PARTS).contains(&parts)
+                        && tmp.len() >= product_len(t.rows, c, split, parts),
                     "batched residual + layernorm",
                 )?;
                 (tmp.addr(), bias.addr(), split, parts, 0, 0)
@@ -167,9 +181,18 @@ impl Launcher {
         // product's rows of C; tokens (checked < vocab by the step) and positions (< capacity
         // <= n_ctx, or -1) index the embeddings; keys holds rows u64.
         let mut args = kernel_args![
-            &x, &tmp, &bias, &split_in, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out, &rows, &c, &keys
+            &x, &tmp, &bias, &split_in, &tokens, &pos, &wte, &wpe, &ln_w, &ln_b, &out, &split_out,
+            &rows, &c, &keys
         ];
-        unsafe { self.launch(&self.kernels.batch_residual_norm, cfg, 1, &mut args, "batched residual + layernorm") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_residual_norm,
+                cfg,
+                1,
+                &mut args,
+                "batched residual + layernorm",
+            )
+        }
     }
 
     pub fn batch_epilogue(&self, t: &RowTable, a: BatchEpilogue) -> Result<(), CudaError> {
@@ -191,7 +214,15 @@ impl Launcher {
         // SAFETY: tmp holds the product's rows of n floats and out the rows' n values (or
         // split rows), checked above; bias holds n weights.
         let mut args = kernel_args![&out, &tmp, &bias, &rows, &n, &mode, &split_in, &split_out];
-        unsafe { self.launch(&self.kernels.batch_epilogue, cfg, 1, &mut args, "batched epilogue") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_epilogue,
+                cfg,
+                1,
+                &mut args,
+                "batched epilogue",
+            )
+        }
     }
 
     pub fn batch_attention(&self, t: &RowTable, a: BatchAttention) -> Result<(), CudaError> {
@@ -224,10 +255,18 @@ impl Launcher {
         // 0..=position < capacity (checked by the step; padding rows touch none); tmp, bias,
         // out and partial are covered (checked above).
         let mut args = kernel_args![
-            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows, &split_out, &append,
-            &span
+            &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows,
+            &split_out, &append, &span
         ];
-        unsafe { self.launch(&self.kernels.batch_attention, grid, 1, &mut args, "batched attention") }?;
+        unsafe {
+            self.launch(
+                &self.kernels.batch_attention,
+                grid,
+                1,
+                &mut args,
+                "batched attention",
+            )
+        }?;
         if a.splits == 1 {
             return Ok(());
         }
@@ -238,8 +277,17 @@ impl Launcher {
         };
         let splits = a.splits as i32;
         // SAFETY: as above; out holds the rows' C values (or split rows).
-        let mut args = kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out, &span];
-        unsafe { self.launch(&self.kernels.batch_att_combine, grid, 1, &mut args, "batched attention") }
+        let mut args =
+            kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out, &span];
+        unsafe {
+            self.launch(
+                &self.kernels.batch_att_combine,
+                grid,
+                1,
+                &mut args,
+                "batched attention",
+            )
+        }
     }
 
     /// The keys and values of every row (the QKV product's rows and bias) into the rows'
@@ -265,17 +313,42 @@ impl Launcher {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (split, layer_off, c32, rows) = (split_in(split, parts), (layer * t.layer_floats) as i64, c as i32, t.rows as i32);
-        let (tmp, bias, pos, kc, vc) = (tmp.addr(), bias.addr(), t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
+        let (split, layer_off, c32, rows) = (
+            split_in(split, parts),
+            (layer * t.layer_floats) as i64,
+            c as i32,
+            t.rows as i32,
+        );
+        let (tmp, bias, pos, kc, vc) = (
+            tmp.addr(),
+            bias.addr(),
+            t.positions.addr(),
+            t.k_caches.addr(),
+            t.v_caches.addr(),
+        );
         // SAFETY: each row writes its own cache of `layer` at its position < capacity (checked
         // by the step; padding rows write nothing); tmp holds the product's rows of 3C.
         let mut args = kernel_args![&tmp, &bias, &split, &pos, &kc, &vc, &layer_off, &c32, &rows];
-        unsafe { self.launch(&self.kernels.batch_append_kv, cfg, 1, &mut args, "batched key and value append") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_append_kv,
+                cfg,
+                1,
+                &mut args,
+                "batched key and value append",
+            )
+        }
     }
 
     /// The LM head's product rows (`tmp`, `ld` >= V floats apart) into each row's logits
     /// buffer, with their argmax into the row's key.
-    pub fn batch_logits(&self, t: &RowTable, tmp: DevPtr<f32>, ld: usize, split: bool) -> Result<(), CudaError> {
+    pub fn batch_logits(
+        &self,
+        t: &RowTable,
+        tmp: DevPtr<f32>,
+        ld: usize,
+        split: bool,
+    ) -> Result<(), CudaError> {
         let v = self.config.vocab_size;
         t.check("batched logits")?;
         let tmp_rows = if split { 2 * t.rows } else { t.rows };
@@ -286,11 +359,24 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let (rows, split, v, ld) = (t.rows as i32, i32::from(split), v as i32, ld as i32);
-        let (tmp, pos, dst, keys) = (tmp.addr(), t.positions.addr(), t.logits.addr(), t.keys.addr());
+        let (tmp, pos, dst, keys) = (
+            tmp.addr(),
+            t.positions.addr(),
+            t.logits.addr(),
+            t.keys.addr(),
+        );
         // SAFETY: tmp holds the product's rows of ld >= V floats; each real row's logits
         // address is a V-float buffer of its context (set by the step); keys holds rows u64.
         let mut args = kernel_args![&tmp, &rows, &split, &v, &ld, &pos, &dst, &keys];
-        unsafe { self.launch(&self.kernels.batch_logits, cfg, 1, &mut args, "batched logits") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_logits,
+                cfg,
+                1,
+                &mut args,
+                "batched logits",
+            )
+        }
     }
 
     /// The tokens of the table's rows whose `feeds[r]` names a row of the pass before: the
@@ -310,7 +396,15 @@ impl Launcher {
         // SAFETY: tokens and feeds hold rows i32, keys max_rows u64 (each feed is checked
         // against it); the ids written are below V.
         let mut args = kernel_args![&tokens, &feeds, &keys, &rows, &max_rows, &v];
-        unsafe { self.launch(&self.kernels.batch_feed, cfg, 1, &mut args, "batched token feed") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_feed,
+                cfg,
+                1,
+                &mut args,
+                "batched token feed",
+            )
+        }
     }
 
     /// `out[z][r, :] = (a[r] + a[rows + r]) w^T` over plane z's share of K, for the `rows` rows
@@ -347,7 +441,11 @@ impl Launcher {
             return Some(Err(e));
         }
         let cfg = LaunchConfig {
-            grid_dim: ((planes * rows.div_ceil(BG_STREAMS)) as u32, (n / cols) as u32, 1),
+            grid_dim: (
+                (planes * rows.div_ceil(BG_STREAMS)) as u32,
+                (n / cols) as u32,
+                1,
+            ),
             block_dim: (BG_THREADS, 1, 1),
             shared_mem_bytes: gemm_shared_bytes(cols) as u32,
         };
@@ -389,12 +487,18 @@ fn gemm_shared_bytes(cols: usize) -> usize {
 }
 
 /// Let a product kernel use its dynamic shared memory (above the default 48 KiB).
-pub(crate) fn allow_gemm_shared_memory(func: &cudarc::driver::CudaFunction, wide: bool) -> Result<(), CudaError> {
+pub(crate) fn allow_gemm_shared_memory(
+    func: &cudarc::driver::CudaFunction,
+    wide: bool,
+) -> Result<(), CudaError> {
     use super::super::error::DriverContext;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     let cols = tile_cols(wide);
-    func.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_shared_bytes(cols) as i32)
-        .ctx("product shared memory")
+    func.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        gemm_shared_bytes(cols) as i32,
+    )
+    .ctx("product shared memory")
 }
 
 /// Most K slices (planes for the consumer to sum, `MAX_PLANES` in `kernels/batch.cu`) a
@@ -431,7 +535,10 @@ impl GemmPlan {
 fn batch_gemm_slices(n: usize, k: usize, sms: usize) -> (usize, bool) {
     let wide = n.is_multiple_of(BG_WIDE) && (n / BG_WIDE) * MAX_PARTS >= sms;
     let tiles = (n / tile_cols(wide)).max(1);
-    (gemm_most_parts(k, (2 * sms / tiles).clamp(1, MAX_PARTS)), wide)
+    (
+        gemm_most_parts(k, (2 * sms / tiles).clamp(1, MAX_PARTS)),
+        wide,
+    )
 }
 
 /// The plan for a product of `rows` rows, `n` columns and depth `k` on a GPU of `sms`
@@ -450,11 +557,21 @@ pub fn batch_gemm_plan(rows: usize, n: usize, k: usize, sms: usize, room: usize)
     if rows <= BG_STREAMS {
         return own;
     }
-    let wides: &[bool] = if n.is_multiple_of(BG_WIDE) { &[true, false] } else { &[false] };
+    let wides: &[bool] = if n.is_multiple_of(BG_WIDE) {
+        &[true, false]
+    } else {
+        &[false]
+    };
     [1, slices]
         .into_iter()
         .filter(|&planes| fits(planes))
-        .flat_map(|planes| wides.iter().map(move |&wide| GemmPlan { slices, planes, wide }))
+        .flat_map(|planes| {
+            wides.iter().map(move |&wide| GemmPlan {
+                slices,
+                planes,
+                wide,
+            })
+        })
         .find(|plan| plan.blocks(rows, n) >= sms)
         .unwrap_or(GemmPlan { wide: false, ..own })
 }
@@ -500,7 +617,10 @@ mod tests {
         for k in (64..=6400).step_by(64) {
             for most in 1..=MAX_PARTS {
                 let p = gemm_most_parts(k, most);
-                assert!((1..=most).contains(&p) && k % (p * BG_BK) == 0, "k {k} most {most}");
+                assert!(
+                    (1..=most).contains(&p) && k % (p * BG_BK) == 0,
+                    "k {k} most {most}"
+                );
             }
         }
     }
@@ -544,7 +664,10 @@ mod tests {
                 // up to 64 rows a plane per slice; beyond, every SM gets a block
                 match rows <= BG_STREAMS {
                     true => assert_eq!(plan, own),
-                    false => assert!(plan.blocks(rows, n) >= sms, "{rows} rows, {n}x{k}: {plan:?}"),
+                    false => assert!(
+                        plan.blocks(rows, n) >= sms,
+                        "{rows} rows, {n}x{k}: {plan:?}"
+                    ),
                 }
             }
         }
@@ -579,7 +702,10 @@ mod tests {
             for (n, k) in products(768) {
                 let room = 2 * 64 * 4 * 768;
                 let plan = batch_gemm_plan(rows, n, k, 132, room);
-                assert!(plan.planes == 1 || plan.planes * rows * n <= room, "{rows} rows, {n}x{k}");
+                assert!(
+                    plan.planes == 1 || plan.planes * rows * n <= room,
+                    "{rows} rows, {n}x{k}"
+                );
             }
         }
     }

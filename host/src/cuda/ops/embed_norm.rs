@@ -44,7 +44,10 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let fed_ok = !a.feed || a.rows == 1 && a.start.is_none();
-        ensure(a.out.len() >= a.rows * c && a.tokens.len() >= a.rows && fed_ok, "embed")?;
+        ensure(
+            a.out.len() >= a.rows * c && a.tokens.len() >= a.rows && fed_ok,
+            "embed",
+        )?;
         let (c, start) = (c as i32, a.start.map_or(-1, |s| s as i32));
         let (feed, vocab) = (i32::from(a.feed), self.config.vocab_size as i32);
         let (x, tokens, wte, wpe) = (a.out.addr(), a.tokens.addr(), a.wte.addr(), a.wpe.addr());
@@ -75,7 +78,12 @@ impl Launcher {
     }
 
     /// `x[r, :] += bias` for `rows` rows.
-    pub fn add_bias(&self, x: DevPtr<f32>, bias: DevPtr<Stored>, rows: usize) -> Result<(), CudaError> {
+    pub fn add_bias(
+        &self,
+        x: DevPtr<f32>,
+        bias: DevPtr<Stored>,
+        rows: usize,
+    ) -> Result<(), CudaError> {
         let c = self.config.n_embd;
         let cfg = LaunchConfig {
             grid_dim: ((rows * c).div_ceil(256).min(4096) as u32, 1, 1),

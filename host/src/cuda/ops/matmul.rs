@@ -53,7 +53,11 @@ fn kv_addrs(kv: Option<KvLayer>) -> (u64, u64) {
 impl Launcher {
     pub fn matmul(&self, a: Matmul) -> Result<(), CudaError> {
         let cfg = LaunchConfig {
-            grid_dim: (a.n.div_ceil(TILE as usize) as u32, a.rows.div_ceil(TILE as usize) as u32, 1),
+            grid_dim: (
+                a.n.div_ceil(TILE as usize) as u32,
+                a.rows.div_ceil(TILE as usize) as u32,
+                1,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -89,7 +93,11 @@ impl Launcher {
             "GEMM epilogue",
         )?;
         let (rows, n, mode, c) = (a.rows as i32, a.n as i32, a.epilogue as i32, c as i32);
-        let (start, stride, obf) = (a.start as i32, a.out_stride as i32, i32::from(a.out.is_bf16()));
+        let (start, stride, obf) = (
+            a.start as i32,
+            a.out_stride as i32,
+            i32::from(a.out.is_bf16()),
+        );
         let (out, tmp, bias) = (a.out.addr(), a.tmp.addr(), a.bias.addr());
         let (kv_k, kv_v) = kv_addrs(a.kv);
         // SAFETY: tmp holds rows*n floats; out rows*out_stride values (or the KV targets,
@@ -97,11 +105,24 @@ impl Launcher {
         let mut args = kernel_args![
             &out, &tmp, &bias, &rows, &n, &mode, &c, &start, &kv_k, &kv_v, &stride, &obf
         ];
-        unsafe { self.launch(&self.kernels.gemm_epilogue, cfg, 1, &mut args, "GEMM epilogue") }
+        unsafe {
+            self.launch(
+                &self.kernels.gemm_epilogue,
+                cfg,
+                1,
+                &mut args,
+                "GEMM epilogue",
+            )
+        }
     }
 
     /// `count` f32 values at `x` as bf16 at `out`.
-    pub fn to_bf16(&self, out: DevPtr<Bf16>, x: DevPtr<f32>, count: usize) -> Result<(), CudaError> {
+    pub fn to_bf16(
+        &self,
+        out: DevPtr<Bf16>,
+        x: DevPtr<f32>,
+        count: usize,
+    ) -> Result<(), CudaError> {
         let cfg = LaunchConfig {
             grid_dim: (count.div_ceil(256).min(4096) as u32, 1, 1),
             block_dim: (256, 1, 1),

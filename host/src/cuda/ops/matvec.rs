@@ -42,7 +42,9 @@ impl Launcher {
         let qkv = a.epilogue == Epilogue::Qkv;
         let c = self.config.n_embd;
         ensure(
-            a.x.len() >= a.k && (qkv && a.out.len() >= c || !qkv && a.out.len() >= a.n) && (!qkv || a.kv.is_some()),
+            a.x.len() >= a.k
+                && (qkv && a.out.len() >= c || !qkv && a.out.len() >= a.n)
+                && (!qkv || a.kv.is_some()),
             "matvec",
         )?;
         let (n, k, c, mode) = (a.n as i32, a.k as i32, c as i32, a.epilogue as i32);

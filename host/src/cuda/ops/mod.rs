@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod batch;
 pub mod embed_norm;
+mod kernels;
 pub mod matmul;
 pub mod matvec;
 
@@ -19,6 +20,8 @@ use crate::engine::GpuDtype;
 use crate::model::Gpt2Config;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
 use std::sync::Arc;
+
+pub use kernels::Kernels;
 
 /// What a matrix product does with each output value, bias already added (`EPI_*` in the
 /// kernels).
@@ -69,35 +72,6 @@ pub struct Norm {
     pub b: DevPtr<Stored>,
 }
 
-/// The kernels of one weight dtype, looked up by name in the compiled module.
-pub struct Kernels {
-    pub(crate) embed: CudaFunction,
-    pub(crate) layernorm: CudaFunction,
-    pub(crate) matvec: CudaFunction,
-    pub(crate) matmul: CudaFunction,
-    pub(crate) att_partial: CudaFunction,
-    pub(crate) att_combine: CudaFunction,
-    pub(crate) decode_qkv_att: CudaFunction,
-    pub(crate) att_prefill: CudaFunction,
-    pub(crate) att_prefill_tiled: CudaFunction,
-    pub(crate) att_prefill_mma: CudaFunction,
-    pub(crate) att_prefill_fresh: CudaFunction,
-    pub(crate) gemm_epilogue: CudaFunction,
-    pub(crate) add_bias: CudaFunction,
-    pub(crate) to_bf16: CudaFunction,
-    pub(crate) batch_residual_norm: CudaFunction,
-    pub(crate) batch_epilogue: CudaFunction,
-    pub(crate) batch_attention: CudaFunction,
-    pub(crate) batch_append_kv: CudaFunction,
-    pub(crate) batch_att_combine: CudaFunction,
-    pub(crate) batch_logits: CudaFunction,
-    pub(crate) batch_feed: CudaFunction,
-    /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), then their `_fold`
-    /// forms (several K slices a block), where the GPU gives their blocks the shared memory
-    /// they take.
-    pub(crate) batch_gemm: Option<[CudaFunction; 4]>,
-}
-
 /// Launches kernels of one model shape and weight dtype on one stream, with programmatic
 /// dependent launch where the GPU has it (every kernel waits with `griddepcontrol.wait`
 /// before touching activations).
@@ -143,6 +117,7 @@ impl Launcher {
         &self.stream
     }
 
+    #[cfg(feature = "dev")]
     pub fn config(&self) -> Gpt2Config {
         self.config
     }
@@ -153,7 +128,9 @@ impl Launcher {
 
     /// A kernel's L2 prefetch arguments: the weights' address and bytes (0, 0: none).
     fn prefetch_args(&self, weights: Option<DevPtr<Stored>>) -> (u64, i64) {
-        weights.map_or((0, 0), |w| (w.addr(), (w.len() * self.dtype.bytes()) as i64))
+        weights.map_or((0, 0), |w| {
+            (w.addr(), (w.len() * self.dtype.bytes()) as i64)
+        })
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {

@@ -1,0 +1,108 @@
+//! The kernel table: every kernel of one weight dtype, looked up by name in the module
+//! compiled for the GPU.
+
+use super::attention::{self, valid_cluster};
+use super::{batch, DEFINES};
+use crate::cuda::device::Gpu;
+use crate::cuda::error::{CudaError, DriverContext};
+use crate::cuda::nvrtc::cached_ptx;
+use crate::engine::GpuDtype;
+use cudarc::driver::CudaFunction;
+
+/// The kernels of one weight dtype, looked up by name in the compiled module.
+pub struct Kernels {
+    pub(crate) embed: CudaFunction,
+    pub(crate) layernorm: CudaFunction,
+    pub(crate) matvec: CudaFunction,
+    pub(crate) matmul: CudaFunction,
+    pub(crate) att_partial: CudaFunction,
+    pub(crate) att_combine: CudaFunction,
+    pub(crate) decode_qkv_att: CudaFunction,
+    pub(crate) att_prefill: CudaFunction,
+    pub(crate) att_prefill_tiled: CudaFunction,
+    pub(crate) att_prefill_mma: CudaFunction,
+    pub(crate) att_prefill_fresh: CudaFunction,
+    pub(crate) gemm_epilogue: CudaFunction,
+    pub(crate) add_bias: CudaFunction,
+    pub(crate) to_bf16: CudaFunction,
+    pub(crate) batch_residual_norm: CudaFunction,
+    pub(crate) batch_epilogue: CudaFunction,
+    pub(crate) batch_attention: CudaFunction,
+    pub(crate) batch_append_kv: CudaFunction,
+    pub(crate) batch_att_combine: CudaFunction,
+    pub(crate) batch_logits: CudaFunction,
+    pub(crate) batch_feed: CudaFunction,
+    /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), then their `_fold`
+    /// forms (several K slices a block), where the GPU gives their blocks the shared memory
+    /// they take.
+    pub(crate) batch_gemm: Option<[CudaFunction; 4]>,
+}
+
+impl Kernels {
+    /// The kernels for weights stored as `dtype`, from the GPU's module (compiled with our
+    /// [`DEFINES`] at the first call).
+    pub(crate) fn load(gpu: &Gpu, dtype: GpuDtype) -> Result<Self, CudaError> {
+        let module = gpu.module(|gpu| {
+            let kernels_dir = gpu.measurement().kernels_dir.as_deref();
+            let cache_dir = gpu.settings().cache_dir.as_deref();
+            cached_ptx(gpu.arch(), DEFINES, kernels_dir, cache_dir)
+        })?;
+        let suffix = match dtype {
+            GpuDtype::F32 => "f32",
+            GpuDtype::Bf16 => "bf16",
+        };
+        let f = |name: &str| Gpu::function(&module, name);
+        Ok(Self {
+            embed: f(&format!("embed_{suffix}"))?,
+            layernorm: f(&format!("layernorm_{suffix}"))?,
+            matvec: f(&format!("matvec_{suffix}"))?,
+            matmul: f(&format!("matmul_{suffix}"))?,
+            att_partial: f(&format!("attention_decode_partial_{suffix}"))?,
+            att_combine: f("attention_decode_combine")?,
+            decode_qkv_att: {
+                let func = f(&format!("decode_qkv_attention_{suffix}"))?;
+                if (gpu.clusters.flatten()).is_some_and(|(n, t)| valid_cluster(n, t) && n > 8) {
+                    // clusters above 8 blocks are allowed per kernel (sm_90 has up to 16)
+                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+                    func.set_attribute(A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                        .ctx("cluster size")?;
+                }
+                func
+            },
+            att_prefill: f(&format!("attention_prefill_{suffix}"))?,
+            att_prefill_tiled: f(&format!("attention_prefill_tiled_{suffix}"))?,
+            att_prefill_mma: f("attention_prefill_mma")?,
+            att_prefill_fresh: {
+                let func = f("attention_prefill_fresh")?;
+                if gpu.tensor_cores {
+                    attention::allow_fresh_shared_memory(&func)?;
+                }
+                func
+            },
+            gemm_epilogue: f(&format!("gemm_epilogue_{suffix}"))?,
+            add_bias: f(&format!("add_bias_{suffix}"))?,
+            to_bf16: f("f32_to_bf16")?,
+            batch_residual_norm: f(&format!("batch_residual_norm_{suffix}"))?,
+            batch_epilogue: f(&format!("batch_epilogue_{suffix}"))?,
+            batch_attention: f(&format!("batch_attention_{suffix}"))?,
+            batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
+            batch_att_combine: f("batch_attention_combine")?,
+            batch_logits: f("batch_logits")?,
+            batch_feed: f("batch_feed")?,
+            batch_gemm: {
+                let funcs = [
+                    f("batch_gemm_bf16_n64")?,
+                    f("batch_gemm_bf16_n32")?,
+                    f("batch_gemm_bf16_n64_fold")?,
+                    f("batch_gemm_bf16_n32_fold")?,
+                ];
+                // GPUs with less shared memory a block than the kernel's stages take (sm_86:
+                // 99 KiB) keep cuBLAS for every product
+                let fits = gpu.tensor_cores
+                    && (funcs.iter().enumerate())
+                        .all(|(i, func)| batch::allow_gemm_shared_memory(func, i % 2 == 0).is_ok());
+                fits.then_some(funcs)
+            },
+        })
+    }
+}

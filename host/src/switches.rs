@@ -1,0 +1,238 @@
+//! Every `WASI_NN_HOST_*` environment switch, read once per process ([`get`]), in two groups:
+//!
+//! - [`Settings`]: what an operator may tune in production (how the GPU's contexts are spread
+//!   over batchers, how long a step waits for them, batch invariance, the kernel cache).
+//! - [`Measurement`]: parts that can be turned off or resized to measure what they are worth.
+//!   The results stay right, except with [`Skip`], which leaves parts of a pass out (only the
+//!   time counts). Nothing in production needs them.
+//!
+//! `docs/tuning.md` lists every switch with its default.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Every switch, read once.
+#[derive(Clone, Debug)]
+pub struct Switches {
+    pub settings: Settings,
+    pub measurement: Measurement,
+}
+
+/// The switches of this process, read from the environment at the first call.
+pub fn get() -> &'static Switches {
+    static SWITCHES: OnceLock<Switches> = OnceLock::new();
+    SWITCHES.get_or_init(|| {
+        Switches::from_env(|name| std::env::var(format!("WASI_NN_HOST_{name}")).ok())
+    })
+}
+
+/// Production settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Independent batchers ("lanes") the GPU's contexts are spread over, each with its own
+    /// batched-step stream, so their passes run side by side (`BATCH_LANES=N`, 1 to 8;
+    /// default 2).
+    pub batch_lanes: usize,
+    /// Contexts a lane takes before a new one goes to the next lane (`LANE_FILL=N`; default
+    /// 128): below that many streams all share one lane's steps.
+    pub lane_fill: usize,
+    /// A batched step waits for the last step's contexts to come back until shortly before the
+    /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
+    /// launch its pass, and this much more), then runs with the contexts that are back
+    /// (`GATHER_MARGIN_US=N`, default 60). `GATHER_MARGIN_US=all` (None) waits for all of
+    /// them (up to the pass's time from launch to end, at most 2 ms).
+    pub gather_margin: Option<Duration>,
+    /// Steps run ahead of a greedy guest at most (`AHEAD_DEPTH=N`, 1 or 2; default 2): with
+    /// 2, a context whose guest is not back when the next pass is launched still gets its
+    /// next step in it.
+    pub ahead_depth: usize,
+    /// How long a context waiting for a batched GPU step spins before it parks (`SPIN_US`, 0
+    /// by default).
+    pub spin: Duration,
+    /// Batch-invariant batched steps (`BATCH_INVARIANT`): a context's logits are the same
+    /// bits whatever contexts share its steps, and alone (bf16 on sm_80+).
+    pub batch_invariant: bool,
+    /// Where compiled kernels (PTX) are cached (`CACHE=DIR`; default
+    /// `$XDG_CACHE_HOME/wasi-nn-host` or `~/.cache/wasi-nn-host`).
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Measurement switches: each turns a part off, or resizes it, to see what it is worth.
+#[derive(Clone, Debug)]
+pub struct Measurement {
+    /// Decode, prefill and batched-step CUDA graphs (`NO_GRAPH` turns them off).
+    pub graphs: bool,
+    /// Programmatic dependent launch on sm_90+ (`NO_PDL`).
+    pub pdl: bool,
+    /// cuBLAS for prefill products (`NO_CUBLAS`: our tiled kernel).
+    pub cublas: bool,
+    /// cuBLASLt for bf16 products with fused epilogues (`NO_CUBLASLT`).
+    pub cublaslt: bool,
+    /// Tensor-core prefill attention in bf16 mode (`NO_TC_ATTENTION`).
+    pub tc_attention: bool,
+    /// The tiled CUDA-core prefill attention (`NO_TILED_ATTENTION`: one block per row).
+    pub tiled_attention: bool,
+    /// Tensor-core attention reading the QKV product's bf16 rows (`NO_FRESH_KV`).
+    pub fresh_kv: bool,
+    /// The fused decode QKV + attention kernel on sm_90+ (`NO_FUSED_ATTENTION`).
+    pub fused_attention: bool,
+    /// Blocks per head and threads of the fused decode kernel (`DECODE_CLUSTER=8x256`; the
+    /// launcher checks the values against the kernel's limits).
+    pub decode_cluster: Option<(u32, u32)>,
+    /// Each decode kernel asks L2 for up to this many bytes of the next kernel's weights
+    /// while it runs (`L2_PREFETCH=BYTES`, 0 turns it off; default 2 MiB).
+    pub l2_prefetch: usize,
+    /// Steps run ahead for greedy contexts in batched steps (`NO_RUN_AHEAD` turns it off).
+    pub run_ahead: bool,
+    /// A step launches its pass run ahead before the pass in flight ends, its tokens fed on
+    /// the GPU (`NO_EARLY_LAUNCH` makes it wait for that pass first).
+    pub early_launch: bool,
+    /// Blocks of the batched attention the GPU runs in one wave, past which a step's rows are
+    /// not cut into more spans (`BATCH_WAVE=N`; 0: no limit; default 8 an SM).
+    pub batch_wave: Option<usize>,
+    /// Our tensor-core kernel for the batched step's bf16 products instead of cuBLAS in
+    /// steps of at most this many rows (`BATCH_GEMM=ROWS`, 0 for cuBLAS everywhere; unset:
+    /// the GPU's default).
+    pub batch_gemm: Option<usize>,
+    /// The CPU's packed products (the LM head, and small models' layers) instead of `gemm`
+    /// (`NO_PACKED` turns them off).
+    pub packed: bool,
+    /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
+    pub kernels_dir: Option<PathBuf>,
+    pub skip: Skip,
+}
+
+/// Parts of a forward pass to leave out (`SKIP=attn,qkv,proj,mlp,head` in the decode graph,
+/// `gemm,pattn,ln,epi` in a prefill; the batched step honours `gemm`, `attn`, `ln`, `epi`
+/// and `head`): a profiling aid; the results are then wrong, only the time counts.
+#[derive(Clone, Debug, Default)]
+pub struct Skip {
+    pub attn: bool,
+    pub qkv: bool,
+    pub proj: bool,
+    pub mlp: bool,
+    pub head: bool,
+    pub gemm: bool,
+    pub pattn: bool,
+    pub ln: bool,
+    pub epi: bool,
+}
+
+impl Switches {
+    /// The switches from `var(NAME)`, the value of `WASI_NN_HOST_NAME` if set.
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Self {
+        let set = |name: &str| var(name).is_some();
+        let number = |name: &str| var(name).and_then(|v| v.parse::<usize>().ok());
+        let decode_cluster = var("DECODE_CLUSTER").and_then(|v| {
+            let (n, t) = v.split_once('x')?;
+            Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
+        });
+        let parts = var("SKIP").unwrap_or_default();
+        let has = |part: &str| parts.split(',').any(|s| s == part);
+        let cache_dir = var("CACHE").map(PathBuf::from).or_else(|| {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+            Some(base.join("wasi-nn-host"))
+        });
+        Self {
+            settings: Settings {
+                batch_lanes: number("BATCH_LANES").unwrap_or(2).clamp(1, 8),
+                lane_fill: number("LANE_FILL").unwrap_or(128).max(1),
+                gather_margin: match var("GATHER_MARGIN_US") {
+                    Some(v) if v == "all" => None,
+                    v => Some(Duration::from_micros(
+                        v.and_then(|v| v.parse().ok()).unwrap_or(60),
+                    )),
+                },
+                ahead_depth: number("AHEAD_DEPTH").unwrap_or(2).clamp(1, 2),
+                spin: Duration::from_micros(
+                    var("SPIN_US").and_then(|v| v.parse().ok()).unwrap_or(0),
+                ),
+                batch_invariant: set("BATCH_INVARIANT"),
+                cache_dir,
+            },
+            measurement: Measurement {
+                graphs: !set("NO_GRAPH"),
+                pdl: !set("NO_PDL"),
+                cublas: !set("NO_CUBLAS"),
+                cublaslt: !set("NO_CUBLASLT"),
+                tc_attention: !set("NO_TC_ATTENTION"),
+                tiled_attention: !set("NO_TILED_ATTENTION"),
+                fresh_kv: !set("NO_FRESH_KV"),
+                fused_attention: !set("NO_FUSED_ATTENTION"),
+                decode_cluster,
+                l2_prefetch: number("L2_PREFETCH").unwrap_or(2 << 20),
+                run_ahead: !set("NO_RUN_AHEAD"),
+                early_launch: !set("NO_EARLY_LAUNCH"),
+                batch_wave: number("BATCH_WAVE"),
+                batch_gemm: number("BATCH_GEMM"),
+                packed: !set("NO_PACKED"),
+                kernels_dir: var("KERNELS").map(PathBuf::from),
+                skip: Skip {
+                    attn: has("attn"),
+                    qkv: has("qkv"),
+                    proj: has("proj"),
+                    mlp: has("mlp"),
+                    head: has("head"),
+                    gemm: has("gemm"),
+                    pattn: has("pattn"),
+                    ln: has("ln"),
+                    epi: has("epi"),
+                },
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(vars: &[(&str, &str)]) -> Switches {
+        Switches::from_env(|name| {
+            (vars.iter())
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn defaults_without_any_switch() {
+        let s = read(&[]);
+        assert_eq!(s.settings.batch_lanes, 2);
+        assert_eq!(s.settings.lane_fill, 128);
+        assert_eq!(s.settings.gather_margin, Some(Duration::from_micros(60)));
+        assert_eq!(s.settings.ahead_depth, 2);
+        assert!(!s.settings.batch_invariant);
+        let m = &s.measurement;
+        assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
+        assert_eq!(m.l2_prefetch, 2 << 20);
+        assert_eq!(
+            (m.batch_wave, m.batch_gemm, m.decode_cluster),
+            (None, None, None)
+        );
+        assert!(!m.skip.attn && !m.skip.head);
+    }
+
+    #[test]
+    fn switches_are_parsed_and_clamped() {
+        let s = read(&[
+            ("BATCH_LANES", "20"),
+            ("AHEAD_DEPTH", "0"),
+            ("GATHER_MARGIN_US", "all"),
+            ("NO_GRAPH", ""),
+            ("DECODE_CLUSTER", "8x256"),
+            ("SKIP", "attn,head"),
+            ("BATCH_GEMM", "0"),
+        ]);
+        assert_eq!(s.settings.batch_lanes, 8);
+        assert_eq!(s.settings.ahead_depth, 1);
+        assert_eq!(s.settings.gather_margin, None);
+        assert!(!s.measurement.graphs);
+        assert_eq!(s.measurement.decode_cluster, Some((8, 256)));
+        assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
+        assert_eq!(s.measurement.batch_gemm, Some(0));
+    }
+}
