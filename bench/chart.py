@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
 """Chart of the service under concurrent streams, from loadgen's JSON lines, as an SVG.
 
-Usage: python3 bench/chart.py JSONL OUT.svg [--peer PEER_JSONL] [--peer-size 124M]
+Usage: python3 bench/chart.py SOURCE [OUT.svg] [--peer PEER_JSONL] [--peer-size 124M]
                               [--peer-what manual_static_kv] [--peer-batches 1,64,256]
                               [--title TEXT]
+
+SOURCE is one file of loadgen's JSON lines, or a results folder (bench/results/<run>/): then
+every `*.jsonl` in it is read except `peer*.jsonl` and `soak*.jsonl`, each file's series named
+after the file, and `peer.jsonl` is the peer unless --peer names another. OUT defaults to
+`chart.svg` in the folder, or the file's name with `.svg`.
 
 Two panels against concurrency (log scales): aggregate tokens/s, and the p99 gap between
 streamed tokens. One line per `label` of the loadgen lines (several runs at one concurrency:
 every point drawn, the line through their median); a run whose texts differed from the
 single-stream texts is crossed out in red.
 
-With --peer, the PyTorch rows of bench/torch_gpt2.py (one batch decoded per step: static KV
+With a peer, the PyTorch rows of bench/torch_gpt2.py (one batch decoded per step: static KV
 cache, CUDA graph) are drawn beside ours as points, one series per dtype: graph_tok_per_s on
 the first panel and graph_ms_per_step, the gap between one stream's tokens at that batch, on
 the second. Lines of the files that are not JSON objects are skipped.
@@ -20,6 +25,7 @@ Only the Python standard library: the SVG is written by hand.
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from xml.sax.saxutils import escape
@@ -72,6 +78,8 @@ def ours(rows):
         if c is None or "tokens_per_s" not in row:
             continue
         label = row.get("label") or "wasi-nn-host"
+        if row.get("_file"):
+            label = f"{row['_file']}: {label}"
         point = (c, number(row.get("tokens_per_s")), number(row.get("gap_ms_p99")),
                  texts_differ(row), row)
         series.setdefault(label, []).append(point)
@@ -93,6 +101,22 @@ def peers(rows, what, size, batches):
                  number(row.get("graph_ms_per_step")), False, row)
         series.setdefault(name, []).append(point)
     return series
+
+
+def sources(path):
+    """(loadgen rows, the folder's peer.jsonl or None) of a file or a results folder."""
+    if not os.path.isdir(path):
+        return read_jsonl(path), None
+    names = sorted(n for n in os.listdir(path) if n.endswith(".jsonl")
+                   and not n.startswith(("peer", "soak")))
+    rows = []
+    for name in names:
+        for row in read_jsonl(os.path.join(path, name)):
+            if len(names) > 1:
+                row["_file"] = name[:-len(".jsonl")]
+            rows.append(row)
+    peer = os.path.join(path, "peer.jsonl")
+    return rows, peer if os.path.exists(peer) else None
 
 
 def log_ticks(lo, hi):
@@ -186,8 +210,9 @@ class Panel:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("jsonl", help="loadgen's JSON lines")
-    ap.add_argument("out", help="the SVG to write")
+    ap.add_argument("source", help="loadgen's JSON lines, or a results folder")
+    ap.add_argument("out", nargs="?",
+                    help="the SVG to write (default: chart.svg in the folder, or SOURCE.svg)")
     ap.add_argument("--peer", help="bench/torch_gpt2.py's JSON lines")
     ap.add_argument("--peer-size", default="124M")
     ap.add_argument("--peer-what", default="manual_static_kv")
@@ -196,9 +221,16 @@ def main():
     ap.add_argument("--title", default="wasi-nn-host serve under concurrent streams")
     args = ap.parse_args()
 
-    mine = ours(read_jsonl(args.jsonl))
+    rows, folder_peer = sources(args.source)
+    args.peer = args.peer or folder_peer
+    if args.out is None:
+        if os.path.isdir(args.source):
+            args.out = os.path.join(args.source, "chart.svg")
+        else:
+            args.out = os.path.splitext(args.source)[0] + ".svg"
+    mine = ours(rows)
     if not mine:
-        sys.exit(f"{args.jsonl}: no loadgen lines (JSON objects with concurrency, tokens_per_s)")
+        sys.exit(f"{args.source}: no loadgen lines (JSON objects with concurrency, tokens_per_s)")
     theirs = {}
     if args.peer:
         batches = {int(b) for b in args.peer_batches.split(",") if b.strip()}

@@ -2,7 +2,9 @@
 # Concurrency benchmark of the HTTP service (`wasi-nn-host serve`) as its users see it: loadgen
 # at 1, 4, 16 and 64 concurrent streams (and 256 with --256), each level first running its
 # prompts alone for the reference texts; the JSON lines go to PREFIX.jsonl, the chart
-# (bench/chart.py) to PREFIX.svg.
+# (bench/chart.py) to PREFIX.svg. By default PREFIX is in a new results folder,
+# bench/results/<date>-<gpu>-<commit>/, whose manifest.json records the command (see
+# bench/manifest.sh and bench/results/README.md).
 # Usage: bench/concurrency.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options]
 #   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
 #   checkout's release builds (target/) and serves the pre-initialised component
@@ -16,8 +18,9 @@
 #   --requests N       requests per client (default: 4 up to 16 streams, 2 up to 64, then 1)
 #   --duration S       instead: each client sends requests back to back for S seconds (a
 #                      sustained load; the first wave and the last tail weigh little in it)
-#   --out PREFIX       output files PREFIX.jsonl and PREFIX.svg (default
-#                      concurrency-DEVICE-DTYPE); PREFIX.jsonl is emptied first unless --append
+#   --out PREFIX       output files PREFIX.jsonl and PREFIX.svg, no manifest (default: the
+#                      run's results folder, concurrency-DEVICE-DTYPE-MODEL, with a manifest);
+#                      PREFIX.jsonl is emptied first unless --append
 #   --append           add to PREFIX.jsonl (e.g. a second dtype on the same chart)
 #   --peer FILE        PyTorch's JSON lines (python3 bench/torch_gpt2.py graph > FILE), drawn
 #                      beside ours
@@ -27,6 +30,7 @@
 # measures serving, not allocation.
 # Exits non-zero if any level failed or its texts differed from the single-stream texts.
 set -uo pipefail
+command="bench/concurrency.sh${*:+$(printf ' %q' "$@")}"
 positional=() levels="1 4 16 64" extra="" max_tokens=128 requests="" duration="" out="" append=0 peer=""
 port=18123
 while [ $# -gt 0 ]; do
@@ -60,7 +64,14 @@ if [ "$dir" = local ]; then
 else
   host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
 fi
-out=${out:-concurrency-$device-$dtype}
+run=""
+if [ -z "$out" ]; then
+  . "$here/manifest.sh"
+  bench_run_dir "$device" || exit 1
+  run=$bench_dir
+  model=$(basename "$graph"); model=${model#random:}
+  out=$run/concurrency-$device-$dtype-$model
+fi
 jsonl=$out.jsonl svg=$out.svg
 [ $append = 1 ] || : > "$jsonl"
 graph_args=() label="$device $dtype $graph"
@@ -107,5 +118,6 @@ kill $server 2>/dev/null
 wait $server 2>/dev/null
 
 python3 "$here/chart.py" "$jsonl" "$svg" ${peer:+--peer "$peer"} || failed=1
+[ -n "$run" ] && bench_record "$run" "$command" "$peer" "$jsonl" "$svg"
 echo "JSON lines: $jsonl; chart: $svg"
 exit $failed

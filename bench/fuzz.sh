@@ -6,9 +6,18 @@
 # Seeds: the tiny test checkpoints. Prints one JSON line per target (executions, seconds,
 # corpus size, crashes) and exits non-zero if any target crashed.
 # Usage: bench/fuzz.sh [SECONDS_PER_TARGET] [OUT.jsonl]
+#   OUT.jsonl defaults to fuzz.jsonl in a new results folder, bench/results/<date>-cpu-<commit>/,
+#   with a manifest.json (bench/manifest.sh).
 set -uo pipefail
+command="bench/fuzz.sh${*:+$(printf ' %q' "$@")}"
 cd "$(dirname "$0")/.."
-seconds=${1:-120} out=${2:-fuzz/results.jsonl}
+seconds=${1:-120} out=${2:-} run=""
+if [ -z "$out" ]; then
+  . bench/manifest.sh
+  bench_run_dir cpu || exit 2
+  run=$bench_dir
+  out=$run/fuzz.jsonl
+fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 work=fuzz/corpus
 mkdir -p "$work"/{llmc,hf_config,hf_checkpoint} fuzz/artifacts
@@ -35,4 +44,5 @@ for target in llmc hf_config hf_checkpoint; do
   [ $status = 0 ] && [ "$crashes" = 0 ] || failed=1
   echo "{\"target\":\"$target\",\"seconds\":$seconds,\"executions\":${runs:-0},\"corpus\":$corpus,\"crashes\":$crashes,\"exit\":$status}" | tee -a "$out"
 done
+[ -n "$run" ] && bench_record "$run" "$command (cargo-fuzz $(cargo fuzz --version 2>/dev/null | awk '{print $NF}'))" "" "$out"
 exit $failed

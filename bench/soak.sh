@@ -7,11 +7,15 @@
 # Usage: bench/soak.sh DIR [SECONDS] [OUT.jsonl] [cuda|cpu]
 #   DIR holds wasi-nn-host, gpt2_component.wasm (pre-initialised) and loadgen. cuda: 124M
 #   bf16 random weights, 64 streams of 128 tokens; cpu: the embedded model, 16 streams of 16.
+#   OUT.jsonl (or "") defaults to soak-DEVICE.jsonl in a new results folder,
+#   bench/results/<date>-<gpu>-<commit>/, with the summary line (soak-DEVICE-summary.json)
+#   and a manifest.json (bench/manifest.sh).
 # Prints one JSON line per round and a summary; exits non-zero if a round failed, a text
 # differed, or memory grew after the first third of the rounds by more than 32 MiB (RSS) or
 # 256 MiB (GPU).
 set -uo pipefail
-dir=$1 seconds=${2:-180} out=${3:-soak.jsonl} device=${4:-cuda}
+command="bench/soak.sh${*:+$(printf ' %q' "$@")}"
+dir=$1 seconds=${2:-180} out=${3:-} device=${4:-cuda}
 port=18124 url=http://127.0.0.1:18124
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 case $device in
@@ -20,6 +24,13 @@ case $device in
   cpu) serve=(--device cpu) load=(--concurrency 16 --requests 4 --max-tokens 16) ;;
   *) echo "device: cuda or cpu" >&2; exit 2 ;;
 esac
+run=""
+if [ -z "$out" ]; then
+  . "$(dirname "$0")/manifest.sh"
+  bench_run_dir "$device" || exit 2
+  run=$bench_dir
+  out=$run/soak-$device.jsonl
+fi
 "$dir/wasi-nn-host" serve --component "$dir/gpt2_component.wasm" --port $port "${serve[@]}" \
   2>/tmp/soak-server.log &
 server=$!
@@ -54,5 +65,10 @@ rss1=$(rss) gpu1=$(gpu)
 requests=$(python3 -c "import json; print(sum(json.loads(l)['requests'] for l in open('$out')))")
 grown=$(( rss1 - rss0 > 32 * 1048576 || gpu1 - gpu0 > 256 ))
 [ $grown = 0 ] || failed=1
-echo "{\"what\":\"soak\",\"device\":\"$device\",\"seconds\":$(( $(date +%s) - start )),\"rounds\":$round,\"requests\":$requests,\"rss_bytes_after_round_$third\":$rss0,\"rss_bytes_at_end\":$rss1,\"gpu_mib_after_round_$third\":$gpu0,\"gpu_mib_at_end\":$gpu1,\"failed\":$failed}"
+summary="{\"what\":\"soak\",\"device\":\"$device\",\"seconds\":$(( $(date +%s) - start )),\"rounds\":$round,\"requests\":$requests,\"rss_bytes_after_round_$third\":$rss0,\"rss_bytes_at_end\":$rss1,\"gpu_mib_after_round_$third\":$gpu0,\"gpu_mib_at_end\":$gpu1,\"failed\":$failed}"
+if [ -n "$run" ]; then
+  echo "$summary" > "${out%.jsonl}-summary.json"
+  bench_record "$run" "$command" "" "$out" "$memory" "${out%.jsonl}-summary.json"
+fi
+echo "$summary"
 exit $failed
