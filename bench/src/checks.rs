@@ -408,10 +408,10 @@ pub fn compare_batched(
     });
     let (steps_after, _, largest) = gpu.batch_stats();
     let counts = gpu.batch_counts().unwrap_or_default();
-    let ahead_hits = counts.ahead_hits - counts_before.ahead_hits;
-    let ahead_misses = counts.ahead_misses - counts_before.ahead_misses;
-    let ahead_late = counts.ahead_late - counts_before.ahead_late;
-    let ahead_early = counts.ahead_early - counts_before.ahead_early;
+    let ahead_hits = counts.speculation.hits - counts_before.speculation.hits;
+    let ahead_misses = counts.speculation.misses - counts_before.speculation.misses;
+    let ahead_late = counts.speculation.deferred - counts_before.speculation.deferred;
+    let ahead_early = counts.speculation.overlapped - counts_before.speculation.overlapped;
     let switches = wasi_nn_host::switches::get();
     let run_ahead = switches.measurement.run_ahead;
     let early = run_ahead && switches.measurement.early_launch;
@@ -453,10 +453,10 @@ pub fn compare_batched(
         ahead_misses,
         ahead_late,
         ahead_early,
-        ahead_kept: counts.ahead_kept,
+        ahead_kept: counts.speculation.kept,
         tolerance,
         passed: decode_error <= tolerance
-            && counts.ahead_kept == 0
+            && counts.speculation.kept == 0
             && (streams < 3 || !run_ahead || ahead_hits > 0)
             && (streams < 3 || !early || ahead_early > 0)
             && alone_error <= tolerance

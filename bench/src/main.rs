@@ -574,7 +574,7 @@ fn concurrent_streams(
     let b = executor.batch_counts().unwrap_or_default();
     let line = serde_json::json!({
         "batched_steps_so_far": b.steps, "mean_step_items": b.items as f64 / b.steps.max(1) as f64, "largest_step": b.largest,
-        "mean_step_ms": b.step_seconds * 1e3 / b.steps.max(1) as f64, "gather_s_so_far": b.gather_seconds, "step_s_so_far": b.step_seconds, "ahead_hits_so_far": b.ahead_hits, "ahead_misses_so_far": b.ahead_misses, "ahead_late_so_far": b.ahead_late, "ahead_early_so_far": b.ahead_early,
+        "mean_step_ms": b.step_seconds * 1e3 / b.steps.max(1) as f64, "gather_s_so_far": b.gather_seconds, "step_s_so_far": b.step_seconds, "ahead_hits_so_far": b.speculation.hits, "ahead_misses_so_far": b.speculation.misses, "ahead_late_so_far": b.speculation.deferred, "ahead_early_so_far": b.speculation.overlapped,
         "what": "streams", "model": spec, "streams": n, "prompt_tokens": prompt_len, "steps": steps,
         "seconds": seconds, "tokens_per_s": (n * steps) as f64 / seconds,
         "stream_ms_per_token_median": median(ms_per_token),

@@ -45,7 +45,7 @@ fn a_batched_step_equals_each_context_alone() {
             first_chunk: true,
             last_chunk: true,
             error: None,
-            late: false,
+            deferred: false,
         })
         .collect();
     batch.step(&mut items);
@@ -75,7 +75,7 @@ fn a_batched_step_equals_each_context_alone() {
                 first_chunk: true,
                 last_chunk: true,
                 error: None,
-                late: false,
+                deferred: false,
             })
             .collect();
         batch.step(&mut items);
@@ -422,7 +422,7 @@ impl BatchModel for MarksLate {
             match item.tokens {
                 [7] => std::thread::sleep(std::time::Duration::from_millis(50)),
                 [9] => {
-                    item.late = true;
+                    item.deferred = true;
                     std::thread::sleep(std::time::Duration::from_millis(5));
                 }
                 _ => {}
@@ -484,7 +484,7 @@ impl BatchModel for ReadyFive {
     fn new_seq(&self) -> Result<Positions, EngineError> {
         Ok(Positions(0))
     }
-    fn take_ready(&self, seq: &mut Positions, tokens: &[u32], all_positions: bool) -> bool {
+    fn take_precomputed(&self, seq: &mut Positions, tokens: &[u32], all_positions: bool) -> bool {
         let ready = tokens == [5] && !all_positions;
         if ready {
             seq.0 += 1;

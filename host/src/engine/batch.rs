@@ -10,7 +10,7 @@
 //! at once, on its own thread, as before. It only gives the contexts of the previous step,
 //! whose guests are choosing their next token, a moment (at most that step's time, 2 ms at
 //! most) to come back, so the streams stay in one step instead of splitting into two that
-//! alternate (not those whose rows the model left running past the step, [`StepItem::late`]:
+//! alternate (not those whose work the model deferred past the step, [`StepItem::deferred`]:
 //! they come back only after that work). A long prompt is cut into chunks of at most
 //! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
 //!
@@ -60,24 +60,29 @@ pub trait BatchModel: Send + Sync + 'static {
     const MAX_GATHER: Duration = Duration::from_millis(2);
 
     /// How long from now the next step may wait for the last step's contexts to come back,
-    /// when the model has work run ahead for them (see [`crate::cuda`]'s batched step): until
-    /// shortly before that work runs out on the device, so that the next step's is queued
-    /// behind it; the contexts not back by then join a later step. None: nothing is run
-    /// ahead, and the step waits up to its own time.
-    fn gather(&self) -> Option<Duration> {
+    /// when the model still has work queued on its device for them (computed speculatively):
+    /// until shortly before that work runs out, so that the next step's is queued behind it;
+    /// the contexts not back by then join a later step. None: the device has nothing queued,
+    /// and the step waits up to its own time.
+    fn gather_window(&self) -> Option<Duration> {
         None
     }
 
-    /// Contexts that came back with the token their step was run ahead with, those that
-    /// came back with another, and the results run ahead that are kept now.
-    fn ahead_counts(&self) -> AheadCounts {
-        AheadCounts::default()
+    /// What the model's speculative work achieved (models that compute a context's next step
+    /// before it asks, guessing its token).
+    fn speculation(&self) -> SpeculationCounts {
+        SpeculationCounts::default()
     }
 
-    /// Take a result the model already has for `seq`'s next call: a step run ahead for it
-    /// with exactly `tokens` (one token, not every position's logits), finished. True: `seq`
-    /// advanced as if a step had run it, and the call needs no step.
-    fn take_ready(&self, _seq: &mut Self::Seq, _tokens: &[u32], _all_positions: bool) -> bool {
+    /// Take a result the model already holds for `seq`'s next call: computed speculatively
+    /// with exactly `tokens` (one token, not every position's logits), and finished. True:
+    /// `seq` advanced as if a step had run it, and the call needs no step.
+    fn take_precomputed(
+        &self,
+        _seq: &mut Self::Seq,
+        _tokens: &[u32],
+        _all_positions: bool,
+    ) -> bool {
         false
     }
 
@@ -99,10 +104,10 @@ pub struct StepItem<'a, S> {
     pub first_chunk: bool,
     pub last_chunk: bool,
     pub error: Option<EngineError>,
-    /// Set by the model: the step returns before this item's rows ran (their results come
-    /// when the context reads them), so its context will not be back within a step's time
-    /// and the next step does not wait for it.
-    pub late: bool,
+    /// Set by the model: the step returns before this item's work ran (its results come when
+    /// the context reads them), so its context will not be back within a step's time and the
+    /// next step does not wait for it.
+    pub deferred: bool,
 }
 
 /// Where a request's outcome goes, and the thread waiting for it.
@@ -194,7 +199,7 @@ struct Scheduled<S> {
     request: Request<S>,
     take: usize,
     error: Option<EngineError>,
-    late: bool,
+    deferred: bool,
 }
 
 struct State<S> {
@@ -231,18 +236,33 @@ pub struct BatchStats {
     gather_ns: AtomicU64,
 }
 
-/// Steps run ahead (see [`BatchModel::ahead_counts`]).
+/// A model's speculative work (see [`BatchModel::speculation`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct AheadCounts {
+pub struct SpeculationCounts {
+    /// Contexts that came back with the token their next step was computed with, and those
+    /// that came back with another.
     pub hits: u64,
     pub misses: u64,
-    /// Rows that ran late: in a pass run ahead, their step not waiting for them.
-    pub late: u64,
-    /// Passes run ahead that were launched before the pass in flight had ended.
-    pub early: u64,
-    /// Results run ahead (launched or done) kept for contexts that have not come back yet:
-    /// none once every context is gone.
+    /// Items whose work ran past their step ([`StepItem::deferred`]).
+    pub deferred: u64,
+    /// Steps whose device work was queued before the previous step's had ended.
+    pub overlapped: u64,
+    /// Results (launched or done) kept for contexts that have not come back yet: none once
+    /// every context is gone.
     pub kept: usize,
+}
+
+impl SpeculationCounts {
+    /// Two models' counts together.
+    pub fn with(self, other: Self) -> Self {
+        Self {
+            hits: self.hits + other.hits,
+            misses: self.misses + other.misses,
+            deferred: self.deferred + other.deferred,
+            overlapped: self.overlapped + other.overlapped,
+            kept: self.kept + other.kept,
+        }
+    }
 }
 
 /// What a [`Batcher`] has done so far.
@@ -257,16 +277,8 @@ pub struct BatchCounts {
     /// Time spent in steps, and waiting for the previous step's contexts to come back.
     pub step_seconds: f64,
     pub gather_seconds: f64,
-    /// Contexts that came back with the token their step was run ahead with, and those that
-    /// did not (models that run steps ahead; see [`BatchModel::ahead_counts`]).
-    pub ahead_hits: u64,
-    pub ahead_misses: u64,
-    /// Rows that ran late (see [`AheadCounts::late`]).
-    pub ahead_late: u64,
-    /// Passes launched before the one in flight ended (see [`AheadCounts::early`]).
-    pub ahead_early: u64,
-    /// Results run ahead kept for contexts now.
-    pub ahead_kept: usize,
+    /// The model's speculative work so far ([`BatchModel::speculation`]).
+    pub speculation: SpeculationCounts,
 }
 
 impl BatchCounts {
@@ -278,11 +290,7 @@ impl BatchCounts {
             largest: self.largest.max(other.largest),
             step_seconds: self.step_seconds + other.step_seconds,
             gather_seconds: self.gather_seconds + other.gather_seconds,
-            ahead_hits: self.ahead_hits + other.ahead_hits,
-            ahead_misses: self.ahead_misses + other.ahead_misses,
-            ahead_late: self.ahead_late + other.ahead_late,
-            ahead_early: self.ahead_early + other.ahead_early,
-            ahead_kept: self.ahead_kept + other.ahead_kept,
+            speculation: self.speculation.with(other.speculation),
         }
     }
 }
@@ -301,11 +309,7 @@ impl BatchStats {
             largest: self.largest.load(Ordering::Relaxed),
             step_seconds: self.step_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             gather_seconds: self.gather_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            ahead_hits: 0,
-            ahead_misses: 0,
-            ahead_late: 0,
-            ahead_early: 0,
-            ahead_kept: 0,
+            speculation: SpeculationCounts::default(),
         }
     }
 }
@@ -338,13 +342,8 @@ impl<M: BatchModel> Batcher<M> {
 
     /// What the batcher and its model have done so far.
     pub fn counts(&self) -> BatchCounts {
-        let ahead = self.model.ahead_counts();
         BatchCounts {
-            ahead_hits: ahead.hits,
-            ahead_misses: ahead.misses,
-            ahead_late: ahead.late,
-            ahead_early: ahead.early,
-            ahead_kept: ahead.kept,
+            speculation: self.model.speculation(),
             ..self.stats.counts()
         }
     }
@@ -468,7 +467,11 @@ impl<M: BatchModel> Batcher<M> {
             let mut done = Vec::with_capacity(batch.len());
             let mut slots = Vec::with_capacity(batch.len() + 1);
             state = self.lock();
-            let wait = self.model.gather().unwrap_or(took).min(M::MAX_GATHER);
+            let wait = self
+                .model
+                .gather_window()
+                .unwrap_or(took)
+                .min(M::MAX_GATHER);
             state.gather_until = Some(Instant::now() + wait);
             state.last_end = Some(Instant::now());
             // unfinished prompts go back to the front, in their order
@@ -476,7 +479,7 @@ impl<M: BatchModel> Batcher<M> {
                 request,
                 take,
                 error,
-                late,
+                deferred,
             } in batch.into_iter().rev()
             {
                 let mut r = request;
@@ -487,7 +490,7 @@ impl<M: BatchModel> Batcher<M> {
                 }
                 r.done += take;
                 if r.done >= r.tokens.len() {
-                    if !late {
+                    if !deferred {
                         state.returning.insert(r.ticket);
                     }
                     slots.push(r.slot.clone());
@@ -539,7 +542,7 @@ impl<M: BatchModel> Batcher<M> {
                 request,
                 take,
                 error: None,
-                late: false,
+                deferred: false,
             });
         }
         state.queue = kept;
@@ -558,7 +561,7 @@ impl<M: BatchModel> Batcher<M> {
                     all_positions: r.all_positions,
                     seq: &mut r.seq,
                     error: None,
-                    late: false,
+                    deferred: false,
                 }
             })
             .collect();
@@ -567,7 +570,7 @@ impl<M: BatchModel> Batcher<M> {
         let outcomes: Vec<(Option<EngineError>, bool)> = match ran {
             Ok(()) => items
                 .into_iter()
-                .map(|item| (item.error, item.late))
+                .map(|item| (item.error, item.deferred))
                 .collect(),
             Err(_) => {
                 drop(items);
@@ -582,9 +585,9 @@ impl<M: BatchModel> Batcher<M> {
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.items.fetch_add(n, Ordering::Relaxed);
         self.stats.largest.fetch_max(n, Ordering::Relaxed);
-        for (scheduled, (error, late)) in batch.iter_mut().zip(outcomes) {
+        for (scheduled, (error, deferred)) in batch.iter_mut().zip(outcomes) {
             scheduled.error = error;
-            scheduled.late = late;
+            scheduled.deferred = deferred;
         }
     }
 }
@@ -624,8 +627,11 @@ impl<M: BatchModel> Session for BatchedSession<M> {
         if tokens.is_empty() {
             return Err(EngineError::EmptySequence);
         }
-        let ready = (self.seq.as_mut())
-            .is_some_and(|seq| self.batcher.model.take_ready(seq, tokens, all_positions));
+        let ready = (self.seq.as_mut()).is_some_and(|seq| {
+            self.batcher
+                .model
+                .take_precomputed(seq, tokens, all_positions)
+        });
         if ready {
             // not expected back by the next step any more
             self.batcher.forget(self.id);

@@ -1,0 +1,166 @@
+//! The run-ahead layer's state: the rows of the pass in flight, the results kept until their
+//! guests come back, and each context as its last step left it.
+
+use super::clock::PassClock;
+use crate::cuda::batch::pass::Rows;
+use crate::cuda::buffer::HostCopy;
+use crate::cuda::session::{CudaSession, LOGITS_BUFFERS};
+use cudarc::driver::CudaEvent;
+use rustc_hash::FxHashMap;
+use std::time::Instant;
+
+/// A row of a step run ahead: which context, at which position, with which token.
+pub(crate) struct AheadRow {
+    pub(crate) serial: u64,
+    pub(crate) position: usize,
+    pub(crate) token: u32,
+    /// The token is fed on the GPU and not known yet (see [`NextStep::fed`]).
+    pub(crate) fed: bool,
+    /// The row of the batched pass.
+    pub(crate) row: usize,
+    /// The session's logits buffer it writes.
+    pub(crate) buffer: usize,
+}
+
+/// Where a context's rows go: what a row run ahead for it needs without its session.
+#[derive(Clone, Copy)]
+pub(crate) struct RowTargets {
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) layer_floats: usize,
+    pub(crate) capacity: usize,
+    pub(crate) logits: [u64; LOGITS_BUFFERS],
+}
+
+impl RowTargets {
+    pub(crate) fn of(session: &CudaSession) -> Self {
+        let (k, v, _) = session.row_addresses();
+        Self {
+            k,
+            v,
+            layer_floats: session.layer_floats(),
+            capacity: session.capacity(),
+            logits: std::array::from_fn(|b| session.logits_at(b)),
+        }
+    }
+}
+
+/// A context as its last step left it, for steps run ahead while its guest is away.
+pub(crate) struct GuestState {
+    /// Its guest's position (the rows run ahead start there).
+    pub(crate) len: usize,
+    /// The logits buffer its guest reads.
+    pub(crate) readable: usize,
+    /// Steps may be run ahead for it (its guest reads only the argmax).
+    pub(crate) greedy: bool,
+    pub(crate) targets: RowTargets,
+    /// The argmax of its guest's last position when known on the host (after its step, or a
+    /// result its guest took without one): the token of the step after it.
+    pub(crate) argmax: Option<u32>,
+}
+
+/// A context's rows in a pass run ahead whose step did not wait for them (see the module
+/// docs): its guest reads their result once the pass is resolved.
+pub(crate) struct LateRow {
+    pub(crate) serial: u64,
+    /// The row of its last token.
+    pub(crate) row: usize,
+    /// Its next step, to run ahead with the argmax (a greedy context with room left).
+    pub(crate) next: Option<NextStep>,
+}
+
+/// A context's next step to run ahead: one token at its next position, its logits into the
+/// buffer its guest is not reading. InFlightHit from its session by the step launching it, or kept
+/// for a context whose rows ran late and that is not in that step.
+pub(crate) struct NextStep {
+    pub(crate) token: u32,
+    /// The token is the argmax of this row of the pass launched before, fed on the GPU (that
+    /// pass was not resolved when this one was launched; `token` is set once it is).
+    pub(crate) fed: Option<usize>,
+    pub(crate) position: usize,
+    pub(crate) targets: RowTargets,
+    /// The logits buffer it writes: neither the one its guest reads nor one another step run
+    /// ahead for it writes.
+    pub(crate) buffer: usize,
+}
+
+impl NextStep {
+    pub(crate) fn rows(&self) -> Rows<'_> {
+        Rows {
+            k: self.targets.k,
+            v: self.targets.v,
+            logits: self.targets.logits[self.buffer],
+            start: self.position,
+            tokens: std::slice::from_ref(&self.token),
+            fed: self.fed,
+            layer_floats: self.targets.layer_floats,
+        }
+    }
+}
+
+/// A step run ahead that is launched and not yet waited for.
+pub(crate) struct InFlight {
+    /// Which pass (counted from 1), to tell it from a later one.
+    pub(crate) id: u64,
+    pub(crate) rows: Vec<AheadRow>,
+    pub(crate) late: Vec<LateRow>,
+    /// Rows of the pass (its argmax keys to read).
+    pub(crate) n: usize,
+    pub(crate) launched: Instant,
+    /// The copy of its argmax keys to the host, queued right behind it.
+    pub(crate) keys: HostCopy<u64>,
+    /// Events around it on the GPU (for its time in the trace), when they could be made.
+    pub(crate) timing: Option<(CudaEvent, CudaEvent)>,
+}
+
+/// The result of a step run ahead for one context (at the position it is kept under), kept
+/// until its guest comes back to that position.
+#[derive(Clone, Copy)]
+pub(crate) struct AheadResult {
+    pub(crate) token: u32,
+    pub(crate) argmax: u32,
+    pub(crate) buffer: usize,
+}
+
+/// An item's row in the pass in flight, which it takes (see [`CudaBatch::early_hits`]).
+#[derive(Clone, Copy)]
+pub(crate) struct InFlightHit {
+    pub(crate) position: usize,
+    pub(crate) buffer: usize,
+}
+
+/// What the run-ahead layer keeps between steps (under [`super::RunAhead`]'s lock).
+#[derive(Default)]
+pub(crate) struct Ahead {
+    pub(crate) in_flight: Option<InFlight>,
+    /// Results run ahead, by context and position.
+    pub(crate) results: FxHashMap<(u64, usize), AheadResult>,
+    /// Each context as its last step left it.
+    pub(crate) guests: FxHashMap<u64, GuestState>,
+    /// The argmax of late rows resolved, until their context's next step (None: the pass
+    /// failed).
+    pub(crate) late_argmax: FxHashMap<u64, Option<u32>>,
+    /// Steps to run ahead, with the next pass, for contexts whose late rows were resolved.
+    pub(crate) next_after_late: FxHashMap<u64, NextStep>,
+    /// When passes ran on the GPU, and how long a step takes to launch one.
+    pub(crate) clock: PassClock,
+    /// Host buffers for passes' argmax keys, kept for the next passes.
+    pub(crate) reusable_keys: Vec<HostCopy<u64>>,
+    pub(crate) counts: AheadCounters,
+}
+
+/// What running ahead achieved, for the trace and the metrics.
+#[derive(Default)]
+pub(crate) struct AheadCounters {
+    /// Contexts that came back with the guessed token, and those that did not.
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
+    /// Rows that ran late.
+    pub(crate) late: u64,
+    /// Passes launched before the pass in flight had ended.
+    pub(crate) early: u64,
+    /// Results taken without a step ([`crate::engine::batch::BatchModel::take_precomputed`]).
+    pub(crate) taken: u64,
+    /// Passes run ahead so far (the last one's [`InFlight::id`]).
+    pub(crate) flights: u64,
+}

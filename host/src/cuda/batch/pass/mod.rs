@@ -1,0 +1,465 @@
+//! The batched pass: one row a token over many contexts, on the batcher's own stream. Each
+//! row's token and position and its context's cache and logits addresses go into a table on
+//! the GPU; the pass ([`super::forward`]) reads the table, so one CUDA graph per size bucket
+//! serves every step of that size (rows rounded up; padding rows touch no cache and no
+//! output). Contexts never see each other's caches: a row's addresses come from its own
+//! session.
+
+mod forward;
+
+use super::contexts::CudaSeq;
+use crate::cuda::blas::Blas;
+use crate::cuda::buffer::{DevBuf, DevPtr};
+use crate::cuda::error::{CudaError, DriverContext};
+use crate::cuda::loaded::LoadedModel;
+use crate::cuda::ops::batch::{RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
+use crate::cuda::ops::matvec::argmax_row;
+use crate::cuda::ops::Launcher;
+use crate::cuda::weights::head_rows;
+use crate::engine::batch::StepItem;
+use crate::engine::{EngineError, Session};
+use cudarc::driver::{CudaGraph, CudaStream};
+use rustc_hash::FxHashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// Most rows of one batched pass (a step with more runs several, in order): 256 streams'
+/// decodes and a prompt's late rows beside them.
+pub(crate) const MAX_ROWS: usize = 320;
+
+/// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
+/// token; longer ones run on their session's own stream (the prefill path's tensor-core
+/// attention).
+pub(crate) const BATCHED_PROMPT: usize = 64;
+
+/// Positions one block of the batched attention takes before a row is split in more spans
+/// (up to [`BATCH_ATT_SPLITS`]) and combined.
+const SPAN: usize = BATCH_ATT_SPAN;
+
+/// [`SPAN`] when batch-invariant, where the wave's limit is off: rows of up to this many
+/// positions (every stream of a 128-token request) still take one span and no combine.
+const INVARIANT_SPAN: usize = 4 * SPAN;
+
+/// The spans of the batched attention's grid: one per `span` positions of the longest row
+/// (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and no more than keep
+/// the blocks (`row_heads` x spans) within one `wave` of the GPU (0: no limit). Past a wave,
+/// more spans only add blocks that wait for a free SM, and the combine. Each row takes one
+/// span per `span` of its own positions, at most the grid's (`ba_row_spans` in
+/// `kernels/batch.cu`): without the wave's limit, a row's spans depend on the row alone.
+fn attention_splits(longest: usize, row_heads: usize, wave: usize, span: usize) -> usize {
+    let splits = longest.div_ceil(span).clamp(1, BATCH_ATT_SPLITS);
+    match wave {
+        0 => splits,
+        _ => splits.min(wave / row_heads.max(1)).max(1),
+    }
+}
+
+/// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
+/// of 8 to 64, then of 32.
+pub fn bucket(rows: usize) -> usize {
+    match rows {
+        0..=8 => rows.next_power_of_two(),
+        9..=64 => rows.div_ceil(8) * 8,
+        _ => (rows.div_ceil(32) * 32).min(MAX_ROWS),
+    }
+}
+
+/// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it).
+/// Every session of a batch has the same cache layout (`layer_floats`), which the graph
+/// bakes in.
+type GraphKey = (usize, usize, bool);
+
+/// Floats between two rows of the LM head's product, and the product's N: V rounded up to
+/// [`head_rows`] (wte's zero rows past V give zero columns, which no one reads).
+fn head_ld(vocab: usize) -> usize {
+    head_rows(vocab)
+}
+
+/// The batched step's buffers on its own stream, made at the first batched step.
+pub(crate) struct StepBuffers {
+    launcher: Launcher,
+    blas: Blas,
+    /// Residual stream `[MAX_ROWS, C]`.
+    x: DevBuf<f32>,
+    /// Product inputs: f32 `[MAX_ROWS, 4C]`, or the same bytes as split bf16 rows
+    /// `[2 * MAX_ROWS, 4C]`.
+    act: DevBuf<f32>,
+    /// The LM head's product rows `[2 * MAX_ROWS, head_ld(V)]`.
+    head: DevBuf<f32>,
+    partial: DevBuf<f32>,
+    /// Tokens `[MAX_ROWS]`, positions `[MAX_ROWS]`, then the rows of the pass before whose
+    /// argmax is a row's token (`[MAX_ROWS]`, -1: none; see [`NextStep::fed`]).
+    ints: DevBuf<i32>,
+    /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
+    addrs: DevBuf<u64>,
+    pub(crate) keys: DevBuf<u64>,
+    /// Captured steps.
+    graphs: FxHashMap<GraphKey, CudaGraph>,
+    graphs_failed: bool,
+}
+
+// SAFETY: the buffers are only touched by the step that holds the mutex around them; the raw
+// handles in `Blas` and `CudaGraph` are used from that one thread at a time.
+unsafe impl Send for StepBuffers {}
+
+impl StepBuffers {
+    fn new(exec: &Arc<LoadedModel>) -> Result<Self, CudaError> {
+        let gpu = exec.gpu.clone();
+        let cfg = exec.config;
+        let c = cfg.n_embd;
+        let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
+        let blas = Blas::new(&stream, 2 * MAX_ROWS, c, false)
+            .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
+        let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
+        let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
+        Ok(Self {
+            x: zeros(MAX_ROWS * c, "batched activations")?,
+            act: zeros(MAX_ROWS * 4 * c, "batched activations")?,
+            head: zeros(2 * MAX_ROWS * head_ld(cfg.vocab_size), "batched logits")?,
+            partial: zeros(
+                MAX_ROWS * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
+                "batched attention scratch",
+            )?,
+            ints: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
+            addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
+            keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
+            launcher,
+            blas,
+            graphs: FxHashMap::default(),
+            graphs_failed: false,
+        })
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        self.launcher.stream()
+    }
+
+    /// The table of the first `rows` rows (fixed addresses: every graph reads it).
+    fn table(&self, rows: usize, layer_floats: usize) -> RowTable {
+        let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
+        let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
+        RowTable {
+            rows,
+            tokens: ints,
+            positions: ints.skip(MAX_ROWS),
+            k_caches: part(addrs, 0),
+            v_caches: part(addrs, 1),
+            logits: part(addrs, 2),
+            keys: self.keys.ptr(),
+            layer_floats,
+        }
+    }
+}
+
+/// One context's rows in a batched pass: its cache, where its last row's logits go, its
+/// first position and its tokens.
+pub(crate) struct Rows<'t> {
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) logits: u64,
+    pub(crate) start: usize,
+    pub(crate) tokens: &'t [u32],
+    /// A lone token fed on the GPU from this row of the pass before (see [`NextStep::fed`]).
+    pub(crate) fed: Option<usize>,
+    pub(crate) layer_floats: usize,
+}
+
+/// The batched pass of one batcher: its stream and buffers (made at the first pass) and its
+/// captured graphs.
+pub(crate) struct Pass {
+    pub(crate) exec: Arc<LoadedModel>,
+    /// The pass's stream, once made.
+    stream: OnceLock<Arc<CudaStream>>,
+    /// The pass's buffers, made at the first pass.
+    buffers: Mutex<Option<StepBuffers>>,
+}
+
+impl Pass {
+    pub(crate) fn new(exec: Arc<LoadedModel>) -> Self {
+        Self {
+            exec,
+            stream: OnceLock::new(),
+            buffers: Mutex::new(None),
+        }
+    }
+
+    /// The pass's stream, once its buffers are made.
+    pub(crate) fn stream(&self) -> Option<&Arc<CudaStream>> {
+        self.stream.get()
+    }
+
+    /// Capture the pass's graphs of every size ahead of the first requests (a capture holds
+    /// up every context on the GPU), for sessions whose caches are `layer_floats` apart.
+    pub(crate) fn capture_all(&self, layer_floats: usize) -> Result<(), EngineError> {
+        self.with_buffers(|b| {
+            // every size: prompt rows make a step bigger than its contexts
+            let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+            sizes.dedup();
+            for padded in sizes {
+                // the spans a step of this size can ask for
+                let most = attention_splits(
+                    usize::MAX,
+                    padded * self.exec.config.n_head,
+                    self.wave(),
+                    self.span(),
+                );
+                for splits in 1..=most {
+                    for prompts in [false, true] {
+                        self.capture(b, (padded, splits, prompts), layer_floats);
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Blocks of the batched attention the GPU runs at once (see [`attention_splits`]; 0, no
+    /// limit, when batch-invariant).
+    pub(crate) fn wave(&self) -> usize {
+        let gpu = &self.exec.gpu;
+        match gpu.batch_invariant() {
+            true => 0,
+            false => gpu.measurement().batch_wave.unwrap_or(8 * gpu.sms()),
+        }
+    }
+
+    /// Positions a span of the batched attention takes (see [`attention_splits`]).
+    pub(crate) fn span(&self) -> usize {
+        match self.exec.gpu.batch_invariant() {
+            true => INVARIANT_SPAN,
+            false => SPAN,
+        }
+    }
+
+    /// The most tokens of a prompt (or chunk) that run in a batched pass: [`BATCHED_PROMPT`],
+    /// or when batch-invariant every chunk a pass holds (the prefill path's products and
+    /// attention are not the pass's).
+    pub(crate) fn batched_prompt(&self) -> usize {
+        match self.exec.gpu.batch_invariant() {
+            true => MAX_ROWS,
+            false => BATCHED_PROMPT,
+        }
+    }
+
+    /// `f` with the step's buffers (made at first use) locked.
+    pub(crate) fn with_buffers<R>(
+        &self,
+        f: impl FnOnce(&mut StepBuffers) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            let made = StepBuffers::new(&self.exec)?;
+            let _ = self.stream.set(made.stream().clone());
+            *guard = Some(made);
+        }
+        match guard.as_mut() {
+            Some(b) => f(b),
+            None => Err(EngineError::device("batched step buffers missing")),
+        }
+    }
+
+    /// The graph of `key` captured into `b.graphs` unless it is there, graphs are off, or a
+    /// capture failed before (then steps run kernel by kernel from here on).
+    pub(crate) fn capture(&self, b: &mut StepBuffers, key: GraphKey, layer_floats: usize) {
+        if !self.exec.gpu.measurement().graphs || b.graphs_failed || b.graphs.contains_key(&key) {
+            return;
+        }
+        let (padded, splits, prompts) = key;
+        let table = b.table(padded, layer_floats);
+        let stream = b.stream().clone();
+        let launches = || self.forward(b, &table, splits, prompts);
+        match self.exec.gpu.capture(&stream, launches) {
+            Ok(Some(graph)) => {
+                b.graphs.insert(key, graph);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("batched step capture failed, running steps eagerly: {e}");
+                b.graphs_failed = true;
+            }
+        }
+    }
+
+    /// Upload the table of `inputs` (at most [`MAX_ROWS`] rows together) and launch their
+    /// batched pass, one row per token at its position, without waiting for it; returns the
+    /// row of each input's last token.
+    pub(crate) fn launch_rows(
+        &self,
+        b: &mut StepBuffers,
+        inputs: &[Rows<'_>],
+    ) -> Result<(usize, Vec<usize>), EngineError> {
+        let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
+        // a pass of no rows would capture its bucket's graph with no context's cache layout
+        if n == 0 {
+            return Err(EngineError::device("a batched pass of no rows"));
+        }
+        let padded = bucket(n);
+        let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
+        let mut ints = vec![0i32; 3 * MAX_ROWS];
+        let mut addrs = vec![0u64; 3 * MAX_ROWS];
+        ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
+        ints[2 * MAX_ROWS..].fill(-1);
+        let mut fed = false;
+        let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
+        let mut last_rows = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            for (i, &token) in input.tokens.iter().enumerate() {
+                ints[r] = token as i32;
+                ints[MAX_ROWS + r] = (input.start + i) as i32;
+                if let (Some(source), 1) = (input.fed, input.tokens.len()) {
+                    ints[2 * MAX_ROWS + r] = source as i32;
+                    fed = true;
+                }
+                addrs[r] = input.k;
+                addrs[MAX_ROWS + r] = input.v;
+                // logits for the input's last row only
+                if i + 1 == input.tokens.len() {
+                    addrs[2 * MAX_ROWS + r] = input.logits;
+                    last_rows.push(r);
+                }
+                r += 1;
+            }
+            layer_floats = input.layer_floats;
+            longest = longest.max(input.start + input.tokens.len());
+        }
+        let splits = attention_splits(
+            longest,
+            padded * self.exec.config.n_head,
+            self.wave(),
+            self.span(),
+        );
+        let key = (padded, splits, prompts);
+        let stream = b.stream().clone();
+        let t0 = Instant::now();
+        b.ints.write(&stream, 0, &ints)?;
+        b.addrs.write(&stream, 0, &addrs)?;
+        self.capture(b, key, layer_floats);
+        let table = b.table(padded, layer_floats);
+        if fed {
+            // the pass before has left its keys; this pass's embedding clears them
+            b.launcher
+                .batch_feed(&table, b.ints.ptr().skip(2 * MAX_ROWS))?;
+        }
+        let t1 = Instant::now();
+        let graphed = match b.graphs.get(&key).filter(|_| !b.graphs_failed) {
+            Some(graph) => {
+                graph.launch().ctx("batched step")?;
+                true
+            }
+            None => {
+                self.forward(b, &table, splits, prompts)?;
+                false
+            }
+        };
+        tracing::trace!(
+            rows = n,
+            graphed,
+            upload_us = (t1 - t0).as_micros() as u64,
+            launch_us = t1.elapsed().as_micros() as u64,
+            "batched rows launched"
+        );
+        Ok((n, last_rows))
+    }
+
+    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
+    /// batched step; on success each session has its new positions, its last row's logits
+    /// and their argmax.
+    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
+        let mut inputs = Vec::with_capacity(items.len());
+        for item in items.iter() {
+            let session = item.seq.session()?;
+            let (k, v, logits) = session.row_addresses();
+            inputs.push(Rows {
+                k,
+                v,
+                logits,
+                start: session.len(),
+                tokens: item.tokens,
+                fed: None,
+                layer_floats: session.layer_floats(),
+            });
+        }
+        let started = Instant::now();
+        let (n, last_rows, keys) = self.with_buffers(|b| {
+            let (n, last_rows) = self.launch_rows(b, &inputs)?;
+            Ok((n, last_rows, b.keys.read(b.stream(), n)?))
+        })?;
+        tracing::trace!(
+            rows = n,
+            wait_us = started.elapsed().as_micros() as u64,
+            "batched rows"
+        );
+        for (item, row) in items.iter_mut().zip(last_rows) {
+            let key = keys.get(row).copied().unwrap_or(0);
+            let added = item.tokens.len();
+            item.seq
+                .session_mut()?
+                .advanced_in_batch(added, argmax_row(key));
+        }
+        Ok(())
+    }
+
+    /// The items `batched` (indices into `items`, in order) as batched passes of at most
+    /// [`MAX_ROWS`] rows each, waited for; an item of a pass that failed gets its error.
+    pub(crate) fn run_batched(&self, items: &mut [StepItem<'_, CudaSeq>], batched: &[usize]) {
+        let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| batched.binary_search(i).is_ok())
+            .map(|(_, item)| item)
+            .collect();
+        // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
+        let mut start = 0;
+        while start < rows.len() {
+            let (mut end, mut count) = (start, 0);
+            while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
+                count += rows[end].tokens.len();
+                end += 1;
+            }
+            let group = &mut rows[start..end];
+            if let Err(e) = self.run_rows(group) {
+                let message = e.to_string();
+                for item in group.iter_mut() {
+                    item.error = Some(EngineError::device(format!("batched step: {message}")));
+                }
+            }
+            start = end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_spans_grow_with_the_longest_row_until_the_wave_is_full() {
+        // few rows: a span per SPAN positions, at most BATCH_ATT_SPLITS
+        assert_eq!(attention_splits(1, 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(SPAN, 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(SPAN + 1, 12, 1056, SPAN), 2);
+        assert_eq!(
+            attention_splits(100 * SPAN, 12, 1056, SPAN),
+            BATCH_ATT_SPLITS
+        );
+        // 64 rows of 12 heads fill 768 of a 1056-block wave: a second span would not fit
+        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 1056, SPAN), 1);
+        assert_eq!(attention_splits(3 * SPAN, 32 * 12, 1056, SPAN), 2);
+        // no limit: as many spans as the positions ask for
+        assert_eq!(attention_splits(3 * SPAN, 256 * 12, 0, SPAN), 3);
+        // batch-invariant: no wave, longer spans
+        assert_eq!(attention_splits(3 * SPAN, 64 * 12, 0, INVARIANT_SPAN), 1);
+        assert_eq!(
+            attention_splits(1000, 64 * 12, 0, INVARIANT_SPAN),
+            BATCH_ATT_SPLITS
+        );
+    }
+
+    #[test]
+    fn steps_round_up_to_their_bucket() {
+        assert_eq!(bucket(3), 4);
+        assert_eq!(bucket(9), 16);
+        assert_eq!(bucket(65), 96);
+        assert_eq!(bucket(MAX_ROWS), MAX_ROWS);
+    }
+}
