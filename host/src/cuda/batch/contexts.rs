@@ -3,7 +3,7 @@
 //! (their caches and graphs kept, emptied on the way). A context holds a reservation of its KV
 //! bytes in a [`KvPool`]: a context over the cap is refused alone.
 
-use super::ahead::{wait_idle, RunAhead};
+use super::ahead::state::{wait_idle, RunAhead};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};

@@ -31,6 +31,7 @@ pub use pass::bucket;
 
 use super::loaded::LoadedModel;
 use super::session::CudaSession;
+use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::batch::{BatchModel, KvPool, SpeculationCounts, StepItem};
 use crate::engine::EngineError;
 use ahead::plan::{
@@ -38,9 +39,9 @@ use ahead::plan::{
     take_next_after_late, take_precomputed, take_result,
 };
 use ahead::state::Ahead;
-use ahead::RunAhead;
+use ahead::state::RunAhead;
 use contexts::Contexts;
-use pass::{Pass, MAX_ROWS};
+use pass::{Pass, Rows, MAX_ROWS};
 use route::{route, ItemShape, RouteLimits, StepRoute};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -184,7 +185,54 @@ impl CudaBatch {
                 .err();
         }
         if !plan.batched.is_empty() {
-            self.pass.run_batched(items, &plan.batched);
+            self.run_batched(items, &plan.batched);
+        }
+    }
+
+    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
+    /// batched step; on success each session has its new positions, its last row's logits
+    /// and their argmax.
+    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
+        let inputs = (items.iter())
+            .map(|item| Ok(Rows::of(item.seq.session()?, item.tokens)))
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let (_, last_rows, keys) = self.pass.run(&inputs)?;
+        drop(inputs);
+        for (item, row) in items.iter_mut().zip(last_rows) {
+            let key = keys.get(row).copied().unwrap_or(0);
+            let added = item.tokens.len();
+            item.seq
+                .session_mut()?
+                .advanced_in_batch(added, argmax_row(key));
+        }
+        Ok(())
+    }
+
+    /// The items `batched` (indices into `items`, in order) as batched passes of at most
+    /// [`MAX_ROWS`] rows each, waited for; an item of a pass that failed gets its error.
+    fn run_batched(&self, items: &mut [StepItem<'_, CudaSeq>], batched: &[usize]) {
+        let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| batched.binary_search(i).is_ok())
+            .map(|(_, item)| item)
+            .collect();
+        // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
+        let mut start = 0;
+        while start < rows.len() {
+            let (mut end, mut count) = (start, 0);
+            while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
+                count += rows[end].tokens.len();
+                end += 1;
+            }
+            let group = &mut rows[start..end];
+            if let Err(e) = self.run_rows(group) {
+                let message = e.to_string();
+                for item in group.iter_mut() {
+                    item.error = Some(EngineError::device(format!("batched step: {message}")));
+                }
+            }
+            start = end;
         }
     }
 

@@ -60,17 +60,7 @@ impl CudaBatch {
         let begun = Instant::now();
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
-            let session = items[i].seq.session()?;
-            let (k, v, logits) = session.row_addresses();
-            inputs.push(Rows {
-                k,
-                v,
-                logits,
-                start: session.len(),
-                tokens: items[i].tokens,
-                fed: None,
-                layer_floats: session.layer_floats(),
-            });
+            inputs.push(Rows::of(items[i].seq.session()?, items[i].tokens));
         }
         let launched = Instant::now();
         let timing = ahead.clock.events(self.pass.stream());

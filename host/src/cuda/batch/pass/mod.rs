@@ -7,16 +7,14 @@
 
 mod forward;
 
-use super::contexts::CudaSeq;
 use crate::cuda::blas::Blas;
 use crate::cuda::buffer::{DevBuf, DevPtr};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
-use crate::cuda::ops::matvec::argmax_row;
 use crate::cuda::ops::Launcher;
+use crate::cuda::session::CudaSession;
 use crate::cuda::weights::head_rows;
-use crate::engine::batch::StepItem;
 use crate::engine::{EngineError, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use rustc_hash::FxHashMap;
@@ -162,6 +160,23 @@ pub(crate) struct Rows<'t> {
     /// A lone token fed on the GPU from this row of the pass before (see [`NextStep::fed`]).
     pub(crate) fed: Option<usize>,
     pub(crate) layer_floats: usize,
+}
+
+impl<'t> Rows<'t> {
+    /// `tokens` at the session's next positions, its last row's logits into the buffer its
+    /// guest reads.
+    pub(crate) fn of(session: &CudaSession, tokens: &'t [u32]) -> Self {
+        let (k, v, logits) = session.row_addresses();
+        Self {
+            k,
+            v,
+            logits,
+            start: session.len(),
+            tokens,
+            fed: None,
+            layer_floats: session.layer_floats(),
+        }
+    }
 }
 
 /// The batched pass of one batcher: its stream and buffers (made at the first pass) and its
@@ -361,70 +376,23 @@ impl Pass {
         Ok((n, last_rows))
     }
 
-    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
-    /// batched step; on success each session has its new positions, its last row's logits
-    /// and their argmax.
-    fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
-        let mut inputs = Vec::with_capacity(items.len());
-        for item in items.iter() {
-            let session = item.seq.session()?;
-            let (k, v, logits) = session.row_addresses();
-            inputs.push(Rows {
-                k,
-                v,
-                logits,
-                start: session.len(),
-                tokens: item.tokens,
-                fed: None,
-                layer_floats: session.layer_floats(),
-            });
-        }
+    /// Launch the pass of `inputs` (at most [`MAX_ROWS`] rows together) and wait for it:
+    /// returns its rows, the row of each input's last token, and the argmax keys of the rows.
+    pub(crate) fn run(
+        &self,
+        inputs: &[Rows<'_>],
+    ) -> Result<(usize, Vec<usize>, Vec<u64>), EngineError> {
         let started = Instant::now();
-        let (n, last_rows, keys) = self.with_buffers(|b| {
-            let (n, last_rows) = self.launch_rows(b, &inputs)?;
+        let ran = self.with_buffers(|b| {
+            let (n, last_rows) = self.launch_rows(b, inputs)?;
             Ok((n, last_rows, b.keys.read(b.stream(), n)?))
         })?;
         tracing::trace!(
-            rows = n,
+            rows = ran.0,
             wait_us = started.elapsed().as_micros() as u64,
             "batched rows"
         );
-        for (item, row) in items.iter_mut().zip(last_rows) {
-            let key = keys.get(row).copied().unwrap_or(0);
-            let added = item.tokens.len();
-            item.seq
-                .session_mut()?
-                .advanced_in_batch(added, argmax_row(key));
-        }
-        Ok(())
-    }
-
-    /// The items `batched` (indices into `items`, in order) as batched passes of at most
-    /// [`MAX_ROWS`] rows each, waited for; an item of a pass that failed gets its error.
-    pub(crate) fn run_batched(&self, items: &mut [StepItem<'_, CudaSeq>], batched: &[usize]) {
-        let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| batched.binary_search(i).is_ok())
-            .map(|(_, item)| item)
-            .collect();
-        // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
-        let mut start = 0;
-        while start < rows.len() {
-            let (mut end, mut count) = (start, 0);
-            while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
-                count += rows[end].tokens.len();
-                end += 1;
-            }
-            let group = &mut rows[start..end];
-            if let Err(e) = self.run_rows(group) {
-                let message = e.to_string();
-                for item in group.iter_mut() {
-                    item.error = Some(EngineError::device(format!("batched step: {message}")));
-                }
-            }
-            start = end;
-        }
+        Ok(ran)
     }
 }
 
