@@ -24,13 +24,15 @@
 
 mod chat;
 mod cli;
+mod error;
 mod metrics;
-mod openai;
 mod reply;
+mod request;
 
 pub use chat::{ChatTemplate, ChatTemplateError};
 pub use cli::{run, ServeArgs};
-pub use openai::Timings;
+pub use error::ServeError;
+pub use reply::Timings;
 
 use crate::runtime::{Completion, Piece, Prompt, Sampling};
 use crate::runtime::{GuestComponent, Host, HostError, RunOptions};
@@ -42,10 +44,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use error::{ApiError, ErrorBody};
 use futures_util::StreamExt;
-use openai::{ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, ErrorBody, Limits};
-use openai::{Plan, TokenizeRequest};
 use reply::{Kind, Reply, Usage};
+use request::{ChatRequest, CompletionRequest, DetokenizeRequest, Limits, Plan, TokenizeRequest};
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -53,31 +55,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
-
-/// Errors of setting up or running the service.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error(transparent)]
-    Host(#[from] HostError),
-    #[error("the default model `{model}` is not a graph of the host (its graphs: {graphs:?})")]
-    UnknownDefaultModel { model: String, graphs: Vec<String> },
-    #[error("a chat template for `{0}`, which is not a graph of the host")]
-    UnknownTemplateModel(String),
-    #[error("--graph {0}: expected NAME=PATH")]
-    GraphSpec(String),
-    #[error(transparent)]
-    ChatTemplate(#[from] ChatTemplateError),
-    #[error("cannot start the async runtime: {0}")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot listen on {address}: {source}")]
-    Bind {
-        address: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("serving HTTP: {0}")]
-    Http(#[source] std::io::Error),
-}
 
 /// What the service serves and how each request is limited.
 #[derive(Clone, Debug)]

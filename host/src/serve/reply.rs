@@ -1,8 +1,8 @@
 //! The answers: OpenAI's `text_completion` and `chat.completion` objects, their streamed
 //! chunks, and the two shapes of `logprobs` (completions: `tokens`, `token_logprobs`,
-//! `top_logprobs`, `text_offset`; chat: `content` entries with `bytes`).
+//! `top_logprobs`, `text_offset`; chat: `content` entries with `bytes`), and the service's
+//! [`Timings`] of a completion.
 
-use super::openai::Timings;
 use crate::runtime::{Completion, TokenLogprob};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -267,4 +267,34 @@ fn top_map(e: &TokenLogprob) -> Value {
     }
     map.entry(e.token.clone()).or_insert(json!(logprob));
     Value::Object(map)
+}
+
+/// How long a completion took, measured by the service (the component's completion carries
+/// no timings): from when the request was accepted, so instantiating the guest is included.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq)]
+pub struct Timings {
+    /// Until the first token was generated (prompt processing included).
+    pub ttft_ms: f64,
+    /// Until the completion was finished.
+    pub total_ms: f64,
+    /// Tokens after the first per second of the time after the first: the decode rate
+    /// (0 with fewer than two tokens).
+    pub tokens_per_s: f64,
+}
+
+impl Timings {
+    /// Timings of `tokens` tokens, the first after `ttft_ms`, all after `total_ms`.
+    pub fn new(ttft_ms: f64, total_ms: f64, tokens: usize) -> Self {
+        let decode_s = (total_ms - ttft_ms) / 1e3;
+        let tokens_per_s = if tokens > 1 && decode_s > 0.0 {
+            (tokens - 1) as f64 / decode_s
+        } else {
+            0.0
+        };
+        Self {
+            ttft_ms,
+            total_ms,
+            tokens_per_s,
+        }
+    }
 }

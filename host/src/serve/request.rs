@@ -1,12 +1,11 @@
-//! The service's wire format: OpenAI-style completion and chat requests as vLLM and the
-//! llama.cpp server accept them, their validation into a [`Plan`], and the JSON error body
-//! every 4xx and 5xx answer carries.
+//! The requests: OpenAI-style completion and chat requests as vLLM and the llama.cpp server
+//! accept them, the tokenizer routes' requests (vLLM's shapes), and the validation of a
+//! completion or chat request into a [`Plan`].
 
+use super::error::ApiError;
 use crate::runtime::{Prompt, Sampling};
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde::{Deserialize, Serialize};
+use axum::http::StatusCode;
+use serde::Deserialize;
 use std::collections::BTreeMap;
 
 /// `stop` may be one string or several.
@@ -452,129 +451,4 @@ pub(crate) struct TokenizeRequest {
 pub(crate) struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,
-}
-
-/// How long a completion took, measured by the service (the component's completion carries
-/// no timings): from when the request was accepted, so instantiating the guest is included.
-#[derive(Serialize, Clone, Copy, Debug, PartialEq)]
-pub struct Timings {
-    /// Until the first token was generated (prompt processing included).
-    pub ttft_ms: f64,
-    /// Until the completion was finished.
-    pub total_ms: f64,
-    /// Tokens after the first per second of the time after the first: the decode rate
-    /// (0 with fewer than two tokens).
-    pub tokens_per_s: f64,
-}
-
-impl Timings {
-    /// Timings of `tokens` tokens, the first after `ttft_ms`, all after `total_ms`.
-    pub fn new(ttft_ms: f64, total_ms: f64, tokens: usize) -> Self {
-        let decode_s = (total_ms - ttft_ms) / 1e3;
-        let tokens_per_s = if tokens > 1 && decode_s > 0.0 {
-            (tokens - 1) as f64 / decode_s
-        } else {
-            0.0
-        };
-        Self {
-            ttft_ms,
-            total_ms,
-            tokens_per_s,
-        }
-    }
-}
-
-/// An OpenAI-style error answer: `{"error": {"message": ..., "type": ..., "code": ...}}`
-/// with a status.
-#[derive(Debug)]
-pub(crate) struct ApiError {
-    pub status: StatusCode,
-    kind: &'static str,
-    pub message: String,
-    /// Seconds after which the client may retry (429 and 503).
-    retry_after: Option<u32>,
-}
-
-#[derive(Serialize)]
-pub(crate) struct ErrorBody<'a> {
-    error: ErrorDetail<'a>,
-}
-
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    code: u16,
-}
-
-impl<'a> ErrorBody<'a> {
-    pub(crate) fn new(kind: &'a str, message: &'a str, status: StatusCode) -> Self {
-        Self {
-            error: ErrorDetail {
-                message,
-                kind,
-                code: status.as_u16(),
-            },
-        }
-    }
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            kind,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-
-    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-    }
-
-    pub(crate) fn server_error(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
-    }
-
-    /// 503: every instance slot is taken; the client may retry.
-    pub(crate) fn busy(message: impl Into<String>) -> Self {
-        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message);
-        e.retry_after = Some(1);
-        e
-    }
-
-    /// 429: the queue is full.
-    pub(crate) fn too_many(message: impl Into<String>) -> Self {
-        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message);
-        e.retry_after = Some(1);
-        e
-    }
-
-    pub(crate) fn unauthorized() -> Self {
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "missing or wrong API key: send `Authorization: Bearer KEY`",
-        )
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = ErrorBody::new(self.kind, &self.message, self.status);
-        let mut response = (self.status, Json(body)).into_response();
-        if let Some(seconds) = self.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
-    }
 }
