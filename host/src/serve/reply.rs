@@ -6,6 +6,7 @@
 use crate::runtime::{Completion, TokenLogprob};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Which API a reply speaks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -40,6 +41,13 @@ impl Usage {
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         })
     }
+}
+
+/// Seconds since the Unix epoch: the `created` of every object.
+pub(super) fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// OpenAI says `stop` where the model ended the text itself.

@@ -4,7 +4,9 @@
 
 use super::error::ApiError;
 use crate::runtime::{Prompt, Sampling};
+use axum::extract::rejection::JsonRejection;
 use axum::http::StatusCode;
+use axum::Json;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
@@ -451,4 +453,20 @@ pub(crate) struct TokenizeRequest {
 pub(crate) struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,
+}
+
+/// The JSON body, or the rejection as an OpenAI-style error (413 for a body over the limit).
+pub(super) fn body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    request.map(|Json(r)| r).map_err(|rejection| {
+        // a body over the limit stays a 413 and a wrong content type a 415; a body that is
+        // not JSON or does not fit the request (axum says 422 for that) is a 400, as OpenAI
+        // and vLLM answer it
+        let status = rejection.status();
+        let (status, kind) = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => (status, "request_too_large"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => (status, "invalid_request_error"),
+            _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+        };
+        ApiError::new(status, kind, rejection.body_text())
+    })
 }
