@@ -6,24 +6,27 @@
 use super::admission::admit;
 use super::error::ApiError;
 use super::http::RequestId;
-use super::instance::{spawn_task, Message, Task};
-use super::reply::{unix_seconds, Kind, Reply, Usage};
+use super::instance::{spawn_choice, Choice, ChoiceMessage};
+use super::reply::{unix_seconds, Reply, ReplyKind, Timings, Usage};
 use super::request::{body, ChatRequest, CompletionRequest, Plan};
-use super::stream::stream;
+use super::stream::stream_reply;
 use super::Service;
+use crate::runtime::Completion;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-/// The answer to a failed first message of an instance.
-fn first_error(message: Option<Message>) -> ApiError {
+/// The error answer of a choice whose instance sent something other than what its handler
+/// waited for: a rejection, a failure, or nothing at all.
+fn choice_error(message: Option<ChoiceMessage>) -> ApiError {
     match message {
-        Some(Message::Rejected(e)) => e,
-        Some(Message::Busy(m)) => ApiError::busy(m),
-        Some(Message::Failed(m)) => ApiError::server_error(m),
+        Some(ChoiceMessage::Rejected(e)) => e,
+        Some(ChoiceMessage::Busy(m)) => ApiError::busy(m),
+        Some(ChoiceMessage::Failed(m)) => ApiError::server_error(m),
         _ => ApiError::server_error("the guest ended without a result"),
     }
 }
@@ -36,7 +39,7 @@ pub(super) async fn completions(
     let accepted = Instant::now();
     let plan = body(request).and_then(|r| r.validate(&service.limits()));
     match plan {
-        Ok(plan) => run_plan(service, plan, Kind::Text, &id, accepted).await,
+        Ok(plan) => run_plan(service, plan, ReplyKind::Text, &id, accepted).await,
         Err(e) => e.into_response(),
     }
 }
@@ -64,7 +67,7 @@ pub(super) async fn chat_completions(
         r.validate(prompt, &limits)
     });
     match plan {
-        Ok(plan) => run_plan(service, plan, Kind::Chat, &id, accepted).await,
+        Ok(plan) => run_plan(service, plan, ReplyKind::Chat, &id, accepted).await,
         Err(e) => e.into_response(),
     }
 }
@@ -74,7 +77,7 @@ pub(super) async fn chat_completions(
 async fn run_plan(
     service: Arc<Service>,
     mut plan: Plan,
-    kind: Kind,
+    kind: ReplyKind,
     id: &RequestId,
     accepted: Instant,
 ) -> Response {
@@ -87,67 +90,102 @@ async fn run_plan(
         .host
         .graph_context(&plan.model)
         .map_or(0, |c| c as u32);
-    let want_logprobs = plan.sampling.logprobs.is_some();
-    let mut receivers = Vec::with_capacity(choices);
-    let mut prompt_of = Vec::with_capacity(choices);
-    for (p, prompt) in plan.prompts.iter().enumerate() {
-        for j in 0..plan.n {
-            let mut sampling = plan.sampling.clone();
-            sampling.seed = sampling.seed.wrapping_add(j as u64);
-            let task = Task {
-                prompt: prompt.clone(),
-                sampling,
-            };
-            receivers.push(spawn_task(
-                service.clone(),
-                plan.model.clone(),
-                task,
-                plan.max_tokens_explicit,
-                accepted,
-                permit.clone(),
-            ));
-            prompt_of.push(p);
-        }
-    }
-    drop(permit);
-    let mut usage = Usage::default();
-    for (i, rx) in receivers.iter_mut().enumerate() {
-        match rx.recv().await {
-            Some(Message::Ready(n)) => {
-                // each prompt counts once, however many choices it has
-                if i % plan.n as usize == 0 {
-                    usage.prompt_tokens += n as usize;
-                }
-            }
-            other => return first_error(other).into_response(),
-        }
-    }
-    let prefix = match kind {
-        Kind::Text => "cmpl",
-        Kind::Chat => "chatcmpl",
+    let mut receivers = start_choices(&service, &plan, accepted, permit);
+    let mut usage = match prompt_usage(&mut receivers, plan.n).await {
+        Ok(usage) => usage,
+        Err(e) => return e.into_response(),
     };
-    let reply = Reply::new(
+    let prefix = match kind {
+        ReplyKind::Text => "cmpl",
+        ReplyKind::Chat => "chatcmpl",
+    };
+    let mut reply = Reply::new(
         kind,
         format!("{prefix}-{}", id.0),
         unix_seconds(),
         plan.model.clone(),
         choices,
     );
+    let want_logprobs = plan.sampling.logprobs.is_some();
     if plan.stream {
-        return stream(receivers, reply, usage, want_logprobs, plan.include_usage);
+        return stream_reply(receivers, reply, usage, want_logprobs, plan.include_usage);
     }
-    let mut finished = Vec::with_capacity(choices);
-    for mut rx in receivers {
-        let done = loop {
-            match rx.recv().await {
-                Some(Message::Piece(_)) => {}
-                Some(Message::Done(completion, timings)) => break (completion, timings),
-                other => return first_error(other).into_response(),
+    match whole_choices(receivers).await {
+        Ok(finished) => {
+            usage.completion_tokens = finished.iter().map(|(c, _)| c.ids.len()).sum();
+            Json(reply.complete(&finished, usage, want_logprobs)).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One instance per choice, in index order (choice `j` of prompt `i` is `i * n + j`, with
+/// seed `seed + j`), each holding the request's places (`permit`) until it ends.
+fn start_choices(
+    service: &Arc<Service>,
+    plan: &Plan,
+    accepted: Instant,
+    permit: Arc<OwnedSemaphorePermit>,
+) -> Vec<mpsc::UnboundedReceiver<ChoiceMessage>> {
+    let mut receivers = Vec::with_capacity(plan.prompts.len() * plan.n as usize);
+    for prompt in &plan.prompts {
+        for choice_of_prompt in 0..plan.n {
+            let mut sampling = plan.sampling.clone();
+            sampling.seed = sampling.seed.wrapping_add(choice_of_prompt as u64);
+            let choice = Choice {
+                model: plan.model.clone(),
+                prompt: prompt.clone(),
+                sampling,
+                max_tokens_explicit: plan.max_tokens_explicit,
+            };
+            receivers.push(spawn_choice(
+                service.clone(),
+                choice,
+                accepted,
+                permit.clone(),
+            ));
+        }
+    }
+    receivers
+}
+
+/// Wait for every choice's first message, that its prompt fits: the prompt tokens of the
+/// usage (each prompt counted once, however many choices it has), or the first error.
+async fn prompt_usage(
+    receivers: &mut [mpsc::UnboundedReceiver<ChoiceMessage>],
+    choices_per_prompt: u32,
+) -> Result<Usage, ApiError> {
+    let mut usage = Usage::default();
+    for (index, rx) in receivers.iter_mut().enumerate() {
+        match rx.recv().await {
+            Some(ChoiceMessage::Ready(prompt_tokens)) => {
+                if index % choices_per_prompt as usize == 0 {
+                    usage.prompt_tokens += prompt_tokens as usize;
+                }
             }
-        };
-        usage.completion_tokens += done.0.ids.len();
-        finished.push(done);
+            other => return Err(choice_error(other)),
+        }
     }
-    let mut reply = reply;
-    Json(reply.complete(&finished, usage, want_logprobs)).into_response()
+    Ok(usage)
+}
+
+/// Every choice's completion and timings, in index order (the pieces on the way are not
+/// needed), or the first error.
+async fn whole_choices(
+    receivers: Vec<mpsc::UnboundedReceiver<ChoiceMessage>>,
+) -> Result<Vec<(Completion, Timings)>, ApiError> {
+    let mut finished = Vec::with_capacity(receivers.len());
+    for mut rx in receivers {
+        loop {
+            match rx.recv().await {
+                Some(ChoiceMessage::Piece(_)) => {}
+                Some(ChoiceMessage::Done(completion, timings)) => {
+                    finished.push((completion, timings));
+                    break;
+                }
+                other => return Err(choice_error(other)),
+            }
+        }
+    }
+    Ok(finished)
 }

@@ -1,5 +1,5 @@
 //! Guest instances on blocking threads: one choice of a completion, whose prompt's size,
-//! pieces and result reach the request's handler as [`Message`]s through a channel (a
+//! pieces and result reach the request's handler as [`ChoiceMessage`]s through a channel (a
 //! dropped receiver cancels the instance), and the tokenizer routes' one-shot calls.
 
 use super::error::ApiError;
@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-/// What a running instance sends to its request's handler.
-pub(super) enum Message {
+/// What a choice's instance sends to its request's handler.
+pub(super) enum ChoiceMessage {
     /// The prompt fits: its token count. Always the first message of a started instance.
     Ready(u32),
     /// The request cannot run (a bad token id, a prompt too long): a 400, before any
@@ -31,32 +31,40 @@ pub(super) enum Message {
 
 /// Counts an instance as active while it lives, and as served once it is gone (even if the
 /// run panicked).
-struct Running(Arc<Service>);
+struct ActiveInstance(Arc<Service>);
 
-impl Running {
+impl ActiveInstance {
     fn start(service: Arc<Service>) -> Self {
-        let n = service.active.fetch_add(1, Ordering::Relaxed) + 1;
-        metrics::guests_running(n);
+        let active = service.active.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::guests_running(active);
         Self(service)
     }
 }
 
-impl Drop for Running {
+impl Drop for ActiveInstance {
     fn drop(&mut self) {
-        let n = self.0.active.fetch_sub(1, Ordering::Relaxed) - 1;
-        metrics::guests_running(n);
+        let active = self.0.active.fetch_sub(1, Ordering::Relaxed) - 1;
+        metrics::guests_running(active);
         self.0.served.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// One choice of a request: which prompt, how to sample.
-pub(super) struct Task {
+/// One choice of a request: which model and prompt, how to sample.
+pub(super) struct Choice {
+    pub(super) model: String,
     pub(super) prompt: Prompt,
     pub(super) sampling: Sampling,
+    /// Whether the client set `max_tokens`: then prompt and completion must both fit.
+    pub(super) max_tokens_explicit: bool,
 }
 
 /// Why a prompt cannot run on a model of `context` positions, if it cannot.
-fn context_error(prompt: u32, max_tokens: u32, explicit: bool, context: u32) -> Option<ApiError> {
+fn context_length_error(
+    prompt: u32,
+    max_tokens: u32,
+    explicit: bool,
+    context: u32,
+) -> Option<ApiError> {
     let message = if prompt > context {
         format!("this model's maximum context length is {context} tokens; the prompt has {prompt}")
     } else if explicit && prompt + max_tokens > context {
@@ -73,96 +81,106 @@ fn context_error(prompt: u32, max_tokens: u32, explicit: bool, context: u32) -> 
 
 /// Run one choice in a fresh instance on a blocking thread. Dropping the receiver cancels
 /// the instance. `accepted` is when the request came in: the timings count from there.
-pub(super) fn spawn_task(
+pub(super) fn spawn_choice(
     service: Arc<Service>,
-    model: String,
-    task: Task,
-    explicit_max_tokens: bool,
+    choice: Choice,
     accepted: Instant,
     permit: Arc<OwnedSemaphorePermit>,
-) -> mpsc::UnboundedReceiver<Message> {
+) -> mpsc::UnboundedReceiver<ChoiceMessage> {
     let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let options = service.run_options(Some(cancel.clone()));
-    let running = Running::start(service);
+    let active = ActiveInstance::start(service);
     let span = tracing::Span::current();
     tokio::task::spawn_blocking(move || {
         let _span = span.enter();
-        let service = &running.0;
-        let send = |message| {
-            // the receiver may be gone; then nobody needs the answer
-            let _ = tx.send(message);
-        };
-        let outcome = (|| {
-            let mut generation = service.host.start_generation(
-                &service.component,
-                &model,
-                &task.prompt,
-                &task.sampling,
-                &options,
-            )?;
-            let prompt_tokens = match generation.prompt_tokens()? {
-                Ok(n) => n,
-                Err(message) => return Ok(Some(Message::Rejected(ApiError::bad_request(message)))),
-            };
-            let sampling = &task.sampling;
-            if let Some(e) = context_error(
-                prompt_tokens,
-                sampling.max_tokens,
-                explicit_max_tokens,
-                sampling.context_length,
-            ) {
-                return Ok(Some(Message::Rejected(e)));
-            }
-            send(Message::Ready(prompt_tokens));
-            let (mut first, mut last) = (None, Instant::now());
-            loop {
-                let piece = match generation.next_piece()? {
-                    Ok(Some(piece)) => piece,
-                    Ok(None) => break,
-                    Err(message) => return Ok(Some(Message::Failed(message))),
-                };
-                let now = Instant::now();
-                match first {
-                    None => {
-                        first = Some(accepted.elapsed());
-                        metrics::ttft(now - accepted);
-                    }
-                    Some(_) => metrics::inter_token(now - last),
-                }
-                last = now;
-                if tx.send(Message::Piece(piece)).is_err()
-                    || service.stopping.load(Ordering::Relaxed)
-                {
-                    cancel.store(true, Ordering::Relaxed);
-                }
-            }
-            let completion = generation.finish()?;
-            let total = accepted.elapsed();
-            let ttft = first.unwrap_or(total);
-            metrics::tokens(prompt_tokens, completion.ids.len());
-            let timings = Timings::new(
-                ttft.as_secs_f64() * 1e3,
-                total.as_secs_f64() * 1e3,
-                completion.ids.len(),
-            );
-            Ok::<_, HostError>(Some(Message::Done(completion, timings)))
-        })();
+        let outcome = run_choice(&active.0, &choice, &options, accepted, &cancel, &tx);
         let message = match outcome {
             Ok(message) => message,
             Err(HostError::Cancelled) => None,
-            Err(e @ HostError::Busy { .. }) => Some(Message::Busy(e.to_string())),
-            Err(e) => Some(Message::Failed(e.to_string())),
+            Err(e @ HostError::Busy { .. }) => Some(ChoiceMessage::Busy(e.to_string())),
+            Err(e) => Some(ChoiceMessage::Failed(e.to_string())),
         };
         // Counted as finished, and its place given back, before the client can see the
         // answer (a client's next request must find the place free).
-        drop(running);
+        drop(active);
         drop(permit);
         if let Some(message) = message {
-            send(message);
+            // the receiver may be gone; then nobody needs the answer
+            let _ = tx.send(message);
         }
     });
     rx
+}
+
+/// Generate one choice: check that its prompt fits and say so (`Ready`), send its pieces
+/// as they come (setting `cancel` once the receiver is gone or the service is stopping),
+/// and return its last message (`None`: nothing more to say).
+fn run_choice(
+    service: &Service,
+    choice: &Choice,
+    options: &RunOptions,
+    accepted: Instant,
+    cancel: &AtomicBool,
+    tx: &mpsc::UnboundedSender<ChoiceMessage>,
+) -> Result<Option<ChoiceMessage>, HostError> {
+    let sampling = &choice.sampling;
+    let mut generation = service.host.start_generation(
+        &service.component,
+        &choice.model,
+        &choice.prompt,
+        sampling,
+        options,
+    )?;
+    let prompt_tokens = match generation.prompt_tokens()? {
+        Ok(n) => n,
+        Err(message) => {
+            return Ok(Some(ChoiceMessage::Rejected(ApiError::bad_request(
+                message,
+            ))))
+        }
+    };
+    if let Some(e) = context_length_error(
+        prompt_tokens,
+        sampling.max_tokens,
+        choice.max_tokens_explicit,
+        sampling.context_length,
+    ) {
+        return Ok(Some(ChoiceMessage::Rejected(e)));
+    }
+    // the receiver may be gone; then nobody needs the answer
+    let _ = tx.send(ChoiceMessage::Ready(prompt_tokens));
+    let (mut first, mut last) = (None, Instant::now());
+    loop {
+        let piece = match generation.next_piece()? {
+            Ok(Some(piece)) => piece,
+            Ok(None) => break,
+            Err(message) => return Ok(Some(ChoiceMessage::Failed(message))),
+        };
+        let now = Instant::now();
+        match first {
+            None => {
+                first = Some(accepted.elapsed());
+                metrics::ttft(now - accepted);
+            }
+            Some(_) => metrics::inter_token(now - last),
+        }
+        last = now;
+        if tx.send(ChoiceMessage::Piece(piece)).is_err() || service.stopping.load(Ordering::Relaxed)
+        {
+            cancel.store(true, Ordering::Relaxed);
+        }
+    }
+    let completion = generation.finish()?;
+    let total = accepted.elapsed();
+    let ttft = first.unwrap_or(total);
+    metrics::tokens(prompt_tokens, completion.ids.len());
+    let timings = Timings::new(
+        ttft.as_secs_f64() * 1e3,
+        total.as_secs_f64() * 1e3,
+        completion.ids.len(),
+    );
+    Ok(Some(ChoiceMessage::Done(completion, timings)))
 }
 
 /// Run `f` with a fresh instance on a blocking thread (the tokenizer routes).

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Which API a reply speaks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Kind {
+pub(crate) enum ReplyKind {
     Text,
     Chat,
 }
@@ -18,7 +18,7 @@ pub(crate) enum Kind {
 /// One request's reply: what every object and chunk shares, and per choice what has been
 /// sent (for `text_offset`).
 pub(crate) struct Reply {
-    pub kind: Kind,
+    pub kind: ReplyKind,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -59,7 +59,7 @@ pub(crate) fn finish_reason(reason: &str) -> &str {
 }
 
 impl Reply {
-    pub fn new(kind: Kind, id: String, created: u64, model: String, choices: usize) -> Self {
+    pub fn new(kind: ReplyKind, id: String, created: u64, model: String, choices: usize) -> Self {
         Self {
             kind,
             id,
@@ -76,9 +76,9 @@ impl Reply {
 
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
-            (Kind::Text, _) => "text_completion",
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
+            (ReplyKind::Text, _) => "text_completion",
+            (ReplyKind::Chat, false) => "chat.completion",
+            (ReplyKind::Chat, true) => "chat.completion.chunk",
         }
     }
 
@@ -99,7 +99,7 @@ impl Reply {
             return Value::Null;
         }
         match self.kind {
-            Kind::Text => {
+            ReplyKind::Text => {
                 let offset = &mut self.offsets[index];
                 let mut text_offset = Vec::with_capacity(entries.len());
                 for e in entries {
@@ -113,7 +113,7 @@ impl Reply {
                     "text_offset": text_offset,
                 })
             }
-            Kind::Chat => json!({
+            ReplyKind::Chat => json!({
                 "content": entries.iter().map(|e| json!({
                     "token": e.token,
                     "logprob": e.logprob,
@@ -157,14 +157,14 @@ impl Reply {
             choices: [choice],
         };
         let choice = match self.kind {
-            Kind::Text => PieceChoice {
+            ReplyKind::Text => PieceChoice {
                 index,
                 text: Some(text),
                 delta: None,
                 logprobs,
                 finish_reason: None,
             },
-            Kind::Chat => PieceChoice {
+            ReplyKind::Chat => PieceChoice {
                 index,
                 text: None,
                 delta: Some(Delta { content: text }),
@@ -180,11 +180,11 @@ impl Reply {
     /// The last chunk of a choice: its finish reason.
     pub fn finish_chunk(&self, index: usize, reason: &str) -> Value {
         let choice = match self.kind {
-            Kind::Text => json!({
+            ReplyKind::Text => json!({
                 "index": index, "text": "", "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
-            Kind::Chat => json!({
+            ReplyKind::Chat => json!({
                 "index": index, "delta": {}, "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
@@ -217,11 +217,11 @@ impl Reply {
             let logprobs = self.logprobs(index, &entries, want_logprobs);
             let reason = finish_reason(&completion.finish_reason);
             out.push(match self.kind {
-                Kind::Text => json!({
+                ReplyKind::Text => json!({
                     "index": index, "text": completion.text, "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
-                Kind::Chat => json!({
+                ReplyKind::Chat => json!({
                     "index": index,
                     "message": {"role": "assistant", "content": completion.text},
                     "logprobs": logprobs,
