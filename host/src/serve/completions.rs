@@ -8,7 +8,7 @@ use super::error::ApiError;
 use super::http::RequestId;
 use super::instance::{spawn_choice, Choice, ChoiceMessage};
 use super::reply::{unix_seconds, Reply, ReplyKind, Timings, Usage};
-use super::request::{body, ChatRequest, CompletionRequest, Plan};
+use super::request::{json_body, ChatRequest, CompletionRequest, Plan};
 use super::stream::stream_reply;
 use super::Service;
 use crate::runtime::Completion;
@@ -37,7 +37,7 @@ pub(super) async fn completions(
     request: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Response {
     let accepted = Instant::now();
-    let plan = body(request).and_then(|r| r.validate(&service.limits()));
+    let plan = json_body(request).and_then(|r| r.validate(&service.limits()));
     match plan {
         Ok(plan) => run_plan(service, plan, ReplyKind::Text, &id, accepted).await,
         Err(e) => e.into_response(),
@@ -50,7 +50,7 @@ pub(super) async fn chat_completions(
     request: Result<Json<ChatRequest>, JsonRejection>,
 ) -> Response {
     let accepted = Instant::now();
-    let plan = body(request).and_then(|r| {
+    let plan = json_body(request).and_then(|r| {
         let limits = service.limits();
         let model = r.model(&limits).to_owned();
         if !service.models.contains(&model) {

@@ -4,7 +4,7 @@
 
 use super::completions::{chat_completions, completions};
 use super::error::ApiError;
-use super::info::{health, metrics_text, models, page};
+use super::info::{demo_page, health, metrics_text, models};
 use super::metrics;
 use super::tokenizer::{detokenize, tokenize};
 use super::{ServeError, Service};
@@ -28,9 +28,12 @@ pub fn router(service: Arc<Service>) -> Router {
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route_layer(middleware::from_fn_with_state(service.clone(), api_key));
+        .route_layer(middleware::from_fn_with_state(
+            service.clone(),
+            check_api_key,
+        ));
     Router::new()
-        .route("/", get(page))
+        .route("/", get(demo_page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .merge(guarded)
@@ -111,14 +114,18 @@ async fn request_context(mut request: Request, next: Next) -> Response {
 }
 
 /// The API key check of the guarded routes.
-async fn api_key(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
+async fn check_api_key(
+    State(service): State<Arc<Service>>,
+    request: Request,
+    next: Next,
+) -> Response {
     if let Some(key) = &service.config.api_key {
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
     }
@@ -126,6 +133,6 @@ async fn api_key(State(service): State<Arc<Service>>, request: Request, next: Ne
 }
 
 /// Equal, in time that does not depend on where they differ.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }

@@ -57,6 +57,6 @@ pub(super) async fn metrics_text() -> Response {
 }
 
 /// The demo page: plain HTML and JS, no build step.
-pub(super) async fn page() -> Html<&'static str> {
+pub(super) async fn demo_page() -> Html<&'static str> {
     Html(include_str!("page.html"))
 }

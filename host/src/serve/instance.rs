@@ -184,7 +184,7 @@ fn run_choice(
 }
 
 /// Run `f` with a fresh instance on a blocking thread (the tokenizer routes).
-pub(super) async fn with_instance<T: Send + 'static>(
+pub(super) async fn with_fresh_instance<T: Send + 'static>(
     service: &Arc<Service>,
     f: impl FnOnce(&Service, &RunOptions) -> Result<Result<T, String>, HostError> + Send + 'static,
 ) -> Result<T, ApiError> {

@@ -471,7 +471,7 @@ pub(crate) struct DetokenizeRequest {
 }
 
 /// The JSON body, or the rejection as an OpenAI-style error (413 for a body over the limit).
-pub(super) fn body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+pub(super) fn json_body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
     request.map(|Json(r)| r).map_err(|rejection| {
         // a body over the limit stays a 413 and a wrong content type a 415; a body that is
         // not JSON or does not fit the request (axum says 422 for that) is a 400, as OpenAI

@@ -2,8 +2,8 @@
 //! a fresh instance.
 
 use super::error::ApiError;
-use super::instance::with_instance;
-use super::request::{body, DetokenizeRequest, TokenizeRequest};
+use super::instance::with_fresh_instance;
+use super::request::{json_body, DetokenizeRequest, TokenizeRequest};
 use super::Service;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
@@ -12,8 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::sync::Arc;
 
-/// The model a tokenizer request names, checked.
-fn known_model(service: &Service, model: Option<String>) -> Result<String, ApiError> {
+/// The model a tokenizer request names (or the default one), if this service serves it;
+/// else a 404.
+fn tokenizer_model(service: &Service, model: Option<String>) -> Result<String, ApiError> {
     let model = model.unwrap_or_else(|| service.config.default_model.clone());
     if service.models.contains(&model) {
         Ok(model)
@@ -31,10 +32,10 @@ pub(super) async fn tokenize(
     request: Result<Json<TokenizeRequest>, JsonRejection>,
 ) -> Response {
     let answer = async {
-        let request = body(request)?;
-        let model = known_model(&service, request.model)?;
+        let request = json_body(request)?;
+        let model = tokenizer_model(&service, request.model)?;
         let text = request.prompt;
-        let tokens = with_instance(&service, move |s, options| {
+        let tokens = with_fresh_instance(&service, move |s, options| {
             s.host.tokenize_with_component(&s.component, &text, options)
         })
         .await?;
@@ -55,10 +56,10 @@ pub(super) async fn detokenize(
     request: Result<Json<DetokenizeRequest>, JsonRejection>,
 ) -> Response {
     let answer = async {
-        let request = body(request)?;
-        known_model(&service, request.model)?;
+        let request = json_body(request)?;
+        tokenizer_model(&service, request.model)?;
         let ids = request.tokens;
-        let text = with_instance(&service, move |s, options| {
+        let text = with_fresh_instance(&service, move |s, options| {
             s.host
                 .detokenize_with_component(&s.component, &ids, options)
         })
