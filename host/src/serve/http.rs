@@ -43,7 +43,8 @@ pub fn router(service: Arc<Service>) -> Router {
 }
 
 /// Serve `service` on `listener` until `shutdown` completes; then stop accepting, let the
-/// requests in flight finish for up to [`ServiceConfig::shutdown_grace`], and cancel the
+/// requests in flight finish for up to
+/// [`ServiceConfig::shutdown_grace`](super::ServiceConfig::shutdown_grace), and cancel the
 /// rest.
 pub async fn serve(
     listener: tokio::net::TcpListener,
