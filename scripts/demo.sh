@@ -5,8 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-cargo build --quiet -p gpt2-guest --bin gpt2 --target wasm32-wasip1 --profile release-wasm
-cargo build --quiet --release -p wasi-nn-host
+# cargo's progress goes to stderr; the generated text is the only thing on stdout
+if [ ! -x target/release/wasi-nn-host ]; then
+  echo "demo.sh: the first build compiles gpt2.wasm and the host: about 10 minutes on 2 cores" >&2
+fi
+cargo build -p gpt2-guest --bin gpt2 --target wasm32-wasip1 --profile release-wasm
+cargo build --release -p wasi-nn-host
 wasm=target/wasm32-wasip1/release-wasm
 if [ ! "$wasm/gpt2.preinit.wasm" -nt "$wasm/gpt2.wasm" ]; then
   target/release/wasi-nn-host preinit "$wasm/gpt2.wasm" "$wasm/gpt2.preinit.wasm"

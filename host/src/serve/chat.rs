@@ -3,7 +3,8 @@
 //! (`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, and
 //! Python's string methods through minijinja-contrib's pycompat).
 
-use super::openai::{ApiError, ChatMessage};
+use super::error::ApiError;
+use super::request::ChatMessage;
 use serde::Serialize;
 use std::path::Path;
 

@@ -1,15 +1,16 @@
 //! The answers: OpenAI's `text_completion` and `chat.completion` objects, their streamed
 //! chunks, and the two shapes of `logprobs` (completions: `tokens`, `token_logprobs`,
-//! `top_logprobs`, `text_offset`; chat: `content` entries with `bytes`).
+//! `top_logprobs`, `text_offset`; chat: `content` entries with `bytes`), and the service's
+//! [`Timings`] of a completion.
 
-use super::openai::Timings;
 use crate::runtime::{Completion, TokenLogprob};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Which API a reply speaks.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Kind {
+pub(crate) enum ReplyKind {
     Text,
     Chat,
 }
@@ -17,7 +18,7 @@ pub(crate) enum Kind {
 /// One request's reply: what every object and chunk shares, and per choice what has been
 /// sent (for `text_offset`).
 pub(crate) struct Reply {
-    pub kind: Kind,
+    pub kind: ReplyKind,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -42,6 +43,13 @@ impl Usage {
     }
 }
 
+/// Seconds since the Unix epoch: the `created` of every object.
+pub(super) fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// OpenAI says `stop` where the model ended the text itself.
 pub(crate) fn finish_reason(reason: &str) -> &str {
     match reason {
@@ -51,7 +59,7 @@ pub(crate) fn finish_reason(reason: &str) -> &str {
 }
 
 impl Reply {
-    pub fn new(kind: Kind, id: String, created: u64, model: String, choices: usize) -> Self {
+    pub fn new(kind: ReplyKind, id: String, created: u64, model: String, choices: usize) -> Self {
         Self {
             kind,
             id,
@@ -68,9 +76,9 @@ impl Reply {
 
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
-            (Kind::Text, _) => "text_completion",
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
+            (ReplyKind::Text, _) => "text_completion",
+            (ReplyKind::Chat, false) => "chat.completion",
+            (ReplyKind::Chat, true) => "chat.completion.chunk",
         }
     }
 
@@ -91,7 +99,7 @@ impl Reply {
             return Value::Null;
         }
         match self.kind {
-            Kind::Text => {
+            ReplyKind::Text => {
                 let offset = &mut self.offsets[index];
                 let mut text_offset = Vec::with_capacity(entries.len());
                 for e in entries {
@@ -105,7 +113,7 @@ impl Reply {
                     "text_offset": text_offset,
                 })
             }
-            Kind::Chat => json!({
+            ReplyKind::Chat => json!({
                 "content": entries.iter().map(|e| json!({
                     "token": e.token,
                     "logprob": e.logprob,
@@ -149,14 +157,14 @@ impl Reply {
             choices: [choice],
         };
         let choice = match self.kind {
-            Kind::Text => PieceChoice {
+            ReplyKind::Text => PieceChoice {
                 index,
                 text: Some(text),
                 delta: None,
                 logprobs,
                 finish_reason: None,
             },
-            Kind::Chat => PieceChoice {
+            ReplyKind::Chat => PieceChoice {
                 index,
                 text: None,
                 delta: Some(Delta { content: text }),
@@ -172,11 +180,11 @@ impl Reply {
     /// The last chunk of a choice: its finish reason.
     pub fn finish_chunk(&self, index: usize, reason: &str) -> Value {
         let choice = match self.kind {
-            Kind::Text => json!({
+            ReplyKind::Text => json!({
                 "index": index, "text": "", "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
-            Kind::Chat => json!({
+            ReplyKind::Chat => json!({
                 "index": index, "delta": {}, "logprobs": null,
                 "finish_reason": finish_reason(reason),
             }),
@@ -209,11 +217,11 @@ impl Reply {
             let logprobs = self.logprobs(index, &entries, want_logprobs);
             let reason = finish_reason(&completion.finish_reason);
             out.push(match self.kind {
-                Kind::Text => json!({
+                ReplyKind::Text => json!({
                     "index": index, "text": completion.text, "logprobs": logprobs,
                     "finish_reason": reason,
                 }),
-                Kind::Chat => json!({
+                ReplyKind::Chat => json!({
                     "index": index,
                     "message": {"role": "assistant", "content": completion.text},
                     "logprobs": logprobs,
@@ -267,4 +275,34 @@ fn top_map(e: &TokenLogprob) -> Value {
     }
     map.entry(e.token.clone()).or_insert(json!(logprob));
     Value::Object(map)
+}
+
+/// How long a completion took, measured by the service (the component's completion carries
+/// no timings): from when the request was accepted, so instantiating the guest is included.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq)]
+pub struct Timings {
+    /// Until the first token was generated (prompt processing included).
+    pub ttft_ms: f64,
+    /// Until the completion was finished.
+    pub total_ms: f64,
+    /// Tokens after the first per second of the time after the first: the decode rate
+    /// (0 with fewer than two tokens).
+    pub tokens_per_s: f64,
+}
+
+impl Timings {
+    /// Timings of `tokens` tokens, the first after `ttft_ms`, all after `total_ms`.
+    pub fn new(ttft_ms: f64, total_ms: f64, tokens: usize) -> Self {
+        let decode_s = (total_ms - ttft_ms) / 1e3;
+        let tokens_per_s = if tokens > 1 && decode_s > 0.0 {
+            (tokens - 1) as f64 / decode_s
+        } else {
+            0.0
+        };
+        Self {
+            ttft_ms,
+            total_ms,
+            tokens_per_s,
+        }
+    }
 }

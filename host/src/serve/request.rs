@@ -1,12 +1,13 @@
-//! The service's wire format: OpenAI-style completion and chat requests as vLLM and the
-//! llama.cpp server accept them, their validation into a [`Plan`], and the JSON error body
-//! every 4xx and 5xx answer carries.
+//! The requests: OpenAI-style completion and chat requests as vLLM and the llama.cpp server
+//! accept them, the tokenizer routes' requests (vLLM's shapes), and the validation of a
+//! completion or chat request into a [`Plan`].
 
+use super::error::ApiError;
 use crate::runtime::{Prompt, Sampling};
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::extract::rejection::JsonRejection;
+use axum::http::StatusCode;
 use axum::Json;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use std::collections::BTreeMap;
 
 /// `stop` may be one string or several.
@@ -126,8 +127,9 @@ pub(crate) struct Plan {
     pub include_usage: bool,
 }
 
-/// The sampling fields completions and chat share.
-struct Common {
+/// The fields completions and chat share (they name them alike), gathered for one
+/// validation.
+struct SharedFields {
     model: Option<String>,
     max_tokens: Option<u32>,
     temperature: Option<f32>,
@@ -148,38 +150,89 @@ struct Common {
     echo: bool,
 }
 
-fn in_range(
+/// `value`, or `default` where it is absent; a 400 that names the field and its `range`
+/// where it is not finite or not `within` it.
+fn float_in_range(
     name: &str,
     value: Option<f32>,
     default: f32,
     range: &str,
-    ok: bool,
+    within: impl Fn(f32) -> bool,
 ) -> Result<f32, ApiError> {
     match value {
         None => Ok(default),
-        Some(v) if v.is_finite() && ok => Ok(v),
+        Some(v) if v.is_finite() && within(v) => Ok(v),
         Some(v) => Err(ApiError::bad_request(format!(
             "`{name}` must be {range}, got {v}"
         ))),
     }
 }
 
-impl Common {
-    fn plan(self, prompts: Vec<Prompt>, limits: &Limits<'_>) -> Result<Plan, ApiError> {
-        let model = self
-            .model
-            .unwrap_or_else(|| limits.default_model.to_owned());
-        if !limits.models.contains(&model) {
-            let served: Vec<String> = limits.models.iter().map(|m| format!("`{m}`")).collect();
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!(
-                    "model `{model}` does not exist; this service serves {}",
-                    served.join(", ")
-                ),
-            ));
+/// The model a request names (or the default one), if this service serves it; else a 404.
+fn served_model(model: Option<String>, limits: &Limits<'_>) -> Result<String, ApiError> {
+    let model = model.unwrap_or_else(|| limits.default_model.to_owned());
+    if limits.models.contains(&model) {
+        return Ok(model);
+    }
+    let served: Vec<String> = limits.models.iter().map(|m| format!("`{m}`")).collect();
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        "model_not_found",
+        format!(
+            "model `{model}` does not exist; this service serves {}",
+            served.join(", ")
+        ),
+    ))
+}
+
+/// `top_k` for the guest: -1 and 0 both mean off (0 to the guest).
+fn top_k(top_k: Option<i32>) -> Result<u32, ApiError> {
+    match top_k {
+        None | Some(-1) => Ok(0),
+        Some(k) if k >= 0 => Ok(k as u32),
+        Some(k) => Err(ApiError::bad_request(format!(
+            "`top_k` must be -1 (off), 0 (off) or positive, got {k}"
+        ))),
+    }
+}
+
+/// `stop` as a list: up to 4 non-empty strings.
+fn stop_strings(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let stop = match stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad_request(
+            "`stop` takes up to 4 non-empty strings",
+        ));
+    }
+    Ok(stop)
+}
+
+/// `logit_bias` as (token id, bias) pairs: each key a token id, each bias in [-100, 100].
+fn logit_biases(logit_bias: Option<BTreeMap<String, f32>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut biases = Vec::new();
+    for (key, bias) in logit_bias.unwrap_or_default() {
+        let id = key.parse::<u32>().map_err(|_| {
+            ApiError::bad_request(format!("`logit_bias`: `{key}` is not a token id"))
+        })?;
+        if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+            return Err(ApiError::bad_request(format!(
+                "`logit_bias`: the bias of token {id} must be between -100 and 100, got {bias}"
+            )));
         }
+        biases.push((id, bias));
+    }
+    Ok(biases)
+}
+
+impl SharedFields {
+    /// Check every field, in this order (the first one wrong is the 400): the model, the
+    /// length, the sampling settings, the number of choices.
+    fn plan(mut self, prompts: Vec<Prompt>, limits: &Limits<'_>) -> Result<Plan, ApiError> {
+        let model = served_model(self.model.take(), limits)?;
         let max_tokens = self.max_tokens.unwrap_or(16);
         if max_tokens > limits.max_tokens || (max_tokens == 0 && !self.echo) {
             return Err(ApiError::bad_request(format!(
@@ -187,85 +240,7 @@ impl Common {
                 limits.max_tokens
             )));
         }
-        let t = self.temperature;
-        let temperature = in_range(
-            "temperature",
-            t,
-            1.0,
-            "between 0 and 2",
-            t.is_some_and(|t| (0.0..=2.0).contains(&t)),
-        )?;
-        let p = self.top_p;
-        let top_p = in_range(
-            "top_p",
-            p,
-            1.0,
-            "in (0, 1]",
-            p.is_some_and(|p| p > 0.0 && p <= 1.0),
-        )?;
-        let m = self.min_p;
-        let min_p = in_range(
-            "min_p",
-            m,
-            0.0,
-            "in [0, 1]",
-            m.is_some_and(|m| (0.0..=1.0).contains(&m)),
-        )?;
-        let penalty = |name, v: Option<f32>| {
-            in_range(
-                name,
-                v,
-                0.0,
-                "between -2 and 2",
-                v.is_some_and(|v| (-2.0..=2.0).contains(&v)),
-            )
-        };
-        let presence_penalty = penalty("presence_penalty", self.presence_penalty)?;
-        let frequency_penalty = penalty("frequency_penalty", self.frequency_penalty)?;
-        let r = self.repetition_penalty;
-        let repetition_penalty = in_range(
-            "repetition_penalty",
-            r,
-            1.0,
-            "in (0, 10]",
-            r.is_some_and(|r| r > 0.0 && r <= 10.0),
-        )?;
-        let top_k = match self.top_k {
-            None | Some(-1) => 0,
-            Some(k) if k >= 0 => k as u32,
-            Some(k) => {
-                return Err(ApiError::bad_request(format!(
-                    "`top_k` must be -1 (off), 0 (off) or positive, got {k}"
-                )))
-            }
-        };
-        let stop = match self.stop {
-            None => Vec::new(),
-            Some(Stop::One(s)) => vec![s],
-            Some(Stop::Many(v)) => v,
-        };
-        if stop.len() > 4 || stop.iter().any(String::is_empty) {
-            return Err(ApiError::bad_request(
-                "`stop` takes up to 4 non-empty strings",
-            ));
-        }
-        let mut logit_bias = Vec::new();
-        for (key, bias) in self.logit_bias.unwrap_or_default() {
-            let id = key.parse::<u32>().map_err(|_| {
-                ApiError::bad_request(format!("`logit_bias`: `{key}` is not a token id"))
-            })?;
-            if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
-                return Err(ApiError::bad_request(format!(
-                    "`logit_bias`: the bias of token {id} must be between -100 and 100, got {bias}"
-                )));
-            }
-            logit_bias.push((id, bias));
-        }
-        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
-            return Err(ApiError::bad_request(format!(
-                "`logprobs` must be at most {MAX_LOGPROBS}, got {n}"
-            )));
-        }
+        let sampling = self.sampling(max_tokens)?;
         let n = self.n.unwrap_or(1);
         if n == 0 {
             return Err(ApiError::bad_request("`n` must be at least 1"));
@@ -291,36 +266,77 @@ impl Common {
             model,
             prompts,
             n,
-            sampling: Sampling {
-                max_tokens,
-                temperature,
-                top_k,
-                top_p,
-                // a negative seed keeps its bits
-                seed: self.seed.unwrap_or(0) as u64,
-                stop,
-                stop_token_ids: self.stop_token_ids.unwrap_or_default(),
-                logit_bias,
-                presence_penalty,
-                frequency_penalty,
-                repetition_penalty,
-                min_p,
-                logprobs: self.logprobs,
-                echo: self.echo,
-                context_length: 0,
-            },
+            sampling,
             max_tokens_explicit: self.max_tokens.is_some(),
             stream,
             include_usage,
         })
     }
+
+    /// The guest's sampling settings, each field checked (`context_length` is the
+    /// handler's to fill in).
+    fn sampling(&mut self, max_tokens: u32) -> Result<Sampling, ApiError> {
+        let temperature = float_in_range(
+            "temperature",
+            self.temperature,
+            1.0,
+            "between 0 and 2",
+            |t| (0.0..=2.0).contains(&t),
+        )?;
+        let top_p = float_in_range("top_p", self.top_p, 1.0, "in (0, 1]", |p| {
+            p > 0.0 && p <= 1.0
+        })?;
+        let min_p = float_in_range("min_p", self.min_p, 0.0, "in [0, 1]", |m| {
+            (0.0..=1.0).contains(&m)
+        })?;
+        let penalty = |name, value| {
+            float_in_range(name, value, 0.0, "between -2 and 2", |v| {
+                (-2.0..=2.0).contains(&v)
+            })
+        };
+        let presence_penalty = penalty("presence_penalty", self.presence_penalty)?;
+        let frequency_penalty = penalty("frequency_penalty", self.frequency_penalty)?;
+        let repetition_penalty = float_in_range(
+            "repetition_penalty",
+            self.repetition_penalty,
+            1.0,
+            "in (0, 10]",
+            |r| r > 0.0 && r <= 10.0,
+        )?;
+        let top_k = top_k(self.top_k)?;
+        let stop = stop_strings(self.stop.take())?;
+        let logit_bias = logit_biases(self.logit_bias.take())?;
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return Err(ApiError::bad_request(format!(
+                "`logprobs` must be at most {MAX_LOGPROBS}, got {n}"
+            )));
+        }
+        Ok(Sampling {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            // a negative seed keeps its bits
+            seed: self.seed.unwrap_or(0) as u64,
+            stop,
+            stop_token_ids: self.stop_token_ids.take().unwrap_or_default(),
+            logit_bias,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            min_p,
+            logprobs: self.logprobs,
+            echo: self.echo,
+            context_length: 0,
+        })
+    }
 }
 
-/// The [`Common`] fields of a request (completions and chat name them alike), with the
-/// three that differ given.
-macro_rules! common {
+/// The [`SharedFields`] of a request (completions and chat name them alike), with the three
+/// that differ given.
+macro_rules! shared_fields {
     ($r:ident, $max_tokens:expr, $logprobs:expr, $echo:expr) => {
-        Common {
+        SharedFields {
             model: $r.model,
             max_tokens: $max_tokens,
             temperature: $r.temperature,
@@ -404,7 +420,7 @@ impl CompletionRequest {
         }
         let prompts = prompts(self.prompt)?;
         let echo = self.echo.unwrap_or(false);
-        common!(self, self.max_tokens, self.logprobs, echo).plan(prompts, limits)
+        shared_fields!(self, self.max_tokens, self.logprobs, echo).plan(prompts, limits)
     }
 }
 
@@ -431,7 +447,7 @@ impl ChatRequest {
             }
         };
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
-        common!(self, max_tokens, logprobs, false).plan(vec![Prompt::Text(prompt)], limits)
+        shared_fields!(self, max_tokens, logprobs, false).plan(vec![Prompt::Text(prompt)], limits)
     }
 }
 
@@ -454,127 +470,18 @@ pub(crate) struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
-/// How long a completion took, measured by the service (the component's completion carries
-/// no timings): from when the request was accepted, so instantiating the guest is included.
-#[derive(Serialize, Clone, Copy, Debug, PartialEq)]
-pub struct Timings {
-    /// Until the first token was generated (prompt processing included).
-    pub ttft_ms: f64,
-    /// Until the completion was finished.
-    pub total_ms: f64,
-    /// Tokens after the first per second of the time after the first: the decode rate
-    /// (0 with fewer than two tokens).
-    pub tokens_per_s: f64,
-}
-
-impl Timings {
-    /// Timings of `tokens` tokens, the first after `ttft_ms`, all after `total_ms`.
-    pub fn new(ttft_ms: f64, total_ms: f64, tokens: usize) -> Self {
-        let decode_s = (total_ms - ttft_ms) / 1e3;
-        let tokens_per_s = if tokens > 1 && decode_s > 0.0 {
-            (tokens - 1) as f64 / decode_s
-        } else {
-            0.0
+/// The JSON body, or the rejection as an OpenAI-style error (413 for a body over the limit).
+pub(super) fn json_body<T>(request: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    request.map(|Json(r)| r).map_err(|rejection| {
+        // a body over the limit stays a 413 and a wrong content type a 415; a body that is
+        // not JSON or does not fit the request (axum says 422 for that) is a 400, as OpenAI
+        // and vLLM answer it
+        let status = rejection.status();
+        let (status, kind) = match status {
+            StatusCode::PAYLOAD_TOO_LARGE => (status, "request_too_large"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => (status, "invalid_request_error"),
+            _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
         };
-        Self {
-            ttft_ms,
-            total_ms,
-            tokens_per_s,
-        }
-    }
-}
-
-/// An OpenAI-style error answer: `{"error": {"message": ..., "type": ..., "code": ...}}`
-/// with a status.
-#[derive(Debug)]
-pub(crate) struct ApiError {
-    pub status: StatusCode,
-    kind: &'static str,
-    pub message: String,
-    /// Seconds after which the client may retry (429 and 503).
-    retry_after: Option<u32>,
-}
-
-#[derive(Serialize)]
-pub(crate) struct ErrorBody<'a> {
-    error: ErrorDetail<'a>,
-}
-
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    code: u16,
-}
-
-impl<'a> ErrorBody<'a> {
-    pub(crate) fn new(kind: &'a str, message: &'a str, status: StatusCode) -> Self {
-        Self {
-            error: ErrorDetail {
-                message,
-                kind,
-                code: status.as_u16(),
-            },
-        }
-    }
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            kind,
-            message: message.into(),
-            retry_after: None,
-        }
-    }
-
-    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
-    }
-
-    pub(crate) fn server_error(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
-    }
-
-    /// 503: every instance slot is taken; the client may retry.
-    pub(crate) fn busy(message: impl Into<String>) -> Self {
-        let mut e = Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message);
-        e.retry_after = Some(1);
-        e
-    }
-
-    /// 429: the queue is full.
-    pub(crate) fn too_many(message: impl Into<String>) -> Self {
-        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message);
-        e.retry_after = Some(1);
-        e
-    }
-
-    pub(crate) fn unauthorized() -> Self {
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "missing or wrong API key: send `Authorization: Bearer KEY`",
-        )
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = ErrorBody::new(self.kind, &self.message, self.status);
-        let mut response = (self.status, Json(body)).into_response();
-        if let Some(seconds) = self.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
-    }
+        ApiError::new(status, kind, rejection.body_text())
+    })
 }
