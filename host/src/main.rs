@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use wasi_nn_host::model::{self, Gpt2Config, StorageDtype};
 use wasi_nn_host::runtime::{HostBuilder, RunOptions};
 use wasi_nn_host::{Device, GpuDtype};
@@ -113,41 +113,18 @@ fn main() -> Result<()> {
             max_load_bytes,
             fuel,
             guest_args,
-        } => {
-            let builder = HostBuilder::auto()
-                .device(device)
-                .dtype(dtype)
-                .max_load_bytes(max_load_bytes)
-                .fuel_metering(fuel.is_some());
-            let specs = graphs
-                .iter()
-                .map(|spec| {
-                    spec.split_once('=')
-                        .with_context(|| format!("--graph {spec}: expected NAME=PATH"))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let builder = with_graphs(builder, &specs)?;
-            let host = builder.build()?;
-            let options = RunOptions {
-                args: guest_args,
-                dirs: dirs
-                    .iter()
-                    .map(|d| match d.split_once("::") {
-                        Some((h, g)) => (PathBuf::from(h), g.to_owned()),
-                        None => (PathBuf::from(d), d.clone()),
-                    })
-                    .collect(),
-                fuel,
-                ..Default::default()
-            };
-            let wasm = host.load_module(&module)?;
-            let program = module
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "guest.wasm".into());
-            let outcome = host.run(&wasm, &program, &options)?;
-            std::process::exit(outcome.exit_code);
-        }
+        } => run_guest(
+            &module,
+            &graphs,
+            GuestHost {
+                device,
+                dtype,
+                max_load_bytes,
+            },
+            &dirs,
+            fuel,
+            guest_args,
+        )?,
         Command::Preinit { input, output } => {
             let wasm =
                 std::fs::read(&input).with_context(|| format!("reading {}", input.display()))?;
@@ -179,27 +156,7 @@ fn main() -> Result<()> {
             dtype,
             seed,
             llmc,
-        } => {
-            let config =
-                Gpt2Config::preset(&size).with_context(|| format!("unknown size {size}"))?;
-            let weights = model::random_weights(config, seed);
-            if llmc {
-                let bf16 = match dtype {
-                    StorageDtype::F32 => false,
-                    StorageDtype::Bf16 => true,
-                    StorageDtype::F16 => bail!("llm.c checkpoints are f32 or bf16"),
-                };
-                std::fs::write(&out, model::write_llmc(&weights, bf16))
-                    .with_context(|| format!("writing {}", out.display()))?;
-            } else {
-                model::write_hf_checkpoint(&weights, &out, dtype)?;
-            }
-            eprintln!(
-                "wrote {} ({} parameters)",
-                out.display(),
-                config.num_params()
-            );
-        }
+        } => random_checkpoint(&size, &out, dtype, seed, llmc)?,
         Command::CompileKernels { arch, out } => {
             let ptx = wasi_nn_host::cuda::compile_kernels(&arch)?;
             if let Some(out) = out {
@@ -212,6 +169,91 @@ fn main() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Where `run` puts the guest's graphs.
+struct GuestHost {
+    device: Option<Device>,
+    dtype: GpuDtype,
+    max_load_bytes: usize,
+}
+
+/// `wasi-nn-host run`: one guest with the graphs given, its exit code as ours.
+fn run_guest(
+    module: &Path,
+    graphs: &[String],
+    GuestHost {
+        device,
+        dtype,
+        max_load_bytes,
+    }: GuestHost,
+    dirs: &[String],
+    fuel: Option<u64>,
+    guest_args: Vec<String>,
+) -> Result<()> {
+    let builder = HostBuilder::auto()
+        .device(device)
+        .dtype(dtype)
+        .max_load_bytes(max_load_bytes)
+        .fuel_metering(fuel.is_some());
+    let specs = graphs
+        .iter()
+        .map(|spec| {
+            spec.split_once('=')
+                .with_context(|| format!("--graph {spec}: expected NAME=PATH"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let builder = with_graphs(builder, &specs)?;
+    let host = builder.build()?;
+    let options = RunOptions {
+        args: guest_args,
+        dirs: dirs
+            .iter()
+            .map(|d| match d.split_once("::") {
+                Some((h, g)) => (PathBuf::from(h), g.to_owned()),
+                None => (PathBuf::from(d), d.clone()),
+            })
+            .collect(),
+        fuel,
+        ..Default::default()
+    };
+    let wasm = host.load_module(module)?;
+    let program = module
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "guest.wasm".into());
+    let outcome = host.run(&wasm, &program, &options)?;
+    std::process::exit(outcome.exit_code);
+}
+
+/// `wasi-nn-host random-checkpoint`: deterministic random weights of a GPT-2 shape, written
+/// as an HF folder or an llm.c checkpoint.
+fn random_checkpoint(
+    size: &str,
+    out: &Path,
+    dtype: StorageDtype,
+    seed: u64,
+    llmc: bool,
+) -> Result<()> {
+    let config = Gpt2Config::preset(size).with_context(|| format!("unknown size {size}"))?;
+    let weights = model::random_weights(config, seed);
+    if llmc {
+        let bf16 = match dtype {
+            StorageDtype::F32 => false,
+            StorageDtype::Bf16 => true,
+            StorageDtype::F16 => bail!("llm.c checkpoints are f32 or bf16"),
+        };
+        std::fs::write(out, model::write_llmc(&weights, bf16))
+            .with_context(|| format!("writing {}", out.display()))?;
+    } else {
+        model::write_hf_checkpoint(&weights, out, dtype)?;
+    }
+    eprintln!(
+        "wrote {} ({} parameters)",
+        out.display(),
+        config.num_params()
+    );
     Ok(())
 }
 

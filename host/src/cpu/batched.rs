@@ -280,11 +280,28 @@ impl BatchModel for CpuBatch {
 impl CpuBatch {
     /// One batched step (see [`BatchModel::step`]), on the calling thread.
     fn run_step(&self, items: &mut [StepItem<'_, CpuSeq>]) {
-        let w = &*self.weights;
-        let cfg = w.config;
-        let c = cfg.n_embd;
-        // Reserve each context's new positions; a context over the pool's cap (or past the
-        // model's context) fails alone.
+        self.reserve(items);
+        let mut active: Vec<&mut StepItem<'_, CpuSeq>> =
+            items.iter_mut().filter(|i| i.error.is_none()).collect();
+        if active.is_empty() {
+            return;
+        }
+        let n_layer = self.weights.config.n_layer;
+        for item in active.iter_mut() {
+            let cache = &mut item.seq.cache;
+            if cache.k.len() != n_layer {
+                cache.k = vec![Vec::new(); n_layer];
+                cache.v = vec![Vec::new(); n_layer];
+            }
+        }
+        let (x, first_row) = self.layers(&mut active);
+        self.logits(&mut active, &x, &first_row);
+    }
+
+    /// Reserve each context's new positions; a context over the pool's cap (or past the
+    /// model's context, or with a token out of the vocabulary) fails alone.
+    fn reserve(&self, items: &mut [StepItem<'_, CpuSeq>]) {
+        let cfg = self.weights.config;
         for item in items.iter_mut() {
             let seq = &mut *item.seq;
             let end = seq.cache.len() + item.tokens.len();
@@ -309,18 +326,15 @@ impl CpuBatch {
                 }
             }
         }
-        let mut active: Vec<&mut StepItem<'_, CpuSeq>> =
-            items.iter_mut().filter(|i| i.error.is_none()).collect();
-        if active.is_empty() {
-            return;
-        }
-        for item in active.iter_mut() {
-            let cache = &mut item.seq.cache;
-            if cache.k.len() != cfg.n_layer {
-                cache.k = vec![Vec::new(); cfg.n_layer];
-                cache.v = vec![Vec::new(); cfg.n_layer];
-            }
-        }
+    }
+
+    /// Every row of the step through the embedding and the layers, each context's keys and
+    /// values appended to its own cache. Returns the residual stream `[rows, C]` and each
+    /// context's first row.
+    fn layers(&self, active: &mut [&mut StepItem<'_, CpuSeq>]) -> (Vec<f32>, Vec<usize>) {
+        let w = &*self.weights;
+        let cfg = w.config;
+        let c = cfg.n_embd;
         // Row r of the step belongs to context `owner[r]` at position `start + t`.
         let mut owner = Vec::new();
         let mut first_row = Vec::with_capacity(active.len());
@@ -390,6 +404,14 @@ impl CpuBatch {
             item.seq.cache.len = starts[i] + item.tokens.len();
         }
 
+        (x, first_row)
+    }
+
+    /// The logits of the rows each context needs, into each context's logits buffer.
+    fn logits(&self, active: &mut [&mut StepItem<'_, CpuSeq>], x: &[f32], first_row: &[usize]) {
+        let w = &*self.weights;
+        let cfg = w.config;
+        let c = cfg.n_embd;
         // Logits of the rows each context needs: all of an all-positions request's rows, the
         // last row of a request's last chunk, none of a prompt's earlier chunks.
         let mut wanted = Vec::new();

@@ -445,77 +445,84 @@ impl<M: BatchModel> Batcher<M> {
                 continue;
             }
             state.running = true;
-            // expected back but not here: the gather gave up on them
-            let missing = state.returning.len();
-            state.returning.clear();
-            let mut batch = self.take_batch(&mut state);
-            let since_last = state.last_end.map(|end| end.elapsed());
-            drop(state);
-            let started = Instant::now();
-            self.run_step(&mut batch);
-            let took = started.elapsed();
-            tracing::trace!(
-                items = batch.len(),
-                step_us = took.as_micros() as u64,
-                between_us = since_last.map_or(0, |d| d.as_micros() as u64),
-                missing,
-                "step"
-            );
-            self.stats
-                .step_ns
-                .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-            let mut done = Vec::with_capacity(batch.len());
-            let mut slots = Vec::with_capacity(batch.len() + 1);
-            state = self.lock();
-            let wait = self
-                .model
-                .gather_window()
-                .unwrap_or(took)
-                .min(M::MAX_GATHER);
-            state.gather_until = Some(Instant::now() + wait);
-            state.last_end = Some(Instant::now());
-            // unfinished prompts go back to the front, in their order
-            for Scheduled {
-                request,
-                take,
-                error,
-                deferred,
-            } in batch.into_iter().rev()
-            {
-                let mut r = request;
-                if let Some(e) = error {
-                    slots.push(r.slot.clone());
-                    done.push((r.slot, r.seq, Err(e)));
-                    continue;
-                }
-                r.done += take;
-                if r.done >= r.tokens.len() {
-                    if !deferred {
-                        state.returning.insert(r.ticket);
-                    }
-                    slots.push(r.slot.clone());
-                    done.push((r.slot, r.seq, Ok(())));
-                } else {
-                    state.queue.push_front(r);
-                }
-            }
-            state.running = false;
-            // the first request still queued leads the next step
-            if let Some(front) = state.queue.front() {
-                slots.push(front.slot.clone());
-            }
-            let wake = Arc::new(WakeList {
-                slots,
-                next: AtomicUsize::new(0),
-            });
-            for (slot, seq, result) in done {
-                slot.put((seq, result, wake.clone()));
-            }
-            drop(state);
-            // the woken threads wake the rest with us
-            wake.help(usize::MAX);
+            self.lead(state);
             state = self.lock();
         }
+    }
+
+    /// Run the next step as its leader (`state` says a step is running): take the queued
+    /// requests, run them, hand each result to its thread and wake the threads, with the first
+    /// request still queued, which leads the step after.
+    fn lead<'s>(&'s self, mut state: MutexGuard<'s, State<M::Seq>>) {
+        // expected back but not here: the gather gave up on them
+        let missing = state.returning.len();
+        state.returning.clear();
+        let mut batch = self.take_batch(&mut state);
+        let since_last = state.last_end.map(|end| end.elapsed());
+        drop(state);
+        let started = Instant::now();
+        self.run_step(&mut batch);
+        let took = started.elapsed();
+        tracing::trace!(
+            items = batch.len(),
+            step_us = took.as_micros() as u64,
+            between_us = since_last.map_or(0, |d| d.as_micros() as u64),
+            missing,
+            "step"
+        );
+        self.stats
+            .step_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        let mut done = Vec::with_capacity(batch.len());
+        let mut slots = Vec::with_capacity(batch.len() + 1);
+        state = self.lock();
+        let wait = self
+            .model
+            .gather_window()
+            .unwrap_or(took)
+            .min(M::MAX_GATHER);
+        state.gather_until = Some(Instant::now() + wait);
+        state.last_end = Some(Instant::now());
+        // unfinished prompts go back to the front, in their order
+        for Scheduled {
+            request,
+            take,
+            error,
+            deferred,
+        } in batch.into_iter().rev()
+        {
+            let mut r = request;
+            if let Some(e) = error {
+                slots.push(r.slot.clone());
+                done.push((r.slot, r.seq, Err(e)));
+                continue;
+            }
+            r.done += take;
+            if r.done >= r.tokens.len() {
+                if !deferred {
+                    state.returning.insert(r.ticket);
+                }
+                slots.push(r.slot.clone());
+                done.push((r.slot, r.seq, Ok(())));
+            } else {
+                state.queue.push_front(r);
+            }
+        }
+        state.running = false;
+        // the first request still queued leads the next step
+        if let Some(front) = state.queue.front() {
+            slots.push(front.slot.clone());
+        }
+        let wake = Arc::new(WakeList {
+            slots,
+            next: AtomicUsize::new(0),
+        });
+        for (slot, seq, result) in done {
+            slot.put((seq, result, wake.clone()));
+        }
+        drop(state);
+        // the woken threads wake the rest with us
+        wake.help(usize::MAX);
     }
 
     /// The requests of the next step with the tokens each runs: every queued decode, and

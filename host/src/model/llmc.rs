@@ -12,67 +12,20 @@ const HEADER_BYTES: usize = HEADER_INTS * 4;
 /// Parse an llm.c checkpoint from bytes; `source_name` names it in errors.
 pub fn parse_llmc(bytes: &[u8], source_name: &str) -> Result<Gpt2Weights, LoadError> {
     let bad = |m: String| LoadError::malformed(source_name, m);
-    if bytes.len() < HEADER_BYTES {
-        return Err(bad(format!(
-            "truncated: {} bytes is shorter than the {HEADER_BYTES}-byte llm.c header",
-            bytes.len()
-        )));
-    }
-    let header: Vec<i32> = bytes[..HEADER_BYTES]
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    if header[0] != LLMC_MAGIC {
-        return Err(bad(format!(
-            "bad magic {} (expected {LLMC_MAGIC})",
-            header[0]
-        )));
-    }
-    let bytes_per = match header[1] {
-        3 => 4,
-        5 => 2,
-        v => {
-            return Err(bad(format!(
-                "unsupported version {v}: 3 (fp32) and 5 (bf16) are supported; \
-                 re-export with llm.c's train_gpt2.py if this is an older file"
-            )))
-        }
-    };
-    let dim = |i: usize, what: &str| -> Result<usize, LoadError> {
-        usize::try_from(header[i])
-            .ok()
-            .filter(|&v| v > 0)
-            .ok_or_else(|| {
-                bad(format!(
-                    "header field {what} = {} is not positive",
-                    header[i]
-                ))
-            })
-    };
-    let config = Gpt2Config {
-        n_ctx: dim(2, "maxT")?,
-        vocab_size: dim(3, "vocab_size")?,
-        n_layer: dim(4, "num_layers")?,
-        n_head: dim(5, "num_heads")?,
-        n_embd: dim(6, "channels")?,
-    };
-    let padded_vocab = dim(7, "padded_vocab_size")?;
-    config.validate().map_err(bad)?;
-    if padded_vocab < config.vocab_size || padded_vocab > (1 << 24) {
-        return Err(bad(format!(
-            "padded vocab {padded_vocab} is smaller than vocab {} (or implausible)",
-            config.vocab_size
-        )));
-    }
+    let Header {
+        config,
+        padded_vocab,
+        bytes_per,
+        version,
+    } = parse_header(bytes, &bad)?;
     let (c, l) = (config.n_embd, config.n_layer);
     let sizes = param_sizes(&config, padded_vocab);
     let num_params: usize = sizes.iter().sum();
     let expected = HEADER_BYTES + num_params * bytes_per;
     if bytes.len() != expected {
         return Err(bad(format!(
-            "{} bytes, but the header ({config:?}, padded vocab {padded_vocab}, version {}) needs {expected}{}",
+            "{} bytes, but the header ({config:?}, padded vocab {padded_vocab}, version {version}) needs {expected}{}",
             bytes.len(),
-            header[1],
             if bytes.len() < expected { ": truncated" } else { ": trailing data" }
         )));
     }
@@ -133,6 +86,77 @@ pub fn parse_llmc(bytes: &[u8], source_name: &str) -> Result<Gpt2Weights, LoadEr
         layers,
         lnf_w,
         lnf_b,
+    })
+}
+
+/// What an llm.c header says: the model's shape, the padded vocabulary, the bytes of one
+/// parameter (4: fp32, version 3; 2: bf16, version 5) and the version.
+struct Header {
+    config: Gpt2Config,
+    padded_vocab: usize,
+    bytes_per: usize,
+    version: i32,
+}
+
+/// The header of an llm.c checkpoint, checked (`bad` makes the error).
+fn parse_header(bytes: &[u8], bad: &impl Fn(String) -> LoadError) -> Result<Header, LoadError> {
+    if bytes.len() < HEADER_BYTES {
+        return Err(bad(format!(
+            "truncated: {} bytes is shorter than the {HEADER_BYTES}-byte llm.c header",
+            bytes.len()
+        )));
+    }
+    let header: Vec<i32> = bytes[..HEADER_BYTES]
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    if header[0] != LLMC_MAGIC {
+        return Err(bad(format!(
+            "bad magic {} (expected {LLMC_MAGIC})",
+            header[0]
+        )));
+    }
+    let bytes_per = match header[1] {
+        3 => 4,
+        5 => 2,
+        v => {
+            return Err(bad(format!(
+                "unsupported version {v}: 3 (fp32) and 5 (bf16) are supported; \
+                 re-export with llm.c's train_gpt2.py if this is an older file"
+            )))
+        }
+    };
+    let dim = |i: usize, what: &str| -> Result<usize, LoadError> {
+        usize::try_from(header[i])
+            .ok()
+            .filter(|&v| v > 0)
+            .ok_or_else(|| {
+                bad(format!(
+                    "header field {what} = {} is not positive",
+                    header[i]
+                ))
+            })
+    };
+    let config = Gpt2Config {
+        n_ctx: dim(2, "maxT")?,
+        vocab_size: dim(3, "vocab_size")?,
+        n_layer: dim(4, "num_layers")?,
+        n_head: dim(5, "num_heads")?,
+        n_embd: dim(6, "channels")?,
+    };
+    let padded_vocab = dim(7, "padded_vocab_size")?;
+    config.validate().map_err(bad)?;
+    if padded_vocab < config.vocab_size || padded_vocab > (1 << 24) {
+        return Err(bad(format!(
+            "padded vocab {padded_vocab} is smaller than vocab {} (or implausible)",
+            config.vocab_size
+        )));
+    }
+    Ok(Header {
+        config,
+        padded_vocab,
+        bytes_per,
+        version: header[1],
     })
 }
 
