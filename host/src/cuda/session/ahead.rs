@@ -1,0 +1,120 @@
+//! A decode step run ahead on the session's own stream, before its guest asks for it.
+//!
+//! After a greedy guest's decode through this session's graph, the next step can start at
+//! once: its token is the argmax of the step just run, fed on the GPU, and its logits go to
+//! a buffer the guest is not reading ([`CudaSession::launch_ahead_decode`]). When the guest
+//! comes back with exactly that token at that position, the step is taken as done
+//! ([`CudaSession::take_ahead_decode`]); anything else runs after it and overwrites what it
+//! wrote. Before a batched pass (on another stream) touches the session, the session's own
+//! stream is waited for ([`CudaSession::settle_own`]).
+
+use super::CudaSession;
+use crate::cuda::buffer::HostCopy;
+use crate::cuda::error::DriverContext;
+use crate::cuda::ops::matvec::argmax_row;
+use crate::engine::EngineError;
+
+/// A decode step run ahead on a session's own stream: its position and its token.
+pub(super) struct LoneAhead {
+    position: usize,
+    token: u32,
+    /// The logits buffer it writes (see [`CudaSession::logits_at`]).
+    buffer: usize,
+}
+
+impl CudaSession {
+    /// Launch this session's next decode step now, on its own stream, ahead of its guest:
+    /// its token is the argmax of the step just run (fed on the GPU), its logits go to the
+    /// buffer the guest is not reading, so nothing the guest can still read changes. When
+    /// the guest comes back with exactly that token at that position, its step is done or
+    /// under way ([`Self::take_ahead_decode`]); any other call runs after it and overwrites
+    /// what it wrote. Returns the argmax of the step just run (read back through page-locked
+    /// memory), or None when no step can run ahead: no room, no captured graphs, or the last
+    /// step was not a decode through this session's graph (ids[0] holds another position).
+    pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
+        let last_decode = self
+            .len
+            .checked_sub(1)
+            .is_some_and(|p| self.fed_from == Some(p));
+        let graphs =
+            self.exec.gpu.measurement().graphs && !self.graph_failed && self.graph.is_some();
+        if !last_decode || !graphs || self.len >= self.capacity {
+            return Ok(None);
+        }
+        // the step run ahead writes a buffer not being read (`logits` or the first spare)
+        let which = usize::from(self.readable == 0);
+        if self.ahead_graphs[which].is_none() {
+            let logits = self.logits_buffer(which).ptr();
+            match self.capture(|s| s.decode_kernels_into(true, logits)) {
+                Ok(Some(graph)) => self.ahead_graphs[which] = Some(graph),
+                Ok(None) => return Ok(None),
+                Err(e) => {
+                    tracing::warn!("capturing a decode run ahead failed, not running ahead: {e}");
+                    self.graph_failed = true;
+                    return Ok(None);
+                }
+            }
+        }
+        let stream = self.launcher.stream().clone();
+        if self.key_copy.is_none() {
+            self.key_copy = Some(HostCopy::new(&stream, 1)?);
+        }
+        let (Some(copy), Some(graph)) = (self.key_copy.as_mut(), self.ahead_graphs[which].as_ref())
+        else {
+            return Ok(None);
+        };
+        // this step's argmax key goes out before the step run ahead clears it
+        copy.start(&stream, &self.next, 1)?;
+        graph.launch().ctx("decode run ahead")?;
+        self.own_in_flight = true;
+        let key = copy.wait()?.first().copied().unwrap_or(0);
+        let argmax = argmax_row(key);
+        // the kernel feeds row 0 for a row past the vocabulary (never an argmax): no guess then
+        if (argmax as usize) < self.exec.config.vocab_size {
+            self.lone = Some(LoneAhead {
+                position: self.len,
+                token: argmax,
+                buffer: which,
+            });
+        }
+        self.cached_argmax = Some(argmax);
+        Ok(Some(argmax))
+    }
+
+    /// Take the decode run ahead as this session's next step when it is `token` at the
+    /// current position: the position advances and its logits buffer becomes the one read
+    /// (the step may still be under way; reads are ordered after it on the stream). False, and
+    /// the step run ahead forgotten, otherwise.
+    pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
+        let Some(ahead) = self
+            .lone
+            .take()
+            .filter(|a| a.position == self.len && a.token == token)
+        else {
+            return false;
+        };
+        self.fed_from = Some(self.len);
+        self.len += 1;
+        self.all_rows = 0;
+        self.readable = ahead.buffer;
+        self.cached_argmax = None;
+        true
+    }
+
+    /// Forget any decode run ahead and wait for this session's own stream if work run ahead
+    /// may still be under way on it: before a batched pass (on another stream) reads or writes
+    /// the session's cache and logits.
+    pub(crate) fn settle_own(&mut self) -> Result<(), EngineError> {
+        self.lone = None;
+        if self.own_in_flight {
+            self.synchronize()?;
+            self.own_in_flight = false;
+        }
+        Ok(())
+    }
+
+    /// Nothing run ahead on the session's own stream (see [`Self::settle_own`]).
+    pub(crate) fn idle_own(&self) -> bool {
+        self.lone.is_none() && !self.own_in_flight
+    }
+}
