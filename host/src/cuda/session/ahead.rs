@@ -14,14 +14,6 @@ use crate::cuda::error::DriverContext;
 use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::EngineError;
 
-/// A decode step run ahead on a session's own stream: its position and its token.
-pub(super) struct LoneAhead {
-    position: usize,
-    token: u32,
-    /// The logits buffer it writes (see [`CudaSession::logits_at`]).
-    buffer: usize,
-}
-
 impl CudaSession {
     /// Launch this session's next decode step now, on its own stream, ahead of its guest:
     /// its token is the argmax of the step just run (fed on the GPU), its logits go to the
@@ -32,17 +24,14 @@ impl CudaSession {
     /// memory), or None when no step can run ahead: no room, no captured graphs, or the last
     /// step was not a decode through this session's graph (ids[0] holds another position).
     pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
-        let last_decode = self
-            .len
-            .checked_sub(1)
-            .is_some_and(|p| self.fed_from == Some(p));
+        let last_decode = self.read_out.follows_own_decode();
         let graphs =
             self.exec.gpu.measurement().graphs && !self.graph_failed && self.graph.is_some();
-        if !last_decode || !graphs || self.len >= self.capacity {
+        if !last_decode || !graphs || self.read_out.len() >= self.capacity {
             return Ok(None);
         }
         // the step run ahead writes a buffer not being read (`logits` or the first spare)
-        let which = usize::from(self.readable == 0);
+        let which = self.read_out.own_ahead_buffer();
         if self.ahead_graphs[which].is_none() {
             let logits = self.logits_buffer(which).ptr();
             match self.capture(|s| s.decode_kernels_into(true, logits)) {
@@ -66,18 +55,12 @@ impl CudaSession {
         // this step's argmax key goes out before the step run ahead clears it
         copy.start(&stream, &self.next, 1)?;
         graph.launch().ctx("decode run ahead")?;
-        self.own_in_flight = true;
+        self.read_out.own_ahead_launched();
         let key = copy.wait()?.first().copied().unwrap_or(0);
         let argmax = argmax_row(key);
         // the kernel feeds row 0 for a row past the vocabulary (never an argmax): no guess then
-        if (argmax as usize) < self.exec.config.vocab_size {
-            self.lone = Some(LoneAhead {
-                position: self.len,
-                token: argmax,
-                buffer: which,
-            });
-        }
-        self.cached_argmax = Some(argmax);
+        self.read_out
+            .own_ahead_fed(argmax, which, self.exec.config.vocab_size);
         Ok(Some(argmax))
     }
 
@@ -86,35 +69,23 @@ impl CudaSession {
     /// (the step may still be under way; reads are ordered after it on the stream). False, and
     /// the step run ahead forgotten, otherwise.
     pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
-        let Some(ahead) = self
-            .lone
-            .take()
-            .filter(|a| a.position == self.len && a.token == token)
-        else {
-            return false;
-        };
-        self.fed_from = Some(self.len);
-        self.len += 1;
-        self.all_rows = 0;
-        self.readable = ahead.buffer;
-        self.cached_argmax = None;
-        true
+        self.read_out.take_own_ahead(token)
     }
 
     /// Forget any decode run ahead and wait for this session's own stream if work run ahead
     /// may still be under way on it: before a batched pass (on another stream) reads or writes
     /// the session's cache and logits.
     pub(crate) fn settle_own(&mut self) -> Result<(), EngineError> {
-        self.lone = None;
-        if self.own_in_flight {
+        self.read_out.forget_own_ahead();
+        if self.read_out.own_in_flight() {
             self.synchronize()?;
-            self.own_in_flight = false;
+            self.read_out.own_settled();
         }
         Ok(())
     }
 
     /// Nothing run ahead on the session's own stream (see [`Self::settle_own`]).
     pub(crate) fn idle_own(&self) -> bool {
-        self.lone.is_none() && !self.own_in_flight
+        self.read_out.idle_own()
     }
 }

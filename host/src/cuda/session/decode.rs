@@ -160,11 +160,10 @@ impl CudaSession {
 
     /// One decode step through the captured graph (captured on first use).
     pub(super) fn decode(&mut self, token: u32) -> Result<(), CudaError> {
-        self.lone = None;
-        // (unknown until the upload is done)
-        self.fed_from = None;
-        self.upload_ids(Some(self.len), &[token as i32])?;
-        self.fed_from = Some(self.len);
+        // (ids[0] unknown until the upload is done)
+        self.read_out.own_step_begins();
+        self.upload_ids(Some(self.read_out.len()), &[token as i32])?;
+        self.read_out.decode_position_uploaded();
         self.capture_decode();
         match &self.graph {
             Some(graph) => graph.launch().ctx("decode step"),
@@ -194,10 +193,9 @@ impl CudaSession {
     /// Run one decode step without copying logits back (the GPU part alone).
     pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
         self.check(1)?;
-        self.cached_argmax = None;
-        self.readable = 0;
+        self.read_out.bare_decode_started();
         self.decode(token)?;
-        self.len += 1;
+        self.read_out.bare_decode_done();
         Ok(())
     }
 }

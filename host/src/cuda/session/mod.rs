@@ -23,6 +23,7 @@ mod ahead;
 mod decode;
 mod prefill;
 mod prefill_layers;
+mod read_out;
 mod sequence;
 
 pub use prefill::PrefillPlan;
@@ -37,8 +38,8 @@ use super::ops::{KvLayer, Launcher};
 use crate::engine::{EngineError, GpuDtype};
 use crate::model::Gpt2Config;
 use crate::switches::Skip;
-use ahead::LoneAhead;
 use cudarc::driver::CudaGraph;
+use read_out::ReadOut;
 use std::sync::Arc;
 
 /// Logits buffers of a session: the one the guest reads and one for each of the (at most
@@ -51,7 +52,9 @@ pub struct CudaSession {
     launcher: Launcher,
     /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
     capacity: usize,
-    len: usize,
+    /// The sequence's length and what reading it gives (the logits buffer the guest reads,
+    /// the argmax when known, the decode run ahead on this stream, ...).
+    read_out: ReadOut,
     k_cache: DevBuf<u8>, // [L, capacity, C] elements of the dtype's `kv_bytes`
     v_cache: DevBuf<u8>,
     x: DevBuf<f32>,   // residual stream [capacity, C]
@@ -64,37 +67,18 @@ pub struct CudaSession {
     /// guest is not reading and no other step run ahead for it is writing; when the guest's
     /// token is the one guessed, the buffer of that step becomes the one read (`readable`).
     spares: [DevBuf<f32>; 2],
-    /// Which buffer holds the last logits: 0 `logits`, 1 and 2 `spares`.
-    readable: usize,
     all_logits: Option<DevBuf<f32>>,
     /// [position, ids...]: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
     ids: DevBuf<i32>,
     /// [1] the argmax key of the last logits (see [`super::ops::matvec::argmax_row`]).
     next: DevBuf<u64>,
-    /// Rows of all-position logits from the last extend (0 when not asked for).
-    all_rows: usize,
-    /// Where the current prefill's all-position logits go (rows already written by the
-    /// earlier chunks of the same extend).
-    all_offset: usize,
-    /// The argmax of the last logits when a batched step brought it back already.
-    cached_argmax: Option<u32>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
     max_chunks: usize,
     graph: Option<CudaGraph>,
     graph_failed: bool,
-    /// The position ids[0] holds after the last decode through this session's own graph
-    /// (None after prompts and batched steps, which leave something else there): a decode
-    /// run ahead takes the position after it.
-    fed_from: Option<usize>,
-    /// The decode step run ahead on this session's stream, if any (see
-    /// [`Self::launch_ahead_decode`]).
-    lone: Option<LoneAhead>,
-    /// Work run ahead may still be under way on this session's stream: a batched pass waits
-    /// for it ([`Self::settle_own`]) before it touches the session's cache.
-    own_in_flight: bool,
     /// Page-locked landing of the argmax key a decode run ahead is fed from.
     key_copy: Option<HostCopy<u64>>,
     /// Captured decode steps run ahead: logits into `logits` (0) or the first spare (1).
@@ -176,22 +160,15 @@ impl CudaSession {
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
             ],
-            readable: 0,
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
-            all_rows: 0,
-            all_offset: 0,
-            cached_argmax: None,
             may_capture: true,
             max_chunks,
             capacity,
-            len: 0,
+            read_out: ReadOut::default(),
             graph: None,
             graph_failed: false,
-            fed_from: None,
-            lone: None,
-            own_in_flight: false,
             key_copy: None,
             ahead_graphs: [None, None],
             plan,
@@ -290,9 +267,10 @@ impl CudaSession {
     }
 
     fn check(&self, n: usize) -> Result<(), EngineError> {
-        if self.len + n > self.capacity {
+        let len = self.read_out.len();
+        if len + n > self.capacity {
             return Err(EngineError::OverCapacity {
-                len: self.len + n,
+                len: len + n,
                 capacity: self.capacity,
             });
         }

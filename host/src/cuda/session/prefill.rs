@@ -66,10 +66,9 @@ impl PrefillPlan {
 impl CudaSession {
     /// A batched prefill of `tokens` at positions len..len+n.
     pub(super) fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), CudaError> {
-        self.lone = None;
-        self.fed_from = None;
+        self.read_out.own_step_begins();
         let cfg = self.exec.config;
-        let (n, start) = (tokens.len(), self.len);
+        let (n, start) = (tokens.len(), self.read_out.len());
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         if all_positions && self.all_logits.is_none() {
             self.all_logits = Some(DevBuf::zeros(
@@ -80,7 +79,7 @@ impl CudaSession {
         }
         let key = (n, all_positions);
         // a later chunk's all-position logits go after the earlier chunks': not captured
-        if self.prefill_graphable() && self.all_offset == 0 {
+        if self.prefill_graphable() && self.read_out.all_offset() == 0 {
             let cached = self.prefill_graphs.iter().position(|(k, _)| *k == key);
             // a capture stalls everything else on the GPU's set-up lock: only when alone
             let graphed =
@@ -163,7 +162,7 @@ impl CudaSession {
         }
         if let Some(all) = self.all_logits.as_ref().filter(|_| all_positions) {
             let v = cfg.vocab_size;
-            let all = all.ptr().skip(self.all_offset * v);
+            let all = all.ptr().skip(self.read_out.all_offset() * v);
             if let Some(blas) = &self.blas {
                 // the final LayerNorm writes the head product's input in the weights' type
                 let a = self.product_input(blas);
@@ -206,7 +205,7 @@ impl CudaSession {
     /// GPU time of a prefill of `tokens` from position 0, without the host's launch costs: the
     /// prefill's launches captured once as a CUDA graph, replayed `iters` times.
     pub fn prefill_gpu_ms(&mut self, tokens: &[u32], iters: usize) -> Result<f64, EngineError> {
-        self.len = 0;
+        self.read_out.set_len_only(0);
         self.check(tokens.len())?;
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         self.upload_ids(None, &ids)?;
@@ -222,7 +221,7 @@ impl CudaSession {
             graph.launch().ctx("prefill graph")?;
         }
         stream.synchronize().ctx("prefill graph")?;
-        self.len = tokens.len();
+        self.read_out.set_len_only(tokens.len());
         Ok(t.elapsed().as_secs_f64() * 1e3 / iters.max(1) as f64)
     }
 }

@@ -33,24 +33,13 @@ impl CudaSession {
         continued: bool,
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
-        self.cached_argmax = None;
-        self.readable = 0;
-        self.all_offset = if all_positions && continued {
-            self.all_rows
-        } else {
-            0
-        };
+        self.read_out.chunk_started(all_positions, continued);
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
         } else {
             self.prefill(tokens, all_positions)?;
         }
-        self.all_rows = if all_positions {
-            self.all_offset + tokens.len()
-        } else {
-            0
-        };
-        self.len += tokens.len();
+        self.read_out.chunk_done(tokens.len(), all_positions);
         Ok(())
     }
 
@@ -62,48 +51,35 @@ impl CudaSession {
     /// A batched step appended `added` positions and left the last one's logits (and their
     /// argmax).
     pub(crate) fn advanced_in_batch(&mut self, added: usize, argmax: u32) {
-        self.fed_from = None;
-        self.len += added;
-        self.all_rows = 0;
-        self.readable = 0;
-        self.cached_argmax = Some(argmax);
+        self.read_out.after_batched_step(added, Some(argmax));
     }
 
     /// A batched pass that this step does not wait for appends `added` positions (their
     /// logits go to the buffer read next, their argmax comes with [`Self::set_argmax`]).
     pub(crate) fn advanced_late(&mut self, added: usize) {
-        self.fed_from = None;
-        self.len += added;
-        self.all_rows = 0;
-        self.readable = 0;
-        self.cached_argmax = None;
+        self.read_out.after_batched_step(added, None);
     }
 
     /// The argmax of the last position's logits, known on the host.
     pub(crate) fn set_argmax(&mut self, argmax: u32) {
-        self.cached_argmax = Some(argmax);
+        self.read_out.argmax_arrived(argmax);
     }
 
     /// The buffer holding the last logits, the one the guest reads.
     pub(crate) fn readable(&self) -> usize {
-        self.readable
+        self.read_out.readable()
     }
 
     /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
     /// take its results.
     pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize) {
-        self.advanced_ahead_pending(buffer);
-        self.cached_argmax = Some(argmax);
+        self.read_out.took_batched_ahead(buffer, Some(argmax));
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
     pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize) {
-        self.fed_from = None;
-        self.len += 1;
-        self.all_rows = 0;
-        self.readable = buffer;
-        self.cached_argmax = None;
+        self.read_out.took_batched_ahead(buffer, None);
     }
 
     pub(crate) fn logits_now(&self) -> Result<Vec<f32>, EngineError> {
@@ -111,11 +87,11 @@ impl CudaSession {
     }
 
     pub(crate) fn all_logits_now(&self) -> Result<Vec<f32>, EngineError> {
-        Ok(self.read(self.all_rows * self.exec.config.vocab_size, true)?)
+        Ok(self.read(self.read_out.all_rows() * self.exec.config.vocab_size, true)?)
     }
 
     pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
-        if let Some(id) = self.cached_argmax {
+        if let Some(id) = self.read_out.argmax() {
             return Ok(id);
         }
         let key = self.next.read(self.launcher.stream(), 1)?;
@@ -128,36 +104,28 @@ impl CudaSession {
         match (&self.all_logits, all) {
             (Some(buf), true) => buf.read(stream, count),
             (None, true) => Ok(Vec::new()),
-            _ => self.logits_buffer(self.readable).read(stream, count),
+            _ => self
+                .logits_buffer(self.read_out.readable())
+                .read(stream, count),
         }
     }
 
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
-        self.lone = None;
-        self.fed_from = None;
-        self.own_in_flight = false;
-        self.len = 0;
-        self.readable = 0;
-        self.all_rows = 0;
-        self.all_offset = 0;
-        self.cached_argmax = None;
+        self.read_out.reset();
     }
 }
 
 impl Session for CudaSession {
     fn len(&self) -> usize {
-        self.len
+        self.read_out.len()
     }
 
     fn truncate(&mut self, len: usize) {
         // Positions past `len` are simply overwritten by the next step; a step run ahead
         // was for the old sequence (the wasi-nn backend truncates to the length it keeps
         // before every step: a no-op then, and the step run ahead stays).
-        if len < self.len {
-            self.lone = None;
-        }
-        self.len = self.len.min(len);
+        self.read_out.truncate(len);
     }
 
     fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
