@@ -15,7 +15,8 @@ use crate::cuda::error::CudaError;
 use crate::cuda::ops::attention::{PrefillAttention, Start};
 use crate::cuda::ops::embed_norm::LayerNorm;
 use crate::cuda::ops::matmul::{GemmEpilogue, Matmul};
-use crate::cuda::ops::{Epilogue, Norm};
+use crate::cuda::ops::{Epilogue, KvLayer, Norm};
+use crate::cuda::weights::DevLayer;
 use crate::engine::GpuDtype;
 
 impl CudaSession {
@@ -60,118 +61,159 @@ impl CudaSession {
         n: usize,
         start: Start,
     ) -> Result<Option<DevPtr<Stored>>, CudaError> {
-        let c = self.exec.config.n_embd;
-        let l = &self.launcher;
-        let skip = self.skip();
-        let a_c = self.product_input(blas);
         let a_4c = match self.exec.dtype {
             GpuDtype::Bf16 => Act::Bf16(blas.fc_bf16.ptr()),
             GpuDtype::F32 => Act::F32(self.fc.ptr()),
         };
-        let bf16_in = |a: Act| match a {
-            Act::Bf16(p) => p,
-            Act::F32(p) => p.cast(),
-        };
-        let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
         let host_start = match start {
             Start::Host(s) => s,
             Start::Device(_) => 0,
         };
+        let rows = BlasRows {
+            n,
+            start,
+            host_start,
+            a_c: self.product_input(blas),
+            a_4c,
+        };
+        let x = self.x.ptr();
         let mut pending = None;
         for (i, lw) in self.exec.weights.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
-            self.layernorm(a_c, x, lw.ln1(), pending, n)?;
-            // QKV with its bias through cuBLASLt into bf16 rows, the tensor-core attention
-            // reading queries, keys and values from them and appending the keys and values to
-            // the cache; else a product, then a pass adding the bias and scattering keys and
-            // values into the cache
-            let qkv_rows = Act::Bf16(blas.qkv_bf16.ptr());
-            let qkv_shape = Shape::new((n, 3 * c, c), LtEpilogue::Bias);
-            let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), LtBias::Stored(lw.qkv_b.ptr()));
-            let fresh = self.plan.fresh_kv
-                && blas.lt_matmul(l, qkv_shape, qkv_w, bf16_in(a_c), qkv_b, qkv_rows)?;
-            if !fresh && matches!(start, Start::Device(_)) {
-                return Err(CudaError::unavailable(
-                    "no cuBLASLt plan for the QKV product: the prefill cannot be captured",
-                ));
-            }
-            if !fresh {
-                blas.gemm(l, qkv_w, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
-                self.epilogue(GemmEpilogue {
-                    out: Act::F32(self.qkv.ptr()),
-                    tmp,
-                    bias: lw.qkv_b.ptr(),
-                    rows: n,
-                    n: 3 * c,
-                    epilogue: Epilogue::Qkv,
-                    start: host_start,
-                    kv: Some(kv),
-                    out_stride: 3 * c,
-                })?;
-            }
-            if !skip.pattn {
-                let attention = PrefillAttention {
-                    out: a_c,
-                    kv,
-                    start,
-                    rows: n,
-                };
-                self.prefill_attention(attention, fresh.then(|| blas.qkv_bf16.ptr()))?;
-            }
-            // projection into the residual stream: with its bias (cuBLASLt), or the bias is
-            // left to the next LayerNorm
-            let residual = |k| Shape {
-                accumulate: true,
-                ..Shape::new((n, c, k), LtEpilogue::Bias)
-            };
-            let mut pre_bias = Some(lw.proj_b.ptr());
-            let proj_b32 = LtBias::F32(lw.proj_b32());
-            if blas.lt_matmul(
-                l,
-                residual(c),
-                lw.proj_w.ptr(),
-                bf16_in(a_c),
-                proj_b32,
-                Act::F32(x),
-            )? {
-                pre_bias = None;
-            } else {
-                blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), (x, c), true)?;
-            }
-            self.layernorm(a_c, x, lw.ln2(), pre_bias, n)?;
-            let gelu = Shape::new((n, 4 * c, c), LtEpilogue::GeluBias);
-            let fc_b = LtBias::Stored(lw.fc_b.ptr());
-            if !blas.lt_matmul(l, gelu, lw.fc_w.ptr(), bf16_in(a_c), fc_b, a_4c)? {
-                blas.gemm(l, lw.fc_w.ptr(), a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
-                self.epilogue(GemmEpilogue {
-                    out: a_4c,
-                    tmp,
-                    bias: lw.fc_b.ptr(),
-                    rows: n,
-                    n: 4 * c,
-                    epilogue: Epilogue::Gelu,
-                    start: host_start,
-                    kv: None,
-                    out_stride: 4 * c,
-                })?;
-            }
-            let fc_proj_b32 = LtBias::F32(lw.fc_proj_b32());
-            let fp_w = lw.fc_proj_w.ptr();
-            if blas.lt_matmul(
-                l,
-                residual(4 * c),
-                fp_w,
-                bf16_in(a_4c),
-                fc_proj_b32,
-                Act::F32(x),
-            )? {
-                pending = None;
-            } else {
-                blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), (x, c), true)?;
-                pending = Some(lw.fc_proj_b.ptr());
-            }
+            self.layernorm(rows.a_c, x, lw.ln1(), pending, n)?;
+            let pre_bias = self.attention_blas(blas, lw, kv, rows)?;
+            self.layernorm(rows.a_c, x, lw.ln2(), pre_bias, n)?;
+            pending = self.mlp_blas(blas, lw, rows)?;
         }
         Ok(pending)
+    }
+
+    /// A layer's attention through cuBLAS, from the LayerNorm's output in `a_c` to the
+    /// projection accumulated into `x`. Returns the projection's bias when it is still to be
+    /// added (by the next LayerNorm).
+    fn attention_blas(
+        &self,
+        blas: &Blas,
+        lw: &DevLayer,
+        kv: KvLayer,
+        rows: BlasRows,
+    ) -> Result<Option<DevPtr<Stored>>, CudaError> {
+        let BlasRows {
+            n,
+            start,
+            host_start,
+            a_c,
+            ..
+        } = rows;
+        let c = self.exec.config.n_embd;
+        let l = &self.launcher;
+        let skip = self.skip();
+        let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
+        // QKV with its bias through cuBLASLt into bf16 rows, the tensor-core attention
+        // reading queries, keys and values from them and appending the keys and values to
+        // the cache; else a product, then a pass adding the bias and scattering keys and
+        // values into the cache
+        let qkv_rows = Act::Bf16(blas.qkv_bf16.ptr());
+        let qkv_shape = Shape::new((n, 3 * c, c), LtEpilogue::Bias);
+        let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), LtBias::Stored(lw.qkv_b.ptr()));
+        let fresh = self.plan.fresh_kv
+            && blas.lt_matmul(l, qkv_shape, qkv_w, bf16_in(a_c), qkv_b, qkv_rows)?;
+        if !fresh && matches!(start, Start::Device(_)) {
+            return Err(CudaError::unavailable(
+                "no cuBLASLt plan for the QKV product: the prefill cannot be captured",
+            ));
+        }
+        if !fresh {
+            blas.gemm(l, qkv_w, a_c, (n, 3 * c, c), (tmp, 3 * c), false)?;
+            self.epilogue(GemmEpilogue {
+                out: Act::F32(self.qkv.ptr()),
+                tmp,
+                bias: lw.qkv_b.ptr(),
+                rows: n,
+                n: 3 * c,
+                epilogue: Epilogue::Qkv,
+                start: host_start,
+                kv: Some(kv),
+                out_stride: 3 * c,
+            })?;
+        }
+        if !skip.pattn {
+            let attention = PrefillAttention {
+                out: a_c,
+                kv,
+                start,
+                rows: n,
+            };
+            self.prefill_attention(attention, fresh.then(|| blas.qkv_bf16.ptr()))?;
+        }
+        // projection into the residual stream: with its bias (cuBLASLt), or the bias is
+        // left to the next LayerNorm
+        let mut pre_bias = Some(lw.proj_b.ptr());
+        let proj_b32 = LtBias::F32(lw.proj_b32());
+        if blas.lt_matmul(
+            l,
+            residual(n, c, c),
+            lw.proj_w.ptr(),
+            bf16_in(a_c),
+            proj_b32,
+            Act::F32(x),
+        )? {
+            pre_bias = None;
+        } else {
+            blas.gemm(l, lw.proj_w.ptr(), a_c, (n, c, c), (x, c), true)?;
+        }
+        Ok(pre_bias)
+    }
+
+    /// A layer's MLP through cuBLAS, from the LayerNorm's output in `a_c` to the projection
+    /// accumulated into `x`. Returns the projection's bias when it is still to be added.
+    fn mlp_blas(
+        &self,
+        blas: &Blas,
+        lw: &DevLayer,
+        rows: BlasRows,
+    ) -> Result<Option<DevPtr<Stored>>, CudaError> {
+        let BlasRows {
+            n,
+            host_start,
+            a_c,
+            a_4c,
+            ..
+        } = rows;
+        let c = self.exec.config.n_embd;
+        let l = &self.launcher;
+        let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
+        let gelu = Shape::new((n, 4 * c, c), LtEpilogue::GeluBias);
+        let fc_b = LtBias::Stored(lw.fc_b.ptr());
+        if !blas.lt_matmul(l, gelu, lw.fc_w.ptr(), bf16_in(a_c), fc_b, a_4c)? {
+            blas.gemm(l, lw.fc_w.ptr(), a_c, (n, 4 * c, c), (tmp, 4 * c), false)?;
+            self.epilogue(GemmEpilogue {
+                out: a_4c,
+                tmp,
+                bias: lw.fc_b.ptr(),
+                rows: n,
+                n: 4 * c,
+                epilogue: Epilogue::Gelu,
+                start: host_start,
+                kv: None,
+                out_stride: 4 * c,
+            })?;
+        }
+        let fc_proj_b32 = LtBias::F32(lw.fc_proj_b32());
+        let fp_w = lw.fc_proj_w.ptr();
+        if blas.lt_matmul(
+            l,
+            residual(n, c, 4 * c),
+            fp_w,
+            bf16_in(a_4c),
+            fc_proj_b32,
+            Act::F32(x),
+        )? {
+            Ok(None)
+        } else {
+            blas.gemm(l, fp_w, a_4c, (n, c, 4 * c), (x, c), true)?;
+            Ok(Some(lw.fc_proj_b.ptr()))
+        }
     }
 
     /// A GEMM epilogue pass (left out under `WASI_NN_HOST_SKIP=epi`).
@@ -276,5 +318,36 @@ impl CudaSession {
         } else {
             l.prefill_attention_plain(a, self.qkv.ptr())
         }
+    }
+}
+
+/// What every layer of one prefill through cuBLAS works on.
+#[derive(Clone, Copy)]
+struct BlasRows {
+    /// New rows, at positions `start..`.
+    n: usize,
+    start: Start,
+    /// The first position as the epilogue passes take it (0 when `start` is in device
+    /// memory).
+    host_start: usize,
+    /// The input of the products of width C and of the MLP's projection (bf16 in bf16 mode).
+    a_c: Act,
+    a_4c: Act,
+}
+
+/// A product's input as cuBLASLt takes it, as bf16 rows (f32 rows only reinterpreted:
+/// cuBLASLt runs in bf16 mode alone, where the inputs are bf16).
+fn bf16_in(a: Act) -> DevPtr<Bf16> {
+    match a {
+        Act::Bf16(p) => p,
+        Act::F32(p) => p.cast(),
+    }
+}
+
+/// A projection of `k` inputs accumulated into the residual stream's `n` rows of `c`.
+fn residual(n: usize, c: usize, k: usize) -> Shape {
+    Shape {
+        accumulate: true,
+        ..Shape::new((n, c, k), LtEpilogue::Bias)
     }
 }
