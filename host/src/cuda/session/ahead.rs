@@ -25,42 +25,45 @@ impl CudaSession {
     /// step was not a decode through this session's graph (ids[0] holds another position).
     pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
         let last_decode = self.read_out.follows_own_decode();
-        let graphs =
-            self.exec.gpu.measurement().graphs && !self.graph_failed && self.graph.is_some();
+        let graphs = self.model.gpu.measurement().graphs
+            && !self.capture_failed
+            && self.decode_graph.is_some();
         if !last_decode || !graphs || self.read_out.len() >= self.capacity {
             return Ok(None);
         }
-        // the step run ahead writes a buffer not being read (`logits` or the first spare)
+        // the step run ahead writes a buffer not being read (the first or the second)
         let which = self.read_out.own_ahead_buffer();
-        if self.ahead_graphs[which].is_none() {
+        if self.ahead_decode_graphs[which].is_none() {
             let logits = self.logits_buffer(which).ptr();
             match self.capture(|s| s.decode_kernels_into(true, logits)) {
-                Ok(Some(graph)) => self.ahead_graphs[which] = Some(graph),
+                Ok(Some(graph)) => self.ahead_decode_graphs[which] = Some(graph),
                 Ok(None) => return Ok(None),
                 Err(e) => {
                     tracing::warn!("capturing a decode run ahead failed, not running ahead: {e}");
-                    self.graph_failed = true;
+                    self.capture_failed = true;
                     return Ok(None);
                 }
             }
         }
         let stream = self.launcher.stream().clone();
-        if self.key_copy.is_none() {
-            self.key_copy = Some(HostCopy::new(&stream, 1)?);
+        if self.argmax_key_host.is_none() {
+            self.argmax_key_host = Some(HostCopy::new(&stream, 1)?);
         }
-        let (Some(copy), Some(graph)) = (self.key_copy.as_mut(), self.ahead_graphs[which].as_ref())
-        else {
+        let (Some(copy), Some(graph)) = (
+            self.argmax_key_host.as_mut(),
+            self.ahead_decode_graphs[which].as_ref(),
+        ) else {
             return Ok(None);
         };
         // this step's argmax key goes out before the step run ahead clears it
-        copy.start(&stream, &self.next, 1)?;
+        copy.start(&stream, &self.argmax_key, 1)?;
         graph.launch().ctx("decode run ahead")?;
         self.read_out.own_ahead_launched();
         let key = copy.wait()?.first().copied().unwrap_or(0);
         let argmax = argmax_row(key);
         // the kernel feeds row 0 for a row past the vocabulary (never an argmax): no guess then
         self.read_out
-            .own_ahead_fed(argmax, which, self.exec.config.vocab_size);
+            .own_ahead_fed(argmax, which, self.model.config.vocab_size);
         Ok(Some(argmax))
     }
 

@@ -21,7 +21,7 @@ use crate::engine::GpuDtype;
 impl CudaSession {
     /// The kernels of one decode step (token in ids[1], position in ids[0]).
     fn decode_kernels(&self) -> Result<(), CudaError> {
-        self.decode_kernels_into(false, self.logits.ptr())
+        self.decode_kernels_into(false, self.logits[0].ptr())
     }
 
     /// The kernels of one decode step, its logits into `logits`; with `feed`, a step run
@@ -35,14 +35,14 @@ impl CudaSession {
         feed: bool,
         logits: DevPtr<f32>,
     ) -> Result<(), CudaError> {
-        let cfg = self.exec.config;
-        let w = &self.exec.weights;
+        let cfg = self.model.config;
+        let w = &self.model.weights;
         let c = cfg.n_embd;
         let skip = self.skip();
         let l = &self.launcher;
         // the first bytes of the next weights (more would hold up this kernel's own loads:
         // 1558M's 20 MB MLP weights made its step slower)
-        let most = self.exec.gpu.measurement().l2_prefetch / self.exec.dtype.bytes();
+        let most = self.model.gpu.measurement().l2_prefetch / self.model.dtype.bytes();
         let prefetch = |next: DevPtr<Stored>| {
             (most > 0).then(|| DevPtr::new(next.addr(), next.len().min(most)))
         };
@@ -55,7 +55,7 @@ impl CudaSession {
                 .layers
                 .get(i + 1)
                 .map_or(head_start, |next| next.qkv_w.ptr());
-            if self.exec.gpu.clusters.is_some() {
+            if self.model.gpu.clusters.is_some() {
                 if !skip.attn {
                     self.fused_decode(lw, kv, prefetch(lw.proj_w.ptr()))?;
                 }
@@ -81,7 +81,7 @@ impl CudaSession {
                         qkv: self.qkv.ptr(),
                         kv,
                         position: self.position(),
-                        partial: self.partial.ptr(),
+                        partial: self.attention_partials.ptr(),
                         max_chunks: self.max_chunks,
                     })?;
                 }
@@ -138,10 +138,10 @@ impl CudaSession {
         kv: KvLayer,
         prefetch: Option<DevPtr<Stored>>,
     ) -> Result<(), CudaError> {
-        let chosen = self.exec.gpu.clusters.ok_or_else(|| {
+        let chosen = self.model.gpu.clusters.ok_or_else(|| {
             CudaError::unavailable("the fused decode attention needs sm_90 clusters")
         })?;
-        let wide_f32 = self.exec.dtype == GpuDtype::F32 && self.exec.config.n_embd > 768;
+        let wide_f32 = self.model.dtype == GpuDtype::F32 && self.model.config.n_embd > 768;
         let (cluster, threads) = decode_cluster_shape(chosen, wide_f32);
         self.launcher.fused_decode(FusedDecode {
             out: self.h.ptr(),
@@ -165,7 +165,7 @@ impl CudaSession {
         self.upload_ids(Some(self.read_out.len()), &[token as i32])?;
         self.read_out.decode_position_uploaded();
         self.capture_decode();
-        match &self.graph {
+        match &self.decode_graph {
             Some(graph) => graph.launch().ctx("decode step"),
             None => self.decode_kernels(),
         }
@@ -174,13 +174,16 @@ impl CudaSession {
     /// Capture the decode step as a graph if it is not yet (it reads the token and the
     /// position from device memory, so it serves every step).
     pub(crate) fn capture_decode(&mut self) {
-        if self.graph.is_none() && !self.graph_failed && self.exec.gpu.measurement().graphs {
+        if self.decode_graph.is_none()
+            && !self.capture_failed
+            && self.model.gpu.measurement().graphs
+        {
             match self.capture(Self::decode_kernels) {
-                Ok(graph) => self.graph = graph,
+                Ok(graph) => self.decode_graph = graph,
                 Err(e) => {
                     // Run this session's steps kernel by kernel instead of failing the request.
                     tracing::warn!("decode graph capture failed, running without a graph: {e}");
-                    self.graph_failed = true;
+                    self.capture_failed = true;
                 }
             }
         }
@@ -192,7 +195,7 @@ impl CudaSession {
 impl CudaSession {
     /// Run one decode step without copying logits back (the GPU part alone).
     pub fn decode_only(&mut self, token: u32) -> Result<(), EngineError> {
-        self.check(1)?;
+        self.check_room(1)?;
         self.read_out.bare_decode_started();
         self.decode(token)?;
         self.read_out.bare_decode_done();

@@ -48,7 +48,8 @@ pub(crate) const LOGITS_BUFFERS: usize = 3;
 
 /// One sequence on the GPU: KV cache, activations, and the captured graphs.
 pub struct CudaSession {
-    exec: Arc<LoadedModel>,
+    /// The weights, the kernels and the GPU, shared by the executor's sessions.
+    model: Arc<LoadedModel>,
     launcher: Launcher,
     /// Positions the KV cache can hold (n_ctx unless the per-session cap is lower).
     capacity: usize,
@@ -61,28 +62,32 @@ pub struct CudaSession {
     h: DevBuf<f32>,   // LayerNorm / attention output [capacity, C]
     qkv: DevBuf<f32>, // [capacity, 3C]
     fc: DevBuf<f32>,  // [capacity, 4C]
-    partial: DevBuf<f32>,
-    logits: DevBuf<f32>, // [V]
-    /// Two more `[V]` for steps run ahead (see [`super::batch`]): each writes a buffer the
-    /// guest is not reading and no other step run ahead for it is writing; when the guest's
-    /// token is the one guessed, the buffer of that step becomes the one read (`readable`).
-    spares: [DevBuf<f32>; 2],
+    /// The decode attention's partial results, per head and chunk of positions.
+    attention_partials: DevBuf<f32>,
+    /// `[V]` each: the last logits in the one the guest reads (see [`ReadOut`]); the others
+    /// for steps run ahead (see [`super::batch`]): each writes a buffer the guest is not
+    /// reading and no other step run ahead for it is writing; when the guest's token is the
+    /// one guessed, the buffer of that step becomes the one read.
+    logits: [DevBuf<f32>; LOGITS_BUFFERS],
     all_logits: Option<DevBuf<f32>>,
     /// [position, ids...]: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
     ids: DevBuf<i32>,
     /// [1] the argmax key of the last logits (see [`super::ops::matvec::argmax_row`]).
-    next: DevBuf<u64>,
+    argmax_key: DevBuf<u64>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
+    /// Chunks of positions the decode attention splits the cache into, at most.
     max_chunks: usize,
-    graph: Option<CudaGraph>,
-    graph_failed: bool,
+    /// The decode step captured as a graph (see [`decode`]).
+    decode_graph: Option<CudaGraph>,
+    /// A capture failed in this session: its steps run kernel by kernel from then on.
+    capture_failed: bool,
     /// Page-locked landing of the argmax key a decode run ahead is fed from.
-    key_copy: Option<HostCopy<u64>>,
-    /// Captured decode steps run ahead: logits into `logits` (0) or the first spare (1).
-    ahead_graphs: [Option<CudaGraph>; 2],
+    argmax_key_host: Option<HostCopy<u64>>,
+    /// Captured decode steps run ahead: logits into buffer 0 or 1.
+    ahead_decode_graphs: [Option<CudaGraph>; 2],
     plan: PrefillPlan,
     /// Captured prefills by (prompt length, all positions), most recently used last.
     prefill_graphs: Vec<((usize, bool), CudaGraph)>,
@@ -108,40 +113,40 @@ impl CudaSession {
         let kv = 2 * l * capacity * c * dtype.kv_bytes(); // keys and values
         let f32s = capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
             + cfg.n_head * chunks * (cfg.head_dim() + 2) // attention partials
-            + LOGITS_BUFFERS * v // logits, spares
+            + LOGITS_BUFFERS * v // logits
             + capacity * 4 * c; // cuBLAS's f32 scratch
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
         kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
     }
 
-    pub(crate) fn new(exec: Arc<LoadedModel>) -> Result<Self, CudaError> {
-        let gpu = exec.gpu.clone();
+    pub(crate) fn new(model: Arc<LoadedModel>) -> Result<Self, CudaError> {
+        let gpu = model.gpu.clone();
         let _setup = gpu.setup_lock();
-        let cfg = exec.config;
+        let cfg = model.config;
         let c = cfg.n_embd;
-        let per_position = 2 * cfg.n_layer * c * exec.dtype.kv_bytes();
-        let capacity = cfg.n_ctx.min(exec.max_kv_bytes / per_position);
+        let per_position = 2 * cfg.n_layer * c * model.dtype.kv_bytes();
+        let capacity = cfg.n_ctx.min(model.max_kv_bytes / per_position);
         if capacity == 0 {
             return Err(CudaError::unavailable(format!(
                 "the per-context KV cap of {} bytes is below one position ({per_position} bytes)",
-                exec.max_kv_bytes
+                model.max_kv_bytes
             )));
         }
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
         let max_chunks = capacity.div_ceil(ATT_CHUNK as usize);
-        let kv = cfg.n_layer * capacity * c * exec.dtype.kv_bytes();
+        let kv = cfg.n_layer * capacity * c * model.dtype.kv_bytes();
         let switches = gpu.measurement();
         let blas = switches
             .cublas
             .then(|| Blas::new(&stream, capacity, c, switches.cublaslt))
             .flatten();
-        let plan = PrefillPlan::choose(&exec, blas.as_ref());
+        let plan = PrefillPlan::choose(&model, blas.as_ref());
         let launcher = Launcher::new(
             gpu.clone(),
             stream.clone(),
-            exec.kernels.clone(),
+            model.kernels.clone(),
             cfg,
-            exec.dtype,
+            model.dtype,
         );
         Ok(Self {
             k_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
@@ -150,33 +155,33 @@ impl CudaSession {
             h: DevBuf::zeros(&stream, capacity * c, "activations")?,
             qkv: DevBuf::zeros(&stream, capacity * 3 * c, "activations")?,
             fc: DevBuf::zeros(&stream, capacity * 4 * c, "activations")?,
-            partial: DevBuf::zeros(
+            attention_partials: DevBuf::zeros(
                 &stream,
                 cfg.n_head * max_chunks * (cfg.head_dim() + 2),
                 "attention scratch",
             )?,
-            logits: DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-            spares: [
+            logits: [
+                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
             ],
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
-            next: DevBuf::zeros(&stream, 1, "argmax buffer")?,
+            argmax_key: DevBuf::zeros(&stream, 1, "argmax buffer")?,
             may_capture: true,
             max_chunks,
             capacity,
             read_out: ReadOut::default(),
-            graph: None,
-            graph_failed: false,
-            key_copy: None,
-            ahead_graphs: [None, None],
+            decode_graph: None,
+            capture_failed: false,
+            argmax_key_host: None,
+            ahead_decode_graphs: [None, None],
             plan,
             prefill_graphs: Vec::new(),
             prefill_seen: Vec::new(),
             blas,
             launcher,
-            exec,
+            model,
         })
     }
 
@@ -186,7 +191,7 @@ impl CudaSession {
     }
 
     fn skip(&self) -> &Skip {
-        &self.exec.gpu.measurement().skip
+        &self.model.gpu.measurement().skip
     }
 
     /// The position slot (`ids[0]`) and the token ids (`ids[1..]`).
@@ -199,8 +204,8 @@ impl CudaSession {
     }
 
     fn kv_layer(&self, l: usize) -> KvLayer {
-        let per_layer = self.capacity * self.exec.config.n_embd;
-        let bytes = self.exec.dtype.kv_bytes();
+        let per_layer = self.capacity * self.model.config.n_embd;
+        let bytes = self.model.dtype.kv_bytes();
         let layer = |buf: &DevBuf<u8>| {
             let p = buf.ptr().skip(l * per_layer * bytes);
             DevPtr::new(p.addr(), per_layer)
@@ -214,7 +219,7 @@ impl CudaSession {
     /// The embedding of `rows` tokens from `ids[1..]` into x, at positions `start..` (None:
     /// from `ids[0]`).
     fn embed(&self, rows: usize, start: Option<usize>, feed: bool) -> Result<(), CudaError> {
-        let w = &self.exec.weights;
+        let w = &self.model.weights;
         self.launcher.embed(Embed {
             out: self.x.ptr(),
             tokens: self.tokens(),
@@ -223,21 +228,21 @@ impl CudaSession {
             rows,
             start,
             position: self.position(),
-            argmax_key: self.next.ptr(),
+            argmax_key: self.argmax_key.ptr(),
             feed,
         })
     }
 
     /// The LM head for the row at `x`: logits (final LayerNorm fused) into `logits`, and
-    /// their argmax key into `next` (cleared by the step's embedding kernel).
+    /// their argmax key into `argmax_key` (cleared by the step's embedding kernel).
     fn lm_head(&self, x: DevPtr<f32>) -> Result<(), CudaError> {
-        self.lm_head_into(x, self.logits.ptr())
+        self.lm_head_into(x, self.logits[0].ptr())
     }
 
     /// The LM head into `logits` (see [`Self::lm_head`]).
     fn lm_head_into(&self, x: DevPtr<f32>, logits: DevPtr<f32>) -> Result<(), CudaError> {
-        let (cfg, w) = (self.exec.config, &self.exec.weights);
-        let head = w.lm_head(cfg, logits, x, self.next.ptr());
+        let (cfg, w) = (self.model.config, &self.model.weights);
+        let head = w.lm_head(cfg, logits, x, self.argmax_key.ptr());
         self.launcher.matvec(head)
     }
 
@@ -247,7 +252,7 @@ impl CudaSession {
         &self,
         launches: impl FnOnce(&Self) -> Result<(), CudaError>,
     ) -> Result<Option<CudaGraph>, CudaError> {
-        self.exec
+        self.model
             .gpu
             .capture(self.launcher.stream(), || launches(self))
     }
@@ -266,7 +271,7 @@ impl CudaSession {
         }
     }
 
-    fn check(&self, n: usize) -> Result<(), EngineError> {
+    fn check_room(&self, n: usize) -> Result<(), EngineError> {
         let len = self.read_out.len();
         if len + n > self.capacity {
             return Err(EngineError::OverCapacity {
@@ -288,20 +293,18 @@ impl CudaSession {
         (
             self.k_cache.ptr().addr(),
             self.v_cache.ptr().addr(),
-            self.logits.ptr().addr(),
+            self.logits[0].ptr().addr(),
         )
     }
 
     /// Floats between two layers of the KV cache.
     pub(crate) fn layer_floats(&self) -> usize {
-        self.capacity * self.exec.config.n_embd
+        self.capacity * self.model.config.n_embd
     }
 
+    /// Logits buffer `buffer` (the first past the last).
     fn logits_buffer(&self, buffer: usize) -> &DevBuf<f32> {
-        match buffer {
-            1 | 2 => &self.spares[buffer - 1],
-            _ => &self.logits,
-        }
+        self.logits.get(buffer).unwrap_or(&self.logits[0])
     }
 
     /// The device address of logits buffer `buffer` (0 to [`LOGITS_BUFFERS`] - 1).
@@ -318,11 +321,11 @@ impl CudaSession {
 impl Drop for CudaSession {
     fn drop(&mut self) {
         // Free the graphs and cuBLAS under the set-up lock; the buffers follow (stream-ordered).
-        let gpu = self.exec.gpu.clone();
+        let gpu = self.model.gpu.clone();
         let _setup = gpu.setup_lock();
         let _ = self.launcher.stream().synchronize();
-        self.graph = None;
-        self.ahead_graphs = [None, None];
+        self.decode_graph = None;
+        self.ahead_decode_graphs = [None, None];
         self.prefill_graphs.clear();
         self.blas = None;
     }

@@ -43,12 +43,12 @@ pub struct PrefillPlan {
 }
 
 impl PrefillPlan {
-    /// The plan for a session of `exec`'s model, with cuBLAS (and cuBLASLt) as `blas` has
+    /// The plan for a session of `model`, with cuBLAS (and cuBLASLt) as `blas` has
     /// them.
-    pub(super) fn choose(exec: &LoadedModel, blas: Option<&Blas>) -> Self {
-        let (cfg, gpu) = (exec.config, &exec.gpu);
+    pub(super) fn choose(model: &LoadedModel, blas: Option<&Blas>) -> Self {
+        let (cfg, gpu) = (model.config, &model.gpu);
         let switches = gpu.measurement();
-        let tensor_cores = exec.dtype == GpuDtype::Bf16
+        let tensor_cores = model.dtype == GpuDtype::Bf16
             && cfg.head_dim() == 64
             && gpu.tensor_cores
             && switches.tc_attention;
@@ -67,7 +67,7 @@ impl CudaSession {
     /// A batched prefill of `tokens` at positions len..len+n.
     pub(super) fn prefill(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), CudaError> {
         self.read_out.own_step_begins();
-        let cfg = self.exec.config;
+        let cfg = self.model.config;
         let (n, start) = (tokens.len(), self.read_out.len());
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         if all_positions && self.all_logits.is_none() {
@@ -117,7 +117,7 @@ impl CudaSession {
     /// Whether this prefill may be captured as a graph (the plan allows it and no capture
     /// failed in this session).
     fn prefill_graphable(&self) -> bool {
-        self.plan.graphs && !self.graph_failed
+        self.plan.graphs && !self.capture_failed
     }
 
     /// Capture the prefill of `n` tokens (ids in ids[1..], the first position in ids[0]) as a
@@ -143,14 +143,14 @@ impl CudaSession {
         start: Start,
         all_positions: bool,
     ) -> Result<(), CudaError> {
-        let (cfg, c) = (self.exec.config, self.exec.config.n_embd);
+        let (cfg, c) = (self.model.config, self.model.config.n_embd);
         let l = &self.launcher;
         let host_start = match start {
             Start::Host(s) => Some(s),
             Start::Device(_) => None,
         };
         self.embed(n, host_start, false)?;
-        let w = &self.exec.weights;
+        let w = &self.model.weights;
         if let Some(blas) = &self.blas {
             // The last layer's MLP bias is still to be added to the rows that are read next.
             if let Some(pending) = self.prefill_layers_blas(blas, n, start)? {
@@ -194,7 +194,7 @@ impl CudaSession {
 impl CudaSession {
     /// Turn the capture of repeated prefill shapes on or off (benchmarks of the eager path).
     pub fn set_prefill_graphs(&mut self, on: bool) {
-        let switches = self.exec.gpu.measurement();
+        let switches = self.model.gpu.measurement();
         self.plan.graphs = on && self.plan.tensor_cores && self.plan.fresh_kv && switches.graphs;
         if !on {
             self.prefill_graphs.clear();
@@ -206,7 +206,7 @@ impl CudaSession {
     /// prefill's launches captured once as a CUDA graph, replayed `iters` times.
     pub fn prefill_gpu_ms(&mut self, tokens: &[u32], iters: usize) -> Result<f64, EngineError> {
         self.read_out.set_len_only(0);
-        self.check(tokens.len())?;
+        self.check_room(tokens.len())?;
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         self.upload_ids(None, &ids)?;
         let stream = self.launcher.stream().clone();

@@ -44,7 +44,7 @@ impl CudaSession {
     /// The activations a product of width C reads in the weights' type: bf16 rows in bf16
     /// mode, h in f32.
     pub(super) fn product_input(&self, blas: &Blas) -> Act {
-        match self.exec.dtype {
+        match self.model.dtype {
             GpuDtype::Bf16 => Act::Bf16(blas.x_bf16.ptr()),
             GpuDtype::F32 => Act::F32(self.h.ptr()),
         }
@@ -61,7 +61,7 @@ impl CudaSession {
         n: usize,
         start: Start,
     ) -> Result<Option<DevPtr<Stored>>, CudaError> {
-        let a_4c = match self.exec.dtype {
+        let a_4c = match self.model.dtype {
             GpuDtype::Bf16 => Act::Bf16(blas.fc_bf16.ptr()),
             GpuDtype::F32 => Act::F32(self.fc.ptr()),
         };
@@ -78,7 +78,7 @@ impl CudaSession {
         };
         let x = self.x.ptr();
         let mut pending = None;
-        for (i, lw) in self.exec.weights.layers.iter().enumerate() {
+        for (i, lw) in self.model.weights.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
             self.layernorm(rows.a_c, x, lw.ln1(), pending, n)?;
             let pre_bias = self.attention_blas(blas, lw, kv, rows)?;
@@ -105,7 +105,7 @@ impl CudaSession {
             a_c,
             ..
         } = rows;
-        let c = self.exec.config.n_embd;
+        let c = self.model.config.n_embd;
         let l = &self.launcher;
         let skip = self.skip();
         let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
@@ -180,7 +180,7 @@ impl CudaSession {
             a_4c,
             ..
         } = rows;
-        let c = self.exec.config.n_embd;
+        let c = self.model.config.n_embd;
         let l = &self.launcher;
         let (x, tmp) = (self.x.ptr(), blas.tmp.ptr());
         let gelu = Shape::new((n, 4 * c, c), LtEpilogue::GeluBias);
@@ -226,7 +226,7 @@ impl CudaSession {
 
     /// The layers of a prefill on our tiled matrix kernel (no cuBLAS), f32 activations.
     pub(super) fn prefill_layers_tiled(&self, n: usize, start: usize) -> Result<(), CudaError> {
-        let c = self.exec.config.n_embd;
+        let c = self.model.config.n_embd;
         let l = &self.launcher;
         let (x, h, fc) = (self.x.ptr(), self.h.ptr(), self.fc.ptr());
         let product = |out, x, w, b, n_out, k, epilogue, kv, stride| {
@@ -247,7 +247,7 @@ impl CudaSession {
                 out_stride: stride,
             })
         };
-        for (i, lw) in self.exec.weights.layers.iter().enumerate() {
+        for (i, lw) in self.model.weights.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
             self.layernorm(Act::F32(h), x, lw.ln1(), None, n)?;
             let (qkv_w, qkv_b) = (lw.qkv_w.ptr(), lw.qkv_b.ptr());
@@ -311,7 +311,7 @@ impl CudaSession {
                 },
                 None,
             )?;
-            return l.to_bf16(out, h, a.rows * self.exec.config.n_embd);
+            return l.to_bf16(out, h, a.rows * self.model.config.n_embd);
         }
         if self.plan.tiled_attention {
             l.prefill_attention_tiled(a, self.qkv.ptr())

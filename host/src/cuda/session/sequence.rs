@@ -12,11 +12,11 @@ use crate::engine::{EngineError, Session};
 impl CudaSession {
     /// Whether `tokens` may run next: not empty, ids in the vocabulary, room in the cache.
     pub(crate) fn admit(&self, tokens: &[u32]) -> Result<(), EngineError> {
-        let vocab = self.exec.config.vocab_size;
+        let vocab = self.model.config.vocab_size;
         if tokens.is_empty() {
             return Err(EngineError::EmptySequence);
         }
-        self.check(tokens.len())?;
+        self.check_room(tokens.len())?;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { id, vocab });
         }
@@ -82,24 +82,30 @@ impl CudaSession {
         self.read_out.took_batched_ahead(buffer, None);
     }
 
+    /// The last logits, from the buffer the guest reads.
     pub(crate) fn logits_now(&self) -> Result<Vec<f32>, EngineError> {
-        Ok(self.read(self.exec.config.vocab_size, false)?)
+        Ok(self.read_logits(self.model.config.vocab_size, false)?)
     }
 
+    /// Every position's logits from the last extend (empty when not asked for).
     pub(crate) fn all_logits_now(&self) -> Result<Vec<f32>, EngineError> {
-        Ok(self.read(self.read_out.all_rows() * self.exec.config.vocab_size, true)?)
+        Ok(self.read_logits(
+            self.read_out.all_rows() * self.model.config.vocab_size,
+            true,
+        )?)
     }
 
+    /// The argmax of the last logits: known on the host, or its key read from the GPU.
     pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
         if let Some(id) = self.read_out.argmax() {
             return Ok(id);
         }
-        let key = self.next.read(self.launcher.stream(), 1)?;
+        let key = self.argmax_key.read(self.launcher.stream(), 1)?;
         Ok(argmax_row(key.first().copied().unwrap_or(0)))
     }
 
     /// Copy `count` logits back (from the all-position buffer when `all`) and wait for them.
-    fn read(&self, count: usize, all: bool) -> Result<Vec<f32>, CudaError> {
+    fn read_logits(&self, count: usize, all: bool) -> Result<Vec<f32>, CudaError> {
         let stream = self.launcher.stream();
         match (&self.all_logits, all) {
             (Some(buf), true) => buf.read(stream, count),
