@@ -22,7 +22,7 @@ impl CudaSession {
     /// under way ([`Self::take_ahead_decode`]); any other call runs after it and overwrites
     /// what it wrote. Returns the argmax of the step just run (read back through page-locked
     /// memory), or None when no step can run ahead: no room, no captured graphs, or the last
-    /// step was not a decode through this session's graph (ids[0] holds another position).
+    /// step was not a decode through this session's graph (`ids[0]` holds another position).
     pub(crate) fn launch_ahead_decode(&mut self) -> Result<Option<u32>, EngineError> {
         let last_decode = self.read_out.follows_own_decode();
         let graphs = self.model.gpu.measurement().graphs

@@ -19,14 +19,14 @@ use crate::engine::EngineError;
 use crate::engine::GpuDtype;
 
 impl CudaSession {
-    /// The kernels of one decode step (token in ids[1], position in ids[0]).
+    /// The kernels of one decode step (token in `ids[1]`, position in `ids[0]`).
     fn decode_kernels(&self) -> Result<(), CudaError> {
         self.decode_kernels_into(false, self.logits[0].ptr())
     }
 
     /// The kernels of one decode step, its logits into `logits`; with `feed`, a step run
     /// ahead: its token is the argmax of the step before and its position the one after
-    /// ids[0]'s (both fed on the GPU by the embedding kernel). Each of the step's products
+    /// `ids[0]`'s (both fed on the GPU by the embedding kernel). Each of the step's products
     /// (and the fused attention) asks L2 for the next one's weights while it runs: they depend
     /// on nothing the step computes, and the chain of short kernels leaves DRAM idle most of
     /// the time.
@@ -130,7 +130,7 @@ impl CudaSession {
     }
 
     /// LayerNorm, QKV product and attention of one decode step in one kernel: a cluster of
-    /// blocks per head (sm_90+); the new key and value are appended to the cache at ids[0]
+    /// blocks per head (sm_90+); the new key and value are appended to the cache at `ids[0]`
     /// and the attention output goes to h.
     fn fused_decode(
         &self,

@@ -11,13 +11,16 @@
 //! The files, one concern each:
 //! - this one: the session, its buffers and their device addresses, and the kernels both
 //!   paths share (the embedding, the LM head);
-//! - [`sequence`]: the sequence as the guest and the batched step see it (the `Session`
+//! - `sequence.rs`: the sequence as the guest and the batched step see it (the `Session`
 //!   trait, a chunk of tokens run on the session's stream, the steps a batched pass ran for
 //!   it, reading the outputs back);
-//! - [`decode`]: the decode step and its captured graph;
-//! - [`ahead`]: the decode step run ahead on the session's own stream;
-//! - [`prefill`]: the prefill plan, the prefill and its captured graphs;
-//!   [`prefill_layers`]: the layers of a prefill on the plan's path.
+//! - `read_out.rs`: where the sequence stands and what reading it gives (its length, the
+//!   logits buffer read, the argmax when known, the decode run ahead), one type whose named
+//!   transitions every step goes through;
+//! - `decode.rs`: the decode step and its captured graph;
+//! - `ahead.rs`: the decode step run ahead on the session's own stream;
+//! - `prefill.rs`: the prefill plan, the prefill and its captured graphs;
+//!   `prefill_layers.rs`: the layers of a prefill on the plan's path.
 
 mod ahead;
 mod decode;
@@ -70,10 +73,10 @@ pub struct CudaSession {
     /// one guessed, the buffer of that step becomes the one read.
     logits: [DevBuf<f32>; LOGITS_BUFFERS],
     all_logits: Option<DevBuf<f32>>,
-    /// [position, ids...]: the decode step's position (or a captured prefill's first one),
+    /// `[position, ids...]`: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
     ids: DevBuf<i32>,
-    /// [1] the argmax key of the last logits (see [`super::ops::matvec::argmax_row`]).
+    /// `[1]`: the argmax key of the last logits (see [`super::ops::matvec::argmax_row`]).
     argmax_key: DevBuf<u64>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
@@ -257,7 +260,7 @@ impl CudaSession {
             .capture(self.launcher.stream(), || launches(self))
     }
 
-    /// Upload token ids to ids[1..], and with `first` the position to ids[0], in one copy.
+    /// Upload token ids to `ids[1..]`, and with `first` the position to `ids[0]`, in one copy.
     fn upload_ids(&mut self, first: Option<usize>, tokens: &[i32]) -> Result<(), CudaError> {
         let stream = self.launcher.stream().clone();
         match first {

@@ -120,7 +120,7 @@ impl CudaSession {
         self.plan.graphs && !self.capture_failed
     }
 
-    /// Capture the prefill of `n` tokens (ids in ids[1..], the first position in ids[0]) as a
+    /// Capture the prefill of `n` tokens (ids in `ids[1..]`, the first position in `ids[0]`) as a
     /// graph; None (and no more prefill graphs for this session) when capture fails.
     fn capture_prefill(&mut self, n: usize, all_positions: bool) -> Option<CudaGraph> {
         let position = self.position();
@@ -135,8 +135,8 @@ impl CudaSession {
         }
     }
 
-    /// The launches of a prefill of the `n` ids in ids[1..] at positions `start..` (a device
-    /// start: a graph, whose kernels read the first position from ids[0]).
+    /// The launches of a prefill of the `n` ids in `ids[1..]` at positions `start..` (a device
+    /// start: a graph, whose kernels read the first position from `ids[0]`).
     fn prefill_kernels(
         &self,
         n: usize,

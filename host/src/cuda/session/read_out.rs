@@ -34,7 +34,7 @@ pub(super) struct ReadOut {
     /// Where the current prefill's all-position logits go (rows already written by the
     /// earlier chunks of the same extend).
     all_offset: usize,
-    /// The position ids[0] holds after the last decode through this session's own graph
+    /// The position `ids[0]` holds after the last decode through this session's own graph
     /// (None after prompts and batched steps, which leave something else there): a decode
     /// run ahead takes the position after it.
     own_decode_at: Option<usize>,
@@ -71,7 +71,7 @@ impl ReadOut {
         self.all_offset
     }
 
-    /// Whether the last step was a decode through this session's own graph, so ids[0]
+    /// Whether the last step was a decode through this session's own graph, so `ids[0]`
     /// holds its position and a decode may run ahead from it.
     pub(super) fn follows_own_decode(&self) -> bool {
         self.len
@@ -119,13 +119,13 @@ impl ReadOut {
     }
 
     /// A decode or a prefill of its own is about to be launched on the session's stream: the
-    /// step run ahead is forgotten, and ids[0] is about to change.
+    /// step run ahead is forgotten, and `ids[0]` is about to change.
     pub(super) fn own_step_begins(&mut self) {
         self.own_ahead = None;
         self.own_decode_at = None;
     }
 
-    /// ids[0] holds the current position for the decode graph.
+    /// `ids[0]` holds the current position for the decode graph.
     pub(super) fn decode_position_uploaded(&mut self) {
         self.own_decode_at = Some(self.len);
     }
@@ -178,7 +178,7 @@ impl ReadOut {
 
     /// Take the decode run ahead on the session's stream as the next step when it is
     /// `token` at the current position: one position more, its logits buffer the one read,
-    /// its argmax on the GPU, and ids[0] holding its position. False otherwise; the step run
+    /// its argmax on the GPU, and `ids[0]` holding its position. False otherwise; the step run
     /// ahead is forgotten either way.
     pub(super) fn take_own_ahead(&mut self, token: u32) -> bool {
         let Some(ahead) = self
