@@ -1,0 +1,152 @@
+//! The sequence as its guest and the batched step see it: the [`Session`] trait, the
+//! admission of new tokens, a chunk of them run on the session's own stream, the steps the
+//! batched pass ([`crate::cuda::batch`]) ran for it, and reading the last logits and their
+//! argmax back.
+
+use super::CudaSession;
+use crate::cuda::error::CudaError;
+use crate::cuda::ops::matvec::argmax_row;
+use crate::engine::{EngineError, Session};
+
+/// What the batched step ([`crate::cuda::batch`]) needs of a session.
+impl CudaSession {
+    /// Whether `tokens` may run next: not empty, ids in the vocabulary, room in the cache.
+    pub(crate) fn admit(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let vocab = self.model.config.vocab_size;
+        if tokens.is_empty() {
+            return Err(EngineError::EmptySequence);
+        }
+        self.check_room(tokens.len())?;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { id, vocab });
+        }
+        Ok(())
+    }
+
+    /// Run `tokens` on this session's own stream (its decode graph or its prefill); with
+    /// `continued`, they are a later chunk of one extend whose all-position logits follow
+    /// the earlier chunks'.
+    pub(crate) fn extend_chunk(
+        &mut self,
+        tokens: &[u32],
+        all_positions: bool,
+        continued: bool,
+    ) -> Result<(), EngineError> {
+        self.admit(tokens)?;
+        self.read_out.chunk_started(all_positions, continued);
+        if tokens.len() == 1 && !all_positions {
+            self.decode(tokens[0])?;
+        } else {
+            self.prefill(tokens, all_positions)?;
+        }
+        self.read_out.chunk_done(tokens.len(), all_positions);
+        Ok(())
+    }
+
+    /// Allow or hold off capturing repeated prompt shapes (already captured ones replay).
+    pub(crate) fn allow_capture(&mut self, allowed: bool) {
+        self.may_capture = allowed;
+    }
+
+    /// A batched step appended `added` positions and left the last one's logits (and their
+    /// argmax).
+    pub(crate) fn advanced_in_batch(&mut self, added: usize, argmax: u32) {
+        self.read_out.after_batched_step(added, Some(argmax));
+    }
+
+    /// A batched pass that this step does not wait for appends `added` positions (their
+    /// logits go to the buffer read next, their argmax comes with [`Self::set_argmax`]).
+    pub(crate) fn advanced_late(&mut self, added: usize) {
+        self.read_out.after_batched_step(added, None);
+    }
+
+    /// The argmax of the last position's logits, known on the host.
+    pub(crate) fn set_argmax(&mut self, argmax: u32) {
+        self.read_out.argmax_arrived(argmax);
+    }
+
+    /// The buffer holding the last logits, the one the guest reads.
+    pub(crate) fn readable(&self) -> usize {
+        self.read_out.readable()
+    }
+
+    /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
+    /// take its results.
+    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize) {
+        self.read_out.took_batched_ahead(buffer, Some(argmax));
+    }
+
+    /// The step run ahead is this session's next step, and its pass is still under way: take
+    /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
+    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize) {
+        self.read_out.took_batched_ahead(buffer, None);
+    }
+
+    /// The last logits, from the buffer the guest reads.
+    pub(crate) fn logits_now(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.read_logits(self.model.config.vocab_size, false)?)
+    }
+
+    /// Every position's logits from the last extend (empty when not asked for).
+    pub(crate) fn all_logits_now(&self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.read_logits(
+            self.read_out.all_rows() * self.model.config.vocab_size,
+            true,
+        )?)
+    }
+
+    /// The argmax of the last logits: known on the host, or its key read from the GPU.
+    pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
+        if let Some(id) = self.read_out.argmax() {
+            return Ok(id);
+        }
+        let key = self.argmax_key.read(self.launcher.stream(), 1)?;
+        Ok(argmax_row(key.first().copied().unwrap_or(0)))
+    }
+
+    /// Copy `count` logits back (from the all-position buffer when `all`) and wait for them.
+    fn read_logits(&self, count: usize, all: bool) -> Result<Vec<f32>, CudaError> {
+        let stream = self.launcher.stream();
+        match (&self.all_logits, all) {
+            (Some(buf), true) => buf.read(stream, count),
+            (None, true) => Ok(Vec::new()),
+            _ => self
+                .logits_buffer(self.read_out.readable())
+                .read(stream, count),
+        }
+    }
+
+    /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
+    pub(crate) fn reset(&mut self) {
+        self.read_out.reset();
+    }
+}
+
+impl Session for CudaSession {
+    fn len(&self) -> usize {
+        self.read_out.len()
+    }
+
+    fn truncate(&mut self, len: usize) {
+        // Positions past `len` are simply overwritten by the next step; a step run ahead
+        // was for the old sequence (the wasi-nn backend truncates to the length it keeps
+        // before every step: a no-op then, and the step run ahead stays).
+        self.read_out.truncate(len);
+    }
+
+    fn extend(&mut self, tokens: &[u32], all_positions: bool) -> Result<(), EngineError> {
+        self.extend_chunk(tokens, all_positions, false)
+    }
+
+    fn last_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.logits_now()
+    }
+
+    fn all_logits(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.all_logits_now()
+    }
+
+    fn argmax(&mut self) -> Result<u32, EngineError> {
+        self.argmax_now()
+    }
+}
