@@ -13,9 +13,8 @@ use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::attention::{
     decode_cluster_shape, DecodeAttention, FusedDecode, PrefillAttention, Start, ATT_CHUNK,
 };
-use wasi_nn_host::cuda::ops::batch::{
-    batch_gemm_plan, gemm_most_parts, GemmPlan, RowTable, MAX_PARTS,
-};
+use wasi_nn_host::cuda::ops::batch::RowTable;
+use wasi_nn_host::cuda::ops::batch_gemm::{batch_gemm_plan, gemm_most_parts, GemmPlan, MAX_PARTS};
 use wasi_nn_host::cuda::ops::embed_norm::{Embed, LayerNorm};
 use wasi_nn_host::cuda::ops::matmul::{GemmEpilogue, Matmul};
 use wasi_nn_host::cuda::ops::matvec::{argmax_row, Matvec};

@@ -7,6 +7,7 @@
 //! module; it depends on neither. The wasi-nn contract ([`crate::wasi_nn`]) sits on top.
 
 pub mod batch;
+mod kv_pool;
 
 use crate::model::{Gpt2Config, LoadError};
 

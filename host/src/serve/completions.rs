@@ -5,9 +5,9 @@
 
 use super::admission::admit;
 use super::error::ApiError;
-use super::http::RequestId;
 use super::instance::{spawn_choice, Choice, ChoiceMessage};
 use super::reply::{unix_seconds, Reply, ReplyKind, Timings, Usage};
+use super::request::RequestId;
 use super::request::{json_body, ChatRequest, CompletionRequest, Plan};
 use super::stream::stream_reply;
 use super::Service;

@@ -1,38 +1,10 @@
-//! The service's errors: [`ServeError`], of setting it up or running it, and [`ApiError`],
-//! a request's OpenAI-style error answer (`{"error": {"message", "type", "code"}}` with an
-//! HTTP status) that every 4xx and 5xx carries.
+//! A request's error answer: [`ApiError`], OpenAI-style (`{"error": {"message", "type",
+//! "code"}}` with an HTTP status), which every 4xx and 5xx carries.
 
-use super::chat::ChatTemplateError;
-use crate::runtime::HostError;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
-
-/// Errors of setting up or running the service.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error(transparent)]
-    Host(#[from] HostError),
-    #[error("the default model `{model}` is not a graph of the host (its graphs: {graphs:?})")]
-    UnknownDefaultModel { model: String, graphs: Vec<String> },
-    #[error("a chat template for `{0}`, which is not a graph of the host")]
-    UnknownTemplateModel(String),
-    #[error("--graph {0}: expected NAME=PATH")]
-    GraphSpec(String),
-    #[error(transparent)]
-    ChatTemplate(#[from] ChatTemplateError),
-    #[error("cannot start the async runtime: {0}")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot listen on {address}: {source}")]
-    Bind {
-        address: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("serving HTTP: {0}")]
-    Http(#[source] std::io::Error),
-}
 
 /// An OpenAI-style error answer: `{"error": {"message": ..., "type": ..., "code": ...}}`
 /// with a status.

@@ -6,6 +6,7 @@ use super::completions::{chat_completions, completions};
 use super::error::ApiError;
 use super::info::{demo_page, health, metrics_text, models};
 use super::metrics;
+use super::request::{new_request_id, RequestId};
 use super::tokenizer::{detokenize, tokenize};
 use super::{ServeError, Service};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -15,9 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 use tracing::Instrument;
 
 /// The service's routes.
@@ -71,18 +72,6 @@ pub async fn serve(
             Ok(())
         }
     }
-}
-
-/// The request id of a request (`x-request-id`, the client's or made here).
-#[derive(Clone)]
-pub(super) struct RequestId(pub(super) String);
-
-fn new_request_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    format!("{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Every request: its id (echoed in `x-request-id`), a `tracing` span, a log line and the

@@ -33,8 +33,8 @@
 //! - `reply`: the answers' JSON, whole or as chunks; `stream`: the streamed answer as
 //!   Server-Sent Events.
 //! - `tokenizer`, `info`: the other routes; `metrics`: the Prometheus metrics.
-//! - `service`: the shared state and its configuration; `error`: the errors of setting up
-//!   and of answering; `cli`: `wasi-nn-host serve`.
+//! - `service`: the shared state and its configuration; `error`: a request's error answer;
+//!   `setup_error`: the errors of setting up and running; `cli`: `wasi-nn-host serve`.
 
 mod admission;
 mod chat;
@@ -48,12 +48,13 @@ mod metrics;
 mod reply;
 mod request;
 mod service;
+mod setup_error;
 mod stream;
 mod tokenizer;
 
 pub use chat::{ChatTemplate, ChatTemplateError};
 pub use cli::{run, ServeArgs};
-pub use error::ServeError;
 pub use http::{router, serve};
 pub use reply::Timings;
 pub use service::{Service, ServiceConfig};
+pub use setup_error::ServeError;

@@ -9,6 +9,21 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The request id of a request (`x-request-id`, the client's or made here).
+#[derive(Clone)]
+pub(super) struct RequestId(pub(super) String);
+
+/// A new request id: the time and a counter.
+pub(super) fn new_request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!("{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
 
 /// `stop` may be one string or several.
 #[derive(Deserialize)]

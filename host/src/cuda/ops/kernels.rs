@@ -2,7 +2,7 @@
 //! compiled for the GPU.
 
 use super::attention::{self, valid_cluster};
-use super::{batch, DEFINES};
+use super::{batch_gemm, DEFINES};
 use crate::cuda::device::Gpu;
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::nvrtc::cached_ptx;
@@ -99,8 +99,9 @@ impl Kernels {
                 // GPUs with less shared memory a block than the kernel's stages take (sm_86:
                 // 99 KiB) keep cuBLAS for every product
                 let fits = gpu.tensor_cores
-                    && (funcs.iter().enumerate())
-                        .all(|(i, func)| batch::allow_gemm_shared_memory(func, i % 2 == 0).is_ok());
+                    && (funcs.iter().enumerate()).all(|(i, func)| {
+                        batch_gemm::allow_gemm_shared_memory(func, i % 2 == 0).is_ok()
+                    });
                 fits.then_some(funcs)
             },
         })

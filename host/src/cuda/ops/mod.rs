@@ -8,6 +8,7 @@
 
 pub mod attention;
 pub mod batch;
+pub mod batch_gemm;
 pub mod embed_norm;
 mod kernels;
 pub mod matmul;

@@ -11,10 +11,8 @@
 use super::{head_ld, Pass, StepBuffers};
 use crate::cuda::buffer::{Act, DevPtr, Stored};
 use crate::cuda::error::CudaError;
-use crate::cuda::ops::batch::{
-    batch_gemm_plan, batch_gemm_suits, BatchAttention, BatchEpilogue, ResidualNorm, RowTable,
-    Update,
-};
+use crate::cuda::ops::batch::{BatchAttention, BatchEpilogue, ResidualNorm, RowTable, Update};
+use crate::cuda::ops::batch_gemm::{batch_gemm_plan, batch_gemm_suits};
 use crate::cuda::ops::{Epilogue, Norm};
 use crate::cuda::weights::DevLayer;
 use crate::engine::GpuDtype;
