@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/check-format.sh
+# every relative link of the Markdown files resolves (files and headings)
+python3 scripts/check-links.py
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 # the library as embedders without HTTP build it
 cargo clippy --release -p wasi-nn-host --no-default-features --lib --quiet -- -D warnings

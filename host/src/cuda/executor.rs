@@ -19,9 +19,9 @@ use std::sync::Arc;
 /// the cuBLAS set-up and the decode-graph capture; a reused session starts empty).
 pub struct CudaExecutor {
     inner: Arc<LoadedModel>,
-    /// Independent batchers ("lanes", `Tuning::batch_lanes`), each with its own batched-step
+    /// Independent batchers ("lanes", `WASI_NN_HOST_BATCH_LANES`), each with its own batched-step
     /// stream, buffers and steps; a new context joins the first lane with fewer than
-    /// `Tuning::lane_fill` open, else the one with the fewest. Many streams in one lane wait
+    /// `WASI_NN_HOST_LANE_FILL` open, else the one with the fewest. Many streams in one lane wait
     /// for each other at every step (the slowest guest of hundreds sets its pace); two
     /// lanes halve that and run their passes side by side on the GPU. Fewer streams share
     /// one lane, whose single pass a period reads the weights once. They share the KV pool.

@@ -1,14 +1,17 @@
 //! The CUDA backend: GPT-2 forward passes on our own kernels (`kernels/*.cu`).
 //!
-//! - [`device`]: the GPU (device 0, once per process), its capabilities and the run-time
-//!   switches, read once ([`device::Tuning`]); [`nvrtc`] compiles the kernels for it (PTX
-//!   cached on disk). cudarc finds libcuda and libnvrtc at run time: the binary builds
-//!   without CUDA.
-//! - [`CudaExecutor`] holds the weights on the GPU once ([`weights`]: f32, or bf16 converted
-//!   at load) and a pool of idle sessions; every [`session::CudaSession`] (one per wasi-nn
-//!   execution context) has its own stream, KV cache, activation buffers and captured graphs.
-//! - [`ops`]: the kernel launchers, one module per `.cu` family, typed arguments
-//!   ([`buffer`]); [`blas`]: cuBLAS and cuBLASLt for the prefill's products.
+//! - [`device`]: the GPU (device 0, once per process), its capabilities and the switches
+//!   that apply to it ([`crate::switches`]); [`nvrtc`] compiles the kernels with the defines
+//!   it is given (PTX cached on disk). cudarc finds libcuda and libnvrtc at run time: the
+//!   binary builds without CUDA.
+//! - [`CudaExecutor`] holds a graph's weights on the GPU once ([`weights`]: f32, or bf16
+//!   converted at load; shared as a `LoadedModel`) and its batchers ("lanes"), each a
+//!   [`batch::CudaBatch`]: the batched step over many contexts. Every
+//!   [`session::CudaSession`] (one per wasi-nn execution context) has its own stream, KV
+//!   cache, activation buffers and captured graphs.
+//! - [`ops`]: the kernel table and launchers, one module per `.cu` family, typed arguments
+//!   ([`buffer`]), the constants handed to NVRTC; [`blas`]: cuBLAS and cuBLASLt for the
+//!   prefill's products.
 //! - [`error::CudaError`] keeps the driver's, NVRTC's and cuBLAS's errors typed.
 //!
 //! Unsafe code here is kernel and library launches: each passes device addresses into
