@@ -125,16 +125,20 @@ impl<'a> PassKernels<'a> {
             split,
             parts,
         };
+        self.update_and_norm(update, norm)
+    }
+
+    /// x updated (`update`: the embedding, or a product and its bias added), then the
+    /// LayerNorm `norm` of x into act.
+    fn update_and_norm(&self, update: Update, norm: Norm) -> Result<(), CudaError> {
         let (x, out) = (self.x, self.act);
-        (self.b.launcher).batch_residual_norm(
-            self.t,
-            ResidualNorm {
-                x,
-                update,
-                norm,
-                out,
-            },
-        )
+        let args = ResidualNorm {
+            x,
+            update,
+            norm,
+            out,
+        };
+        self.b.launcher.batch_residual_norm(self.t, args)
     }
 
     /// Every row's embedding, and the first LayerNorm.
@@ -145,16 +149,7 @@ impl<'a> PassKernels<'a> {
             wpe: w.wpe.ptr(),
         };
         let norm = w.layers.first().map_or(w.lnf(), |lw| lw.ln1());
-        let (x, out) = (self.x, self.act);
-        (self.b.launcher).batch_residual_norm(
-            self.t,
-            ResidualNorm {
-                x,
-                update,
-                norm,
-                out,
-            },
-        )
+        self.update_and_norm(update, norm)
     }
 
     /// Layer `i`: attention, projection, MLP, each with its residual and the next LayerNorm.
