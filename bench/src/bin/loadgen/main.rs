@@ -1,6 +1,6 @@
 //! Load generator for the completions service, measured as its users see it.
 //!
-//! N concurrent clients each stream `--requests` greedy completions back to back (or, with
+//! N concurrent clients each stream `--requests` completions back to back (or, with
 //! `--duration S`, start new ones until S seconds have passed: a sustained load whose rate
 //! the first wave's prompts and the last requests' tail weigh little in). Every
 //! stream of a round gets its own prompt (client `c` in round `r` takes prompt
@@ -14,11 +14,22 @@
 //! request to the first streamed piece with text) and the gap between successive streamed
 //! pieces of one stream, as percentiles over all requests; `texts_equal_single_stream`.
 //!
+//! Requests are greedy by default; `--temperature T [--top-p P]` samples, prompt `k` with the
+//! seed `--seed` + k, so its text under load must still equal its text alone. Prompts are
+//! short built-in openings, or with `--prompt-file FILE` windows of token ids cut from the
+//! text (`--prompt-tokens MIN-MAX`, some long with `--long-prompts SHARE:TOKENS`; see
+//! `prompts.rs`); the report then gives the long and the other prompts' streams apart.
+//!
 //! Usage: loadgen --url URL --concurrency N (--requests M | --duration S) --max-tokens T
-//!        [--prompts P] [--json-out FILE] [--label TEXT] [--no-check]
+//!        [--temperature T --top-p P --seed S] [--prompt-file FILE --prompt-tokens MIN-MAX
+//!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
+//!        [--no-check]
+
+mod prompts;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use prompts::{Lengths, Prompt, Prompts};
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
@@ -38,10 +49,30 @@ struct Args {
     duration: Option<f64>,
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
-    /// Distinct prompts (default: one per client). The first ones come from a built-in list,
-    /// the rest are "Prompt K:".
+    /// Distinct prompts (default: one per client). Without `--prompt-file`, the first ones
+    /// come from a built-in list, the rest are "Prompt K:".
     #[arg(long)]
     prompts: Option<usize>,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling's mass (with `--temperature`).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Prompt k's requests sample with seed S + k.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Cut the prompts from this text (its first 200,000 characters, tokenized by the
+    /// service) as windows of token ids at random offsets.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<std::path::PathBuf>,
+    /// With `--prompt-file`: prompt lengths in tokens, uniform in MIN-MAX.
+    #[arg(long, value_name = "MIN-MAX", default_value = "180-220")]
+    prompt_tokens: String,
+    /// With `--prompt-file`: this share of the prompts (spread evenly) is this many tokens
+    /// (+-10%), e.g. `0.25:800`.
+    #[arg(long, value_name = "SHARE:TOKENS")]
+    long_prompts: Option<String>,
     /// The model to ask for (default: the service's default model).
     #[arg(long)]
     model: Option<String>,
@@ -54,34 +85,6 @@ struct Args {
     /// Copied into the JSON line as `label` (the chart draws one series per label).
     #[arg(long)]
     label: Option<String>,
-}
-
-/// Openings of the built-in prompts: short, Shakespeare-like, of different lengths (so the
-/// streams' contexts differ in length as well as in content).
-const PROMPTS: &[&str] = &[
-    "ROMEO:\n",
-    "JULIET:\nWhy dost thou",
-    "First Citizen:\n",
-    "KING HENRY:\nNow, lords, to horse; the",
-    "LADY MACBETH:\n",
-    "HAMLET:\nWhat say you to",
-    "GLOUCESTER:\nThe day is spent, and",
-    "Second Servant:\n",
-    "OTHELLO:\nSpeak, my good lord,",
-    "PORTIA:\n",
-    "BRUTUS:\nCome hither, Lucius; I",
-    "CORIOLANUS:\nWhat news from",
-    "Nurse:\n",
-    "PROSPERO:\nThe isle is full of",
-    "MERCUTIO:\nA plague upon",
-    "QUEEN MARGARET:\n",
-];
-
-/// Prompt `k`: from the built-in list, then "Prompt K:".
-fn prompt(k: usize) -> String {
-    PROMPTS
-        .get(k)
-        .map_or_else(|| format!("Prompt {k}:"), |p| (*p).to_owned())
 }
 
 /// What one streamed completion looked like from the client.
@@ -104,11 +107,17 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-/// Stream one greedy completion of `prompt`.
-fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &str) -> Result<Stream> {
-    let mut body = serde_json::json!({ "prompt": prompt, "max_tokens": args.max_tokens,
-                                       "temperature": 0.0, "stream": true,
+/// Stream one completion of prompt `k`.
+fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &Prompt, k: usize) -> Result<Stream> {
+    let mut body = serde_json::json!({ "prompt": prompt.json(), "max_tokens": args.max_tokens,
+                                       "temperature": args.temperature, "stream": true,
                                        "stream_options": { "include_usage": true } });
+    if args.temperature > 0.0 {
+        body["seed"] = (args.seed + k as u64).into();
+        if let Some(top_p) = args.top_p {
+            body["top_p"] = top_p.into();
+        }
+    }
     if let Some(model) = &args.model {
         body["model"] = model.as_str().into();
     }
@@ -167,6 +176,30 @@ fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &str) -> Result<Stream> 
     bail!("stream ended without [DONE]")
 }
 
+/// Time to first token and gaps of some of the streams.
+#[derive(Default)]
+struct Timings {
+    ttfts: Vec<f64>,
+    gaps: Vec<f64>,
+}
+
+impl Timings {
+    fn add(&mut self, stream: &Stream) {
+        self.ttfts.extend(stream.ttft_ms);
+        self.gaps.extend(&stream.gaps_ms);
+    }
+
+    fn report(mut self) -> serde_json::Value {
+        self.ttfts.sort_by(f64::total_cmp);
+        self.gaps.sort_by(f64::total_cmp);
+        serde_json::json!({
+            "requests": self.ttfts.len(),
+            "ttft_ms_p50": percentile(&self.ttfts, 0.5), "ttft_ms_p99": percentile(&self.ttfts, 0.99),
+            "gap_ms_p50": percentile(&self.gaps, 0.5), "gap_ms_p99": percentile(&self.gaps, 0.99),
+        })
+    }
+}
+
 /// Nearest-rank percentile `q` of sorted `v` (NaN, written as null, when empty).
 fn percentile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -217,7 +250,17 @@ fn main() -> Result<()> {
         Some(d) => Some(Duration::from_secs_f64(d)),
         None => None,
     };
+    let source = match &args.prompt_file {
+        None => Prompts::BuiltIn,
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let lengths = Lengths::parse(&args.prompt_tokens, args.long_prompts.as_deref())?;
+            Prompts::cut(&agent(), &args.url, &text, lengths)?
+        }
+    };
     let prompts = args.prompts.unwrap_or(args.concurrency).max(1);
+    let all: Vec<Prompt> = (0..prompts).map(|k| source.get(k)).collect();
     let prompt_of = |client: usize, round: usize| (round * args.concurrency + client) % prompts;
     // a timed run may come round to every prompt
     let used = match duration {
@@ -231,8 +274,8 @@ fn main() -> Result<()> {
     let single_start = Instant::now();
     if !args.no_check {
         let agent = agent();
-        for k in 0..used {
-            let s = stream_one(&agent, &args, &prompt(k))
+        for (k, prompt) in all.iter().enumerate().take(used) {
+            let s = stream_one(&agent, &args, prompt, k)
                 .with_context(|| format!("single stream of prompt {k}"))?;
             single_tokens += s.tokens;
             reference.push(s.text);
@@ -244,7 +287,7 @@ fn main() -> Result<()> {
     let results: Vec<Result<Vec<Done>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.concurrency)
             .map(|client| {
-                let args = &args;
+                let (args, all) = (&args, &all);
                 scope.spawn(move || -> Result<Vec<Done>> {
                     let agent = agent();
                     let rounds = match duration {
@@ -256,7 +299,7 @@ fn main() -> Result<()> {
                         .map(|round| {
                             let k = prompt_of(client, round);
                             let stream =
-                                stream_one(&agent, args, &prompt(k)).with_context(|| {
+                                stream_one(&agent, args, &all[k], k).with_context(|| {
                                     format!("client {client}, request {round}, prompt {k}")
                                 })?;
                             Ok(Done {
@@ -283,10 +326,16 @@ fn main() -> Result<()> {
     let total = done.len();
 
     let (mut gaps, mut ttfts, mut tokens, mut equal) = (Vec::new(), Vec::new(), 0, 0);
+    // the streams of long prompts, and of the others, apart
+    let (mut long, mut others) = (Timings::default(), Timings::default());
     for d in &done {
         gaps.extend(&d.stream.gaps_ms);
         ttfts.extend(d.stream.ttft_ms);
         tokens += d.stream.tokens;
+        match source.is_long(d.prompt) {
+            true => long.add(&d.stream),
+            false => others.add(&d.stream),
+        }
         if let Some(want) = reference.get(d.prompt) {
             if *want == d.stream.text {
                 equal += 1;
@@ -296,7 +345,7 @@ fn main() -> Result<()> {
                     d.client,
                     d.round,
                     d.prompt,
-                    prompt(d.prompt),
+                    all[d.prompt].describe(),
                     first_difference(want, &d.stream.text)
                 );
             }
@@ -316,7 +365,17 @@ fn main() -> Result<()> {
         "gap_ms_p99": percentile(&gaps, 0.99),
         "single_stream_tokens_per_s": checked.then(|| single_tokens as f64 / single_seconds),
         "texts_equal_single_stream": checked.then(|| format!("{equal} of {total}")),
+        "temperature": args.temperature, "top_p": args.top_p,
     });
+    let cut: Vec<usize> = all.iter().filter_map(Prompt::tokens).collect();
+    if !cut.is_empty() {
+        report["prompt_tokens_mean"] = (cut.iter().sum::<usize>() as f64 / cut.len() as f64).into();
+        report["prompt_tokens_max"] = cut.iter().max().copied().into();
+    }
+    if !long.ttfts.is_empty() {
+        report["long_prompts"] = long.report();
+        report["other_prompts"] = others.report();
+    }
     if let Some(label) = &args.label {
         report["label"] = label.as_str().into();
     }
