@@ -11,6 +11,8 @@
 //! - [`cpu`]: the CPU reference forward pass (the specification).
 //! - [`cuda`]: the CUDA backend (our kernels, NVRTC, cuBLAS/cuBLASLt).
 //! - [`model`]: GPT-2 configs, f32 weights and the HF / llm.c loaders.
+//! - [`guest_cycle`]: where a guest's token cycle goes (the step, reading logits, the
+//!   guest's own time), summed over the process.
 //! - [`switches`]: every `WASI_NN_HOST_*` switch, read once: production settings and
 //!   measurement switches.
 //!
@@ -33,6 +35,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod engine;
+pub mod guest_cycle;
 pub mod model;
 pub mod runtime;
 #[cfg(feature = "serve")]

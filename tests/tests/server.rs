@@ -865,11 +865,17 @@ fn tokenizer_models_health_metrics_and_request_ids() {
             "wasi_nn_http_requests_total{route=\"/v1/completions\",status=\"200\"}",
             1.0,
         ),
+        // a step a token, and the guest's turn between them
+        ("wasi_nn_cycle_count_total{part=\"step\"}", 5.0),
+        ("wasi_nn_cycle_count_total{part=\"guest\"}", 4.0),
     ] {
         let moved = count(after, name) - count(&before, name);
         assert!(moved >= at_least, "{name} moved by {moved}\n{after}");
     }
     assert!(after.contains("wasi_nn_guests_running"));
+    let step_seconds = count(after, "wasi_nn_cycle_seconds_total{part=\"step\"}")
+        - count(&before, "wasi_nn_cycle_seconds_total{part=\"step\"}");
+    assert!(step_seconds > 0.0, "{after}");
     // the heaps: this test runs on the system allocator, so glibc's holds the Rust side too
     assert!(after.contains("wasi_nn_heap_bytes{allocator=\"jemalloc\"}"));
     if cfg!(all(target_os = "linux", target_env = "gnu")) {

@@ -23,6 +23,11 @@ pub(crate) const GUESTS_RUNNING: &str = "wasi_nn_guests_running";
 /// Requests waiting for guests.
 pub(crate) const QUEUED: &str = "wasi_nn_requests_queued";
 
+/// Seconds spent in each part of the guests' token cycle ([`crate::guest_cycle`]), and how
+/// often each ran.
+pub(crate) const CYCLE_SECONDS: &str = "wasi_nn_cycle_seconds_total";
+pub(crate) const CYCLE_COUNT: &str = "wasi_nn_cycle_count_total";
+
 /// Bytes in use on the process's heaps, by allocator: `jemalloc` (the CLI's allocator, so
 /// the Rust side's allocations; about 0 for an embedder on another allocator) and `libc`
 /// (glibc's malloc: what C libraries such as the CUDA driver, cuBLAS and NVRTC hold).
@@ -161,5 +166,37 @@ pub(crate) fn render() -> Result<String, &'static str> {
     )?;
     heap();
     handle.run_upkeep();
-    Ok(handle.render())
+    let mut text = handle.render();
+    cycle(&mut text);
+    Ok(text)
+}
+
+/// The totals of [`crate::guest_cycle`], counters written straight into the text (they are
+/// sums of seconds, which the `metrics` crate's integer counters can't hold).
+fn cycle(text: &mut String) {
+    use crate::guest_cycle::{total, Part};
+    use std::fmt::Write;
+    let _ = writeln!(
+        text,
+        "# HELP {CYCLE_SECONDS} time of each part of the guests' token cycle (step: the forward \
+         pass waited for; read_logits, encode: the logits brought back and made a tensor; guest: \
+         the guests' own time between their calls)\n# TYPE {CYCLE_SECONDS} counter"
+    );
+    for part in Part::ALL {
+        let (_, seconds) = total(part);
+        let _ = writeln!(
+            text,
+            "{CYCLE_SECONDS}{{part=\"{}\"}} {seconds}",
+            part.name()
+        );
+    }
+    let _ = writeln!(
+        text,
+        "# HELP {CYCLE_COUNT} how often each part of the guests' token cycle ran\n\
+         # TYPE {CYCLE_COUNT} counter"
+    );
+    for part in Part::ALL {
+        let (count, _) = total(part);
+        let _ = writeln!(text, "{CYCLE_COUNT}{{part=\"{}\"}} {count}", part.name());
+    }
 }

@@ -25,6 +25,7 @@
 //!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
 //!        [--no-check]
 
+mod cycle;
 mod prompts;
 
 use anyhow::{bail, Context, Result};
@@ -283,6 +284,7 @@ fn main() -> Result<()> {
     }
     let single_seconds = single_start.elapsed().as_secs_f64();
 
+    let cycle_before = cycle::Totals::fetch(&agent(), &args.url);
     let start = Instant::now();
     let results: Vec<Result<Vec<Done>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.concurrency)
@@ -319,6 +321,7 @@ fn main() -> Result<()> {
             .collect()
     });
     let seconds = start.elapsed().as_secs_f64();
+    let cycle = cycle::Totals::fetch(&agent(), &args.url).since(&cycle_before);
     let mut done = Vec::new();
     for r in results {
         done.extend(r?);
@@ -375,6 +378,9 @@ fn main() -> Result<()> {
     if !long.ttfts.is_empty() {
         report["long_prompts"] = long.report();
         report["other_prompts"] = others.report();
+    }
+    if let Some(cycle) = cycle {
+        report["cycle"] = cycle;
     }
     if let Some(label) = &args.label {
         report["label"] = label.as_str().into();
