@@ -43,7 +43,7 @@ use crate::model::Gpt2Config;
 use crate::switches::Skip;
 use cudarc::driver::CudaGraph;
 use read_out::ReadOut;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Logits buffers of a session: the one the guest reads and one for each of the (at most
 /// two) steps run ahead of it (see [`super::batch`]).
@@ -72,6 +72,10 @@ pub struct CudaSession {
     /// reading and no other step run ahead for it is writing; when the guest's token is the
     /// one guessed, the buffer of that step becomes the one read.
     logits: [DevBuf<f32>; LOGITS_BUFFERS],
+    /// Page-locked landing of the last logits the guest reads: a copy to pageable memory
+    /// goes through the driver's one staging buffer, so many guests reading at once queue
+    /// behind each other there (9 ms a read at 64 sampling streams, 0.17 ms alone).
+    logits_host: Mutex<HostCopy<f32>>,
     all_logits: Option<DevBuf<f32>>,
     /// `[position, ids...]`: the decode step's position (or a captured prefill's first one),
     /// then the token ids (one for a decode step), so a step uploads both in one copy.
@@ -168,6 +172,7 @@ impl CudaSession {
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
             ],
+            logits_host: Mutex::new(HostCopy::new(&stream, cfg.vocab_size)?),
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             argmax_key: DevBuf::zeros(&stream, 1, "argmax buffer")?,

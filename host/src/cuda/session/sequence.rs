@@ -110,9 +110,12 @@ impl CudaSession {
         match (&self.all_logits, all) {
             (Some(buf), true) => buf.read(stream, count),
             (None, true) => Ok(Vec::new()),
-            _ => self
-                .logits_buffer(self.read_out.readable())
-                .read(stream, count),
+            _ => {
+                let mut host = self.logits_host.lock().unwrap_or_else(|p| p.into_inner());
+                let last = self.logits_buffer(self.read_out.readable());
+                host.start(stream, last, count)?;
+                host.wait()
+            }
         }
     }
 

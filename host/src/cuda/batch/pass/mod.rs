@@ -8,7 +8,7 @@
 mod forward;
 
 use crate::cuda::blas::Blas;
-use crate::cuda::buffer::{DevBuf, DevPtr};
+use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
@@ -91,6 +91,9 @@ pub(crate) struct StepBuffers {
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
     pub(crate) keys: DevBuf<u64>,
+    /// Page-locked landing of `keys` for a pass waited for (a pageable copy would queue
+    /// behind the guests' in the driver's staging buffer).
+    keys_host: HostCopy<u64>,
     /// Captured steps.
     graphs: FxHashMap<GraphKey, CudaGraph>,
     graphs_failed: bool,
@@ -121,6 +124,7 @@ impl StepBuffers {
             ints: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
+            keys_host: HostCopy::new(&stream, MAX_ROWS)?,
             launcher,
             blas,
             graphs: FxHashMap::default(),
@@ -385,7 +389,9 @@ impl Pass {
         let started = Instant::now();
         let ran = self.with_buffers(|b| {
             let (n, last_rows) = self.launch_rows(b, inputs)?;
-            Ok((n, last_rows, b.keys.read(b.stream(), n)?))
+            let stream = b.stream().clone();
+            b.keys_host.start(&stream, &b.keys, n)?;
+            Ok((n, last_rows, b.keys_host.wait()?))
         })?;
         tracing::trace!(
             rows = ran.0,
