@@ -267,6 +267,10 @@ pub struct BatchCheckReport {
     pub invariant: bool,
     /// Contexts whose greedy ids differ from their ids alone.
     pub ids_differ: usize,
+    /// Outside batch invariance, whether the context whose long prompt ran in chunks beside
+    /// the others (and whole alone) parted from its ids alone at a near tie (not a failure:
+    /// its logits are compared up to there, and against the CPU reference throughout).
+    pub chunked_ids_parted: usize,
     /// Steps where the batch's argmax disagrees with the logits it came with.
     pub argmax_disagree: usize,
     /// The largest step, in contexts (the steps were shared when it is > 1).
@@ -295,9 +299,10 @@ pub struct BatchCheckReport {
 /// logits every third step and at their last, only the argmax otherwise (so most shared
 /// steps are run ahead); context 1 sends another token than its argmax about a third of the way
 /// (the step run ahead for it is wrong), and context 2 stops halfway (dropped while a step
-/// run ahead for it may be under way); context 3 sends its prompt a quarter of the way in, to a
-/// step whose other contexts were run ahead (its rows usually run late, in their pass, and
-/// every later step of it too); once all are gone, no result run ahead is kept.
+/// run ahead for it may be under way); context 3 sends its prompt (150 tokens where the model
+/// allows: chunks beside the others' decodes) a quarter of the way in, to a step whose other
+/// contexts were run ahead (its rows usually run late, in their pass, and every later step of
+/// it too); once all are gone, no result run ahead is kept.
 pub fn compare_batched(
     name: &str,
     weights: Gpt2Weights,
@@ -309,7 +314,10 @@ pub fn compare_batched(
     let cfg = weights.config;
     let prompts: Vec<Vec<u32>> = (0..streams)
         .map(|i| {
-            let len = (5 + 11 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
+            // context 3 starts late, among contexts decoding: its prompt, longer than a
+            // pass takes at once, rides the passes in chunks beside their decodes
+            let len = if i == 3 { 150 } else { 5 + 11 * i };
+            let len = len.min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
             prompt(len, cfg.vocab_size, 1000 + i as u32)
         })
         .collect();
@@ -417,13 +425,28 @@ pub fn compare_batched(
     let early = run_ahead && switches.measurement.early_launch;
     let invariant = dtype == GpuDtype::Bf16 && switches.settings.batch_invariant;
     let (mut decode_error, mut alone_error, mut ids_differ, mut disagree) = (0.0f32, 0.0f32, 0, 0);
+    let mut chunked_ids_parted = 0;
     let mut bad_id_refused = false;
     for (i, result) in together.into_iter().enumerate() {
         let (ids, logits, d, refused) = result?;
         bad_id_refused |= refused;
         disagree += d;
-        ids_differ += usize::from(ids != alone[i].0);
-        for (a, b) in logits.iter().zip(&alone[i].1) {
+        // Context 3's long prompt runs whole through the prefill path alone and in chunks in
+        // the passes beside the others: other kernels, so outside batch invariance its ids
+        // may part at a near tie. Its logits are compared up to there (and against the CPU
+        // reference all along); where they part is counted, not failed.
+        let differs = ids != alone[i].0;
+        let may_part = i == 3 && !invariant;
+        let same_ids = (ids.iter().zip(&alone[i].0))
+            .take_while(|(a, b)| a == b)
+            .count();
+        match (differs, may_part) {
+            (true, true) => chunked_ids_parted += 1,
+            (true, false) => ids_differ += 1,
+            _ => {}
+        }
+        let compared = if may_part { same_ids } else { usize::MAX };
+        for (a, b) in logits.iter().zip(&alone[i].1).take(compared) {
             if let (Some(a), Some(b)) = (a, b) {
                 alone_error = alone_error.max(scaled_error(a, b));
             }
@@ -446,6 +469,7 @@ pub fn compare_batched(
         alone_error,
         invariant,
         ids_differ,
+        chunked_ids_parted,
         argmax_disagree: disagree,
         largest_step: largest,
         bad_id_refused,

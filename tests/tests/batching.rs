@@ -548,3 +548,80 @@ fn a_result_ready_is_taken_without_a_step_and_no_step_waits_for_it() {
         "A's step waited for B, which took its result"
     );
 }
+
+/// A model that runs prompts among company in chunks of 4 tokens and records every step's
+/// items (tokens each).
+#[derive(Default)]
+struct ChunksOfFour {
+    steps: std::sync::Mutex<Vec<Vec<usize>>>,
+}
+
+impl BatchModel for ChunksOfFour {
+    type Seq = Positions;
+    fn max_chunk(&self, _all_positions: bool, company: usize) -> usize {
+        if company == 0 {
+            usize::MAX
+        } else {
+            4
+        }
+    }
+    fn new_seq(&self) -> Result<Positions, EngineError> {
+        Ok(Positions(0))
+    }
+    fn step(&self, items: &mut [StepItem<'_, Positions>]) {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+        let sizes = items.iter().map(|i| i.tokens.len()).collect();
+        self.steps.lock().expect("steps").push(sizes);
+        for item in items.iter_mut() {
+            item.seq.0 += item.tokens.len();
+        }
+    }
+}
+
+#[test]
+fn a_prompt_among_decoding_contexts_runs_in_chunks_beside_them_and_alone_whole() {
+    use wasi_nn_host::engine::batch::Batcher;
+    let batcher = Batcher::new(ChunksOfFour::default(), 128);
+    let batcher = &batcher;
+    // alone: the prompt runs whole, in one step
+    let mut lone = batcher.session().expect("session");
+    lone.extend(&[1; 10], false).expect("prompt");
+    drop(lone);
+    let steps = |b: &Batcher<ChunksOfFour>| b.model().steps.lock().expect("steps").clone();
+    assert_eq!(steps(batcher), vec![vec![10]]);
+
+    // beside a context decoding step after step: chunks of at most 4, each step keeping the
+    // decode, and the prompt's positions all there
+    let started = std::sync::Barrier::new(2);
+    let started = &started;
+    std::thread::scope(|scope| {
+        let decoding = scope.spawn(move || {
+            let mut d = batcher.session().expect("session");
+            for i in 0..60 {
+                d.extend(&[1], false).expect("decode");
+                if i == 2 {
+                    started.wait();
+                }
+            }
+        });
+        started.wait();
+        let mut p = batcher.session().expect("session");
+        p.extend(&[1; 10], false).expect("prompt");
+        assert_eq!(p.len(), 10);
+        decoding.join().expect("decoding");
+    });
+    let after = steps(batcher)[1..].to_vec();
+    let prompt_steps: Vec<&Vec<usize>> =
+        after.iter().filter(|s| s.iter().any(|&n| n > 1)).collect();
+    let chunks: Vec<usize> = prompt_steps
+        .iter()
+        .flat_map(|s| s.iter().copied().filter(|&n| n > 1))
+        .collect();
+    assert!(chunks.iter().all(|&n| n <= 4), "{after:?}");
+    assert!(chunks.iter().sum::<usize>() >= 8, "{after:?}");
+    // (a step may run before the decoding context is back, so not every one need have it)
+    assert!(
+        prompt_steps.iter().any(|s| s.contains(&1)),
+        "no chunk ran beside the decode: {after:?}"
+    );
+}

@@ -11,8 +11,9 @@
 //! whose guests are choosing their next token, a moment (at most that step's time, 2 ms at
 //! most) to come back, so the streams stay in one step instead of splitting into two that
 //! alternate (not those whose work the model deferred past the step, [`StepItem::deferred`]:
-//! they come back only after that work). A long prompt is cut into chunks of at most
-//! `max_step_tokens` so the streams decoding beside it wait at most one chunk per step.
+//! they come back only after that work). A long prompt is cut into chunks (at most the
+//! model's [`BatchModel::max_chunk`], and what is left of `max_step_tokens` once every queued
+//! decode has its token) so the streams decoding beside it wait at most one chunk per step.
 //!
 //! Each context's state (its KV cache and last logits, a [`BatchModel::Seq`]) moves into the
 //! step and back, so no context can see another's; an error in one item (its cache pool is
@@ -85,6 +86,14 @@ pub trait BatchModel: Send + Sync + 'static {
         _all_positions: bool,
     ) -> bool {
         false
+    }
+
+    /// The most tokens of one request a step runs, given `company`: the other contexts queued
+    /// for the step or expected back for their next token. A longer prompt runs in chunks of
+    /// this size, one a step, beside the others' decodes; alone it may run whole, which is
+    /// quicker to its first token where the model has a faster path for long prompts.
+    fn max_chunk(&self, _all_positions: bool, _company: usize) -> usize {
+        usize::MAX
     }
 
     /// A new, empty context (it may be refused: no memory for its cache, the pool is full).
@@ -458,7 +467,7 @@ impl<M: BatchModel> Batcher<M> {
         // expected back but not here: the gather gave up on them
         let missing = state.returning.len();
         state.returning.clear();
-        let mut batch = self.take_batch(&mut state);
+        let mut batch = self.take_batch(&mut state, missing);
         let since_last = state.last_end.map(|end| end.elapsed());
         drop(state);
         let started = Instant::now();
@@ -527,13 +536,17 @@ impl<M: BatchModel> Batcher<M> {
     }
 
     /// The requests of the next step with the tokens each runs: every queued decode, and
-    /// prompts in arrival order while the budget lasts (the first request always runs).
-    fn take_batch(&self, state: &mut State<M::Seq>) -> Vec<Scheduled<M::Seq>> {
+    /// prompts in arrival order while the budget lasts (the first request always runs), each
+    /// at most the model's [`BatchModel::max_chunk`] given the others (queued, or `missing`:
+    /// expected back from the last step and not here yet).
+    fn take_batch(&self, state: &mut State<M::Seq>, missing: usize) -> Vec<Scheduled<M::Seq>> {
         let mut budget = self.max_step_tokens;
+        let company = state.queue.len().saturating_sub(1) + missing;
         let mut batch = Vec::new();
         let mut kept = VecDeque::new();
         while let Some(request) = state.queue.pop_front() {
-            let remaining = request.tokens.len() - request.done;
+            let chunk = self.model.max_chunk(request.all_positions, company).max(1);
+            let remaining = (request.tokens.len() - request.done).min(chunk);
             let take = if batch.is_empty() {
                 remaining.min(budget.max(1))
             } else if remaining == 1 {

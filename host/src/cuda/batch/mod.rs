@@ -349,6 +349,18 @@ impl BatchModel for CudaBatch {
         take_precomputed(&mut self.ahead.lock(), seq, token)
     }
 
+    /// A prompt among other contexts rides the batched pass in chunks of
+    /// [`Pass::batched_prompt`] rows, so the others' decodes go on beside it (on its own
+    /// stream, the step would wait for all of it); alone it runs whole through the prefill
+    /// path, the quickest to its first token. A prompt wanting every position's logits
+    /// always takes the prefill path (the pass keeps a row's logits for the last one only).
+    fn max_chunk(&self, all_positions: bool, company: usize) -> usize {
+        match all_positions || company == 0 {
+            true => usize::MAX,
+            false => self.pass.batched_prompt(),
+        }
+    }
+
     fn new_seq(&self) -> Result<CudaSeq, EngineError> {
         self.contexts.open(&self.exec, &self.ahead)
     }
