@@ -253,9 +253,20 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> HostCopy<T> {
         Arc::clone(&self.done)
     }
 
-    /// The elements of the last copy, once it is done (waits for it).
+    /// The elements of the last copy, once it is done (waits for it, yielding the core).
+    ///
+    /// With one CUDA context in the process the driver's own wait spins on its core. Many
+    /// guests read their logits at once under load, more of them than there are cores, and
+    /// spinning waiters would take the cores the guests' sampling needs: this wait polls the
+    /// event and yields between polls, which costs a lone waiter nothing when a core is free.
     pub fn wait(&self) -> Result<Vec<T>, CudaError> {
-        self.done.synchronize().ctx("copy from the device")?;
+        self.done
+            .context()
+            .bind_to_thread()
+            .ctx("copy from the device")?;
+        while !self.done.try_is_complete().ctx("copy from the device")? {
+            std::thread::yield_now();
+        }
         let all = self.host.as_slice().ctx("copy from the device")?;
         Ok(all[..self.count.min(all.len())].to_vec())
     }

@@ -27,7 +27,7 @@ pub(crate) mod pass;
 pub(crate) mod route;
 
 pub use contexts::CudaSeq;
-pub use pass::bucket;
+pub use pass::{bucket, BATCHED_PROMPT};
 
 use super::loaded::LoadedModel;
 use super::session::CudaSession;

@@ -26,9 +26,10 @@ use std::time::Instant;
 pub(crate) const MAX_ROWS: usize = 320;
 
 /// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
-/// token; longer ones run on their session's own stream (the prefill path's tensor-core
-/// attention).
-pub(crate) const BATCHED_PROMPT: usize = 64;
+/// token. A longer prompt among other contexts is cut into chunks of this size that ride the
+/// passes beside their decodes; alone it runs on its session's own stream (the prefill path's
+/// tensor-core attention).
+pub const BATCHED_PROMPT: usize = 64;
 
 /// Positions one block of the batched attention takes before a row is split in more spans
 /// (up to [`BATCH_ATT_SPLITS`]) and combined.
