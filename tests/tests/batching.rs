@@ -625,3 +625,49 @@ fn a_prompt_among_decoding_contexts_runs_in_chunks_beside_them_and_alone_whole()
         "no chunk ran beside the decode: {after:?}"
     );
 }
+
+#[test]
+fn a_slow_guest_does_not_hold_the_others() {
+    // A and B step together; then B's guest takes 100 ms before each of its calls (a slow
+    // sampler), while A's comes straight back. A's steps wait for B at most the gather's
+    // bound each (2 ms), not B's 100 ms: A's 20 steps end long before B's 5.
+    use wasi_nn_host::engine::batch::Batcher;
+    let batcher = Batcher::new(Counting { step_us: 200 }, 128);
+    let batcher = &batcher;
+    let start = std::sync::Barrier::new(2);
+    let start = &start;
+    let (a_took, b_took) = std::thread::scope(|scope| {
+        let a = scope.spawn(move || {
+            let mut a = batcher.session().expect("session");
+            a.extend(&[1, 2, 3], false).expect("prompt");
+            start.wait();
+            let began = std::time::Instant::now();
+            for _ in 0..20 {
+                a.extend(&[1], false).expect("step");
+            }
+            assert_eq!(a.len(), 23);
+            began.elapsed()
+        });
+        let b = scope.spawn(move || {
+            let mut b = batcher.session().expect("session");
+            b.extend(&[1, 2], false).expect("prompt");
+            start.wait();
+            let began = std::time::Instant::now();
+            for _ in 0..5 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                b.extend(&[1], false).expect("step");
+            }
+            assert_eq!(b.len(), 7);
+            began.elapsed()
+        });
+        (a.join().expect("A"), b.join().expect("B"))
+    });
+    assert!(
+        b_took >= std::time::Duration::from_millis(500),
+        "{b_took:?}"
+    );
+    assert!(
+        a_took < std::time::Duration::from_millis(250),
+        "A's 20 steps took {a_took:?}: they waited for the slow guest"
+    );
+}
