@@ -435,7 +435,7 @@ impl Sampler {
         (at_least - ties_after as f64 * tie_weight).max(0.0)
     }
 
-    /// The exact weight of every token.
+    /// The exact weight of every token (each gathered and weighed in `Work`).
     fn total_weight(&mut self, logits: &[f32], scale: &Scale) -> f64 {
         let w = &mut self.work;
         let n = lanes::gather_at_least(logits, f32::NEG_INFINITY, &mut w.ids, &mut w.ls);
@@ -446,24 +446,16 @@ impl Sampler {
     }
 
     /// Draw from every token by rejection: propose in proportion to the bound, accept with
-    /// probability weight / bound.
+    /// probability weight / bound (after [`MAX_PROPOSALS`] rejections, exactly from every
+    /// weight).
     fn draw_all(&mut self, logits: &[f32], scale: &Scale, bound_total: f64) -> usize {
-        for _ in 0..MAX_PROPOSALS {
-            let t = self.rng.random::<f64>() * bound_total;
-            let id = self.work.propose(logits, scale, t);
-            let y = lanes::scaled_one(scale, logits[id]);
-            let accept = self.rng.random::<f64>() * f64::from(lanes::bound_one(y));
-            if accept < f64::from(lanes::exp2_one(y)) {
-                return id;
-            }
+        if let Some(id) = self.draw_one(logits, scale, bound_total) {
+            return id;
         }
-        let w = &mut self.work;
-        let n = lanes::gather_at_least(logits, f32::NEG_INFINITY, &mut w.ids, &mut w.ls);
-        let ls = std::mem::take(&mut w.ls);
-        let total = w.weigh(&ls[..n], scale, None);
-        w.ls = ls;
+        // `total_weight` leaves every token gathered and weighed for `pick`
+        let total = self.total_weight(logits, scale);
         let t = self.rng.random::<f64>() * total;
-        w.pick(t) as usize
+        self.work.pick(t) as usize
     }
 }
 

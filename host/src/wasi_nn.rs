@@ -462,7 +462,10 @@ impl Gpt2Context {
         self.last_logits = None;
         self.range_logits = None;
         let want_range = self.logits_from.is_some();
-        if let Err(e) = self.session.extend(&tokens[keep..], want_range) {
+        let extended = guest_cycle::timed(Part::Step, || {
+            self.session.extend(&tokens[keep..], want_range)
+        });
+        if let Err(e) = extended {
             // The cache may hold part of the failed step; start over next time.
             self.session.truncate(0);
             self.cached.clear();
@@ -543,7 +546,6 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// The values of an `I32` tensor whose dimensions match its data.
 /// The WIT `compute` input that asks for the greedy next token instead of the logits.
 pub const NEXT_TOKEN_ONLY: &str = "next_token_only";
 
@@ -573,31 +575,31 @@ fn output_index(id: &Id) -> Result<u32, Gpt2Error> {
 
 impl BackendExecutionContext for Gpt2Context {
     fn set_input(&mut self, id: Id, tensor: &Tensor) -> Result<(), BackendError> {
-        self.clock.called();
-        let set = input_index(&id).and_then(|index| self.set_input_tensor(index, tensor));
-        self.clock.returned();
-        Ok(set?)
+        self.guest_call(|c| Ok(c.set_input_tensor(input_index(&id)?, tensor)?))
     }
 
     fn get_output(&mut self, id: Id) -> Result<Tensor, BackendError> {
-        self.clock.called();
-        let output = output_index(&id).and_then(|index| self.output_tensor(index));
-        self.clock.returned();
-        Ok(output?)
+        self.guest_call(|c| Ok(c.output_tensor(output_index(&id)?)?))
     }
 
     fn compute(
         &mut self,
         inputs: Option<Vec<NamedTensor>>,
     ) -> Result<Option<Vec<NamedTensor>>, BackendError> {
-        self.clock.called();
-        let outputs = self.compute_with(inputs);
-        self.clock.returned();
-        outputs
+        self.guest_call(|c| c.compute_with(inputs))
     }
 }
 
 impl Gpt2Context {
+    /// `call` as one of the guest's calls: the time since its last call returned is the
+    /// guest's own ([`guest_cycle::Part::Guest`]).
+    fn guest_call<R>(&mut self, call: impl FnOnce(&mut Self) -> R) -> R {
+        self.clock.called();
+        let out = call(self);
+        self.clock.returned();
+        out
+    }
+
     /// `compute` of either ABI: the witx one (no inputs: they were set before, no outputs)
     /// or the WIT one (named inputs and outputs).
     fn compute_with(
@@ -605,7 +607,7 @@ impl Gpt2Context {
         inputs: Option<Vec<NamedTensor>>,
     ) -> Result<Option<Vec<NamedTensor>>, BackendError> {
         let Some(inputs) = inputs else {
-            guest_cycle::timed(Part::Step, || self.run())?;
+            self.run()?;
             return Ok(None);
         };
         // The WIT ABI passes named inputs and wants named outputs back. With the input
@@ -627,7 +629,7 @@ impl Gpt2Context {
             };
             self.set_input_tensor(index, &input.tensor)?;
         }
-        guest_cycle::timed(Part::Step, || self.run())?;
+        self.run()?;
         let first = match next_token_only {
             true => ("next_token", 2),
             false => ("logits", 0),

@@ -6,7 +6,8 @@ use super::Gpt2Error;
 use wasmtime_wasi_nn::wit::TensorType;
 use wasmtime_wasi_nn::Tensor;
 
-/// The i32 values of input `index`, whose shape must be `[1, T]` or `[T]` (ids) or `[1]`.
+/// The values of input `index`, an `I32` tensor whose dimensions match its data: `[1, T]` or
+/// `[T]` (the ids) or `[1]`.
 pub(super) fn i32_values(index: u32, tensor: &Tensor) -> Result<Vec<i32>, Gpt2Error> {
     if tensor.ty != TensorType::I32 {
         return Err(Gpt2Error::WrongTensorType {
