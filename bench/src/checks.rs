@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use wasi_nn_host::cpu::CpuExecutor;
 use wasi_nn_host::cuda::batch::BATCHED_PROMPT;
+use wasi_nn_host::engine::draw::{self, DrawRule};
 use wasi_nn_host::engine::{argmax, Device, EngineError, EngineOptions, Executor, GpuDtype};
 use wasi_nn_host::executor_for;
 use wasi_nn_host::model::{random_weights, Gpt2Config, Gpt2Weights};
@@ -61,6 +62,9 @@ pub struct CheckReport {
     pub greedy_agree: usize,
     /// Positions where the GPU's argmax differs from the CPU's on the same sequence.
     pub argmax_mismatches: usize,
+    /// Steps whose sampled draw on the GPU (output 4) is not the rule's draw from the same
+    /// logits read back (must be 0).
+    pub draw_mismatches: usize,
     pub tolerance: f32,
     pub passed: bool,
     /// bf16 only, for information: the worst scaled error against the CPU over the original
@@ -134,7 +138,7 @@ pub fn compare(
         f32_logits = s.last_logits()?;
         f32_error = scaled_error(&gpu_logits, &f32_logits);
     }
-    let (mut argmax_disagree, mut all_error) = (0usize, 0.0f32);
+    let (mut argmax_disagree, mut draw_mismatches, mut all_error) = (0usize, 0usize, 0.0f32);
     let prefill_error = scaled_error(&gpu_logits, &cpu_logits);
     let (mut decode_error, mut mismatches, mut agree, mut diverged) = (0.0f32, 0, 0, false);
     for _ in 0..steps {
@@ -154,11 +158,14 @@ pub fn compare(
         }
         cpu_s.extend(&[next], false)?;
         gpu_s.extend(&[next], false)?;
-        // the GPU argmax kernel must agree with the logits it came from
+        // the GPU argmax and draw kernels must agree with the logits they came from
         let gpu_next = gpu_s.argmax()?;
+        let rule = sampling_rule(gpu_s.len());
+        let gpu_drawn = gpu_s.draw(&rule)?;
         cpu_logits = cpu_s.last_logits()?;
         gpu_logits = gpu_s.last_logits()?;
         argmax_disagree += usize::from(gpu_next != argmax(&gpu_logits));
+        draw_mismatches += usize::from(gpu_drawn != draw::draw(&gpu_logits, &rule, gpu_s.len()));
         decode_error = decode_error.max(scaled_error(&gpu_logits, &cpu_logits));
         if f32_s.is_some() {
             f32_error = f32_error.max(scaled_error(&gpu_logits, &f32_logits));
@@ -198,14 +205,27 @@ pub fn compare(
         repeat_prefill_error: repeat_error,
         greedy_agree: agree,
         argmax_mismatches: mismatches,
+        draw_mismatches,
         tolerance,
         passed: prefill_error <= tolerance
             && decode_error <= tolerance
             && repeat_error <= tolerance
-            && argmax_disagree == 0,
+            && argmax_disagree == 0
+            && draw_mismatches == 0,
         f32_model_error: f32_s.as_ref().map(|_| f32_error),
         f32_model_greedy_agree: f32_s.as_ref().map(|_| f32_agree),
     })
+}
+
+/// The sampled draws the checks ask of the GPU: settings that take turns (temperature alone,
+/// top-p 0.9 and 0.5, a low temperature), a seed from the length.
+fn sampling_rule(len: usize) -> DrawRule {
+    let (temperature, top_p) = [(1.0, 1.0), (0.8, 0.9), (1.2, 0.5), (0.3, 0.95)][len % 4];
+    DrawRule {
+        temperature,
+        top_p,
+        seed: len as u64 * 7919,
+    }
 }
 
 /// A prompt of `n` ids spread over the vocabulary.
@@ -272,7 +292,8 @@ pub struct BatchCheckReport {
     /// others (and whole alone) that parted from their ids alone at a near tie (not a failure:
     /// their logits are compared up to there, and against the CPU reference throughout).
     pub chunked_ids_parted: usize,
-    /// Steps where the batch's argmax disagrees with the logits it came with.
+    /// Steps where the batch's argmax, or its sampled draw, disagrees with the logits it came
+    /// with.
     pub argmax_disagree: usize,
     /// The largest step, in contexts (the steps were shared when it is > 1).
     pub largest_step: usize,
@@ -378,6 +399,8 @@ pub fn compare_batched(
                 };
                 if let Some(l) = &l {
                     disagree += usize::from(s.argmax()? != argmax(l));
+                    let rule = sampling_rule(s.len());
+                    disagree += usize::from(s.draw(&rule)? != draw::draw(l, &rule, s.len()));
                 }
                 ids.push(next);
                 logits.push(l);

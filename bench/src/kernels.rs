@@ -4,6 +4,8 @@
 //! buffers of its own. For bf16 weights the reference uses the same bf16-rounded weights, so
 //! both sides multiply the same numbers.
 
+mod draw;
+
 use crate::checks::scaled_error;
 use rand::{Rng, SeedableRng};
 use wasi_nn_host::cpu;
@@ -964,6 +966,9 @@ fn check_one(
     let qkv_b = (&lw.qkv_b[..], dl.qkv_b.ptr());
     check_batch_attention(b, dtype, (&keys, &values), qkv_b, report)?;
     check_batch_feed(b, report)?;
+    // the sampled draw, on the model's vocabulary and GPT-2's
+    let seed = b.rng.random();
+    draw::check_draw(&b.l, &[v, 50257], seed, report)?;
 
     // the tensor-core attention reading the prompt's queries, keys and values from bf16
     // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees

@@ -16,6 +16,18 @@ pub trait Forward {
         Ok(argmax(self.last_logits(tokens)?) as u32)
     }
 
+    /// The next token drawn by the backend where the logits are, with temperature, top-p
+    /// and the seed of `params` (its top-k is 0): the host's output 4, which samples the same
+    /// distribution as [`Sampler`] (another stream of draws for a seed). `None`: the backend
+    /// does not offer it, and the guest samples the logits itself.
+    fn sampled_next(
+        &mut self,
+        _tokens: &[u32],
+        _params: &SamplingParams,
+    ) -> Result<Option<u32>, String> {
+        Ok(None)
+    }
+
     /// Logits of every position of `tokens` (`[T * vocab]`) from one call, if the backend
     /// offers that; `None` makes scoring fall back to one call per prefix.
     fn all_logits(&mut self, _tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {
@@ -189,9 +201,24 @@ impl Generation {
         Ok(Some(piece))
     }
 
-    /// The next token: greedy where nothing needs the logits, else sampled from them.
+    /// The next token: greedy where nothing needs the logits, drawn by the backend where the
+    /// request samples with temperature and top-p alone, else sampled from the logits.
     fn choose(&mut self, model: &mut dyn Forward) -> Result<u32, String> {
-        let temperature = self.sampler.params().temperature;
+        let params = *self.sampler.params();
+        let temperature = params.temperature;
+        let plain_draw = temperature > 0.0
+            && temperature.is_finite()
+            && params.top_k == 0
+            && params.top_p > 0.0
+            && params.top_p <= 1.0
+            && self.logprobs.is_none()
+            && self.pending.is_none()
+            && !self.processor.changes_logits(temperature);
+        if plain_draw {
+            if let Some(id) = model.sampled_next(&self.sequence, &params)? {
+                return Ok(id);
+            }
+        }
         Ok(
             if temperature <= 0.0
                 && self.logprobs.is_none()

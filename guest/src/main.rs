@@ -203,6 +203,10 @@ struct Model<'g> {
     every_position: bool,
     /// Whether the last compute was refused as too large (past the model's context).
     refused: bool,
+    /// Whether the backend draws sampled tokens (inputs 2 and 3, output 4; ours does), and
+    /// the settings inputs 2 and 3 hold (they stay set until set again).
+    has_draw: bool,
+    draw_inputs: Option<(f32, f32, u64)>,
 }
 
 /// The graph: `--model DIR` loaded from bytes for `--target`, else `--graph NAME` by name
@@ -260,6 +264,8 @@ impl<'g> Model<'g> {
             has_argmax: true,
             every_position: false,
             refused: false,
+            has_draw: true,
+            draw_inputs: None,
         })
     }
 
@@ -356,6 +362,42 @@ impl Forward for Model<'_> {
 
     fn refused_as_too_large(&self) -> bool {
         self.refused
+    }
+
+    /// Output 4 after inputs 2 (temperature, top_p) and 3 (seed); a backend that refuses
+    /// them or has no output 4 leaves sampling to the guest from then on.
+    fn sampled_next(
+        &mut self,
+        tokens: &[u32],
+        params: &SamplingParams,
+    ) -> Result<Option<u32>, String> {
+        if !self.has_draw {
+            return Ok(None);
+        }
+        let settings = (params.temperature, params.top_p, params.seed);
+        if self.draw_inputs != Some(settings) {
+            let set = self
+                .context
+                .set_input(2, TensorType::F32, &[2], [params.temperature, params.top_p])
+                .and_then(|()| {
+                    self.context
+                        .set_input(3, TensorType::I64, &[1], [params.seed as i64])
+                });
+            if set.is_err() {
+                self.has_draw = false;
+                return Ok(None);
+            }
+            self.draw_inputs = Some(settings);
+        }
+        self.compute(tokens)?;
+        let mut next = [0i32; 1];
+        match self.context.get_output(4, &mut next) {
+            Ok(4) if (0..self.vocab as i32).contains(&next[0]) => Ok(Some(next[0] as u32)),
+            _ => {
+                self.has_draw = false;
+                Ok(None)
+            }
+        }
     }
 
     /// Output 1 after input 1 (`logits_from` = 0): every position from one prefill.

@@ -19,12 +19,20 @@ pub enum Part {
     ReadLogits,
     /// Logits turned into a wasi-nn tensor's bytes.
     Encode,
+    /// A sampled token drawn where the logits are (output 4), brought back.
+    Draw,
     /// The guest's own time between two of its calls on one context.
     Guest,
 }
 
 impl Part {
-    pub const ALL: [Part; 4] = [Part::Step, Part::ReadLogits, Part::Encode, Part::Guest];
+    pub const ALL: [Part; 5] = [
+        Part::Step,
+        Part::ReadLogits,
+        Part::Encode,
+        Part::Draw,
+        Part::Guest,
+    ];
 
     /// The name of the part on `/metrics` and in benchmark reports.
     pub fn name(self) -> &'static str {
@@ -32,6 +40,7 @@ impl Part {
             Part::Step => "step",
             Part::ReadLogits => "read_logits",
             Part::Encode => "encode",
+            Part::Draw => "draw",
             Part::Guest => "guest",
         }
     }
@@ -42,12 +51,12 @@ struct Total {
     nanos: AtomicU64,
 }
 
-static TOTALS: [Total; 4] = [const {
+static TOTALS: [Total; Part::ALL.len()] = [const {
     Total {
         count: AtomicU64::new(0),
         nanos: AtomicU64::new(0),
     }
-}; 4];
+}; Part::ALL.len()];
 
 /// Add one `part` of `took`.
 pub fn record(part: Part, took: Duration) {

@@ -13,20 +13,26 @@
 //! - output 2: the greedy next token, `I32 [1]`, the argmax of output 0 computed where the
 //!   logits are (on the GPU only 4 bytes come back);
 //! - output 3: the model's context length `n_ctx`, `I32 [1]`, at any time (a guest learns
-//!   where its generation must end).
+//!   where its generation must end);
+//! - input 2 (optional): `F32 [2]` `sampling`, temperature (> 0) and top_p (in (0, 1]), and
+//!   input 3 (optional): `I64 [1]` `seed` (0 until set); kept like input 1;
+//! - output 4 (only after input 2 was set): the sampled next token, `I32 [1]`, drawn from
+//!   output 0 where the logits are by the rule of [`crate::engine::draw`] (a seed and a
+//!   position always draw the same token).
 //!
 //! A graph holds the weights once (an [`Executor`], CPU or CUDA); every execution context
 //! holds its own KV cache (a [`Session`]); both devices share this contract. `compute` keeps
 //! the longest common prefix of the cached sequence and the new one, rewinds the cache to it
 //! and runs only the rest as one batch.
 
-use crate::engine::{Device, EngineError, EngineOptions, Executor, GpuDtype, Session};
+use crate::engine::draw::DrawRule;
+use crate::engine::{Device, EngineOptions, Executor, GpuDtype, Session};
 use crate::guest_cycle::{self, GuestClock, Part};
 use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use tensor_bytes::{i32_values, le_bytes};
+use tensor_bytes::{i32_values, le_bytes, sampling_values, seed_value};
 use wasmtime_wasi_nn::backend::{
     BackendError, BackendExecutionContext, BackendFromDir, BackendGraph, BackendInner, Id,
     NamedTensor,
@@ -34,138 +40,10 @@ use wasmtime_wasi_nn::backend::{
 use wasmtime_wasi_nn::wit::{ExecutionTarget, GraphEncoding, TensorType};
 use wasmtime_wasi_nn::{ExecutionContext, Graph, GraphRegistry, Tensor};
 
+mod error;
 mod tensor_bytes;
 
-/// Errors of the graph contract; each reaches the guest as a wasi-nn error code and is logged
-/// on the host with this message.
-#[derive(Debug, thiserror::Error)]
-pub enum Gpt2Error {
-    #[error("input {index} must be an I32 tensor, got {found:?}")]
-    WrongTensorType { index: u32, found: TensorType },
-    #[error("input {index}: dimensions {dims:?} do not fit {bytes} bytes of data ({expected})")]
-    WrongShape {
-        index: u32,
-        dims: Vec<u32>,
-        bytes: usize,
-        expected: &'static str,
-    },
-    #[error("the token sequence is empty")]
-    EmptySequence,
-    #[error("sequence of {len} tokens is longer than the model's context of {n_ctx}")]
-    TooLong { len: usize, n_ctx: usize },
-    #[error("token id {id} at position {position} is outside the vocabulary (0..{vocab})")]
-    TokenOutOfRange {
-        position: usize,
-        id: i64,
-        vocab: usize,
-    },
-    #[error("logits_from {from} is outside the sequence of {len} tokens")]
-    LogitsFromOutOfRange { from: i64, len: usize },
-    #[error("no input {0}: this graph takes input 0 (token ids) and input 1 (logits_from)")]
-    NoSuchInput(String),
-    #[error("no output {0}: this graph has outputs 0 (last logits), 1 (logits from logits_from), 2 (argmax) and 3 (context length)")]
-    NoSuchOutput(String),
-    #[error("compute called before input 0 (token ids) was set")]
-    NoInput,
-    #[error("output {0} requested before compute")]
-    NotComputed(u32),
-    #[error("output 1 needs input 1 (logits_from) to be set before compute")]
-    NoAllLogits,
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    /// The device the guest's execution target chose could not take the graph.
-    #[error("execution target gpu: {0}")]
-    TargetDevice(#[source] EngineError),
-    #[error(
-        "execution target {0} is not supported: this backend runs on the CPU (target cpu) or a \
-         CUDA GPU (target gpu)"
-    )]
-    UnsupportedTarget(&'static str),
-}
-
-/// What kind of failure an error is: the wasi-nn error code it reaches a guest with, in either
-/// ABI (witx's `$nn_errno` or WIT's `error-code`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorKind {
-    /// A malformed tensor, model or argument (wrong type, shape, id, name or handle).
-    InvalidArgument,
-    /// An encoding this backend does not load.
-    InvalidEncoding,
-    /// Past a limit: the model's context, the KV pool, the load size, an instance's handles.
-    TooLarge,
-    /// No graph of that name.
-    NotFound,
-    /// An execution target this backend does not run on.
-    UnsupportedOperation,
-    /// Anything else (a device failure); the host's log says what.
-    RuntimeError,
-}
-
-impl Gpt2Error {
-    /// The code this error reaches the guest with.
-    pub fn kind(&self) -> ErrorKind {
-        use Gpt2Error as G;
-        match self {
-            G::TooLong { .. } => ErrorKind::TooLarge,
-            G::Engine(EngineError::KvPoolFull { .. } | EngineError::OverCapacity { .. }) => {
-                ErrorKind::TooLarge
-            }
-            G::Engine(EngineError::Load(LoadError::TooLarge { .. })) => ErrorKind::TooLarge,
-            G::Engine(EngineError::Load(_)) => ErrorKind::InvalidArgument,
-            G::Engine(EngineError::EmptySequence | EngineError::TokenOutOfRange { .. }) => {
-                ErrorKind::InvalidArgument
-            }
-            G::Engine(_) | G::TargetDevice(_) => ErrorKind::RuntimeError,
-            G::UnsupportedTarget(_) => ErrorKind::UnsupportedOperation,
-            G::WrongTensorType { .. }
-            | G::WrongShape { .. }
-            | G::EmptySequence
-            | G::TokenOutOfRange { .. }
-            | G::LogitsFromOutOfRange { .. }
-            | G::NoSuchInput(_)
-            | G::NoSuchOutput(_)
-            | G::NoInput
-            | G::NotComputed(_)
-            | G::NoAllLogits => ErrorKind::InvalidArgument,
-        }
-    }
-}
-
-/// What went wrong, in the words of the error that came back through wasmtime-wasi-nn's
-/// backend traits (its own Display says only "Failed while accessing backend").
-pub fn backend_error_message(e: &BackendError) -> String {
-    match e {
-        BackendError::BackendAccess(inner) => format!("{inner:#}"),
-        other => other.to_string(),
-    }
-}
-
-/// The code of an error that came back through wasmtime-wasi-nn's backend traits.
-pub fn backend_error_kind(e: &BackendError) -> ErrorKind {
-    match e {
-        BackendError::BackendAccess(inner) => match inner.downcast_ref::<Gpt2Error>() {
-            Some(e) => e.kind(),
-            None => ErrorKind::RuntimeError,
-        },
-        BackendError::NotEnoughMemory(_) => ErrorKind::TooLarge,
-        BackendError::UnsupportedTensorType(_) => ErrorKind::InvalidArgument,
-        _ => ErrorKind::RuntimeError,
-    }
-}
-
-impl From<LoadError> for Gpt2Error {
-    fn from(e: LoadError) -> Self {
-        Gpt2Error::Engine(EngineError::Load(e))
-    }
-}
-
-impl From<Gpt2Error> for BackendError {
-    fn from(e: Gpt2Error) -> Self {
-        // The guest only sees an error code; the host's log keeps the reason.
-        tracing::warn!("wasi-nn: {e}");
-        BackendError::BackendAccess(wasmtime::Error::new(e))
-    }
-}
+pub use error::{backend_error_kind, backend_error_message, ErrorKind, Gpt2Error};
 
 /// The wasi-nn backend: registered for the `autodetect` encoding; loads llm.c bytes or
 /// safetensors + config.json bytes from the guest, and HF folders or llm.c files from disk.
@@ -356,6 +234,11 @@ pub struct Gpt2Context {
     /// Outputs fetched from the session, kept until the next compute.
     last_logits: Option<Vec<f32>>,
     range_logits: Option<Vec<f32>>,
+    /// Input 2 (temperature, top_p, checked) and input 3.
+    sampling: Option<(f32, f32)>,
+    seed: u64,
+    /// Output 4 of the last compute, once drawn.
+    drawn: Option<u32>,
     /// Positions the last compute took from the cache instead of computing.
     last_reused: usize,
     /// The guest's own time between its calls, for [`guest_cycle`].
@@ -374,6 +257,9 @@ impl Gpt2Context {
             range_skip: None,
             last_logits: None,
             range_logits: None,
+            sampling: None,
+            seed: 0,
+            drawn: None,
             last_reused: 0,
             clock: GuestClock::default(),
         })
@@ -389,8 +275,22 @@ impl Gpt2Context {
         self.last_reused
     }
 
-    /// Set input `index` (0: token ids, 1: logits_from) from a wasi-nn tensor.
+    /// Set input `index` (0: token ids, 1: logits_from, 2: sampling, 3: seed) from a wasi-nn
+    /// tensor.
     pub fn set_input_tensor(&mut self, index: u32, tensor: &Tensor) -> Result<(), Gpt2Error> {
+        match index {
+            2 => {
+                let (temperature, top_p) = sampling_values(index, tensor)?;
+                DrawRule::new(temperature, top_p, 0)?;
+                self.sampling = Some((temperature, top_p));
+                return Ok(());
+            }
+            3 => {
+                self.seed = seed_value(index, tensor)?;
+                return Ok(());
+            }
+            _ => {}
+        }
         let values = i32_values(index, tensor)?;
         match index {
             0 => {
@@ -461,6 +361,7 @@ impl Gpt2Context {
         self.range_skip = None;
         self.last_logits = None;
         self.range_logits = None;
+        self.drawn = None;
         let want_range = self.logits_from.is_some();
         let extended = guest_cycle::timed(Part::Step, || {
             self.session.extend(&tokens[keep..], want_range)
@@ -491,7 +392,24 @@ impl Gpt2Context {
         Ok(self.last_logits.as_deref().unwrap_or_default())
     }
 
-    /// Output `index` as a wasi-nn tensor: 0 last logits, 1 range logits, 2 greedy next id.
+    /// Output 4: the token the sampling settings draw for the next position (drawn once per
+    /// compute).
+    pub fn sampled_token(&mut self) -> Result<u32, Gpt2Error> {
+        if !self.computed {
+            return Err(Gpt2Error::NotComputed(4));
+        }
+        let (temperature, top_p) = self.sampling.ok_or(Gpt2Error::NoDrawRule)?;
+        if let Some(id) = self.drawn {
+            return Ok(id);
+        }
+        let rule = DrawRule::new(temperature, top_p, self.seed)?;
+        let id = guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?;
+        self.drawn = Some(id);
+        Ok(id)
+    }
+
+    /// Output `index` as a wasi-nn tensor: 0 last logits, 1 range logits, 2 greedy next id,
+    /// 3 context length, 4 sampled next id.
     pub fn output_tensor(&mut self, index: u32) -> Result<Tensor, Gpt2Error> {
         let vocab = self.config.vocab_size as u32;
         let f32_tensor =
@@ -537,6 +455,14 @@ impl Gpt2Context {
                 TensorType::I32,
                 (self.config.n_ctx as i32).to_le_bytes().to_vec(),
             )),
+            4 => {
+                let id = self.sampled_token()? as i32;
+                Ok(Tensor::new(
+                    vec![1],
+                    TensorType::I32,
+                    id.to_le_bytes().to_vec(),
+                ))
+            }
             _ => Err(Gpt2Error::NoSuchOutput(index.to_string())),
         }
     }
@@ -555,6 +481,8 @@ fn input_index(id: &Id) -> Result<u32, Gpt2Error> {
         Id::Name(name) => match name.as_str() {
             "input_ids" | "0" => Ok(0),
             "logits_from" | "1" => Ok(1),
+            "sampling" | "2" => Ok(2),
+            "seed" | "3" => Ok(3),
             other => Err(Gpt2Error::NoSuchInput(other.to_owned())),
         },
     }
@@ -568,6 +496,7 @@ fn output_index(id: &Id) -> Result<u32, Gpt2Error> {
             "range_logits" | "1" => Ok(1),
             "next_token" | "2" => Ok(2),
             "context_length" | "3" => Ok(3),
+            "sampled_token" | "4" => Ok(4),
             other => Err(Gpt2Error::NoSuchOutput(other.to_owned())),
         },
     }
@@ -612,10 +541,13 @@ impl Gpt2Context {
         };
         // The WIT ABI passes named inputs and wants named outputs back. With the input
         // `next_token_only` (I32 [1], non-zero), the outputs are the greedy `next_token`
-        // (I32 [1]) instead of the last logits: a greedy guest then takes 4 bytes, not V floats.
+        // (I32 [1]) instead of the last logits: a greedy guest then takes 4 bytes, not V floats;
+        // with `sampling` (and `seed`), the drawn `sampled_token` instead.
         // Each call's inputs are its own: `logits_from` applies to the compute it came with
         // (a rejected one does not linger), the token ids are the whole sequence as always.
         self.logits_from = None;
+        self.sampling = None;
+        self.seed = 0;
         let mut next_token_only = false;
         for (position, input) in inputs.iter().enumerate() {
             if input.name == NEXT_TOKEN_ONLY {
@@ -630,9 +562,10 @@ impl Gpt2Context {
             self.set_input_tensor(index, &input.tensor)?;
         }
         self.run()?;
-        let first = match next_token_only {
-            true => ("next_token", 2),
-            false => ("logits", 0),
+        let first = match (self.sampling, next_token_only) {
+            (Some(_), _) => ("sampled_token", 4),
+            (None, true) => ("next_token", 2),
+            (None, false) => ("logits", 0),
         };
         let mut outputs = vec![NamedTensor {
             name: first.0.to_owned(),

@@ -261,3 +261,142 @@ fn wit_compute_with_next_token_only_returns_the_greedy_token_alone() {
     assert_eq!(outputs[0].name, "next_token");
     assert_eq!(outputs[0].tensor.data, want.to_le_bytes().to_vec());
 }
+
+fn sampling_tensor(temperature: f32, top_p: f32) -> Tensor {
+    let bytes = [temperature, top_p]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    Tensor::new(vec![2], TensorType::Fp32, bytes)
+}
+
+fn seed_tensor(seed: u64) -> Tensor {
+    Tensor::new(vec![1], TensorType::I64, seed.to_le_bytes().to_vec())
+}
+
+/// Output 4 through the witx path (inputs set by index, kept until set again): the token the
+/// rule draws from output 0's logits for the next position; the same seed and position draw
+/// it again, alone or after other steps.
+#[test]
+fn output_4_draws_what_the_rule_draws_from_the_logits() {
+    use wasi_nn_host::engine::draw::{draw, DrawRule};
+    let mut ctx = tiny_context();
+    ctx.set_input_tensor(2, &sampling_tensor(0.9, 0.8))
+        .expect("sampling");
+    ctx.set_input_tensor(3, &seed_tensor(12345)).expect("seed");
+    let mut ids = sequence(7, 2);
+    let mut drawn = Vec::new();
+    for _ in 0..12 {
+        let logits = compute(&mut ctx, &ids);
+        let rule = DrawRule::new(0.9, 0.8, 12345).expect("rule");
+        let want = draw(&logits, &rule, ids.len());
+        let got = ctx.output_tensor(4).expect("output 4");
+        assert_eq!(got.dimensions, vec![1]);
+        assert_eq!(got.data, (want as i32).to_le_bytes().to_vec());
+        drawn.push(want);
+        ids.push(want);
+    }
+    // another context, other steps in between: the same draws at the same positions
+    let mut other = tiny_context();
+    other
+        .set_input_tensor(2, &sampling_tensor(0.9, 0.8))
+        .expect("sampling");
+    other
+        .set_input_tensor(3, &seed_tensor(12345))
+        .expect("seed");
+    compute(&mut other, &sequence(30, 9));
+    let mut again = sequence(7, 2);
+    for &want in &drawn {
+        compute(&mut other, &again);
+        let got = other.sampled_token().expect("output 4");
+        assert_eq!(got, want);
+        again.push(got);
+    }
+    // a different seed draws other tokens somewhere in twelve steps
+    other
+        .set_input_tensor(3, &seed_tensor(54321))
+        .expect("seed");
+    let mut third = sequence(7, 2);
+    let mut differ = false;
+    for &want in &drawn {
+        compute(&mut other, &third);
+        let got = other.sampled_token().expect("output 4");
+        differ |= got != want;
+        third.push(want);
+    }
+    assert!(differ, "seed 54321 drew the same 12 tokens as seed 12345");
+}
+
+#[test]
+fn sampling_inputs_are_checked() {
+    let mut ctx = tiny_context();
+    compute(&mut ctx, &sequence(4, 1));
+    // output 4 without input 2
+    assert!(matches!(ctx.output_tensor(4), Err(Gpt2Error::NoDrawRule)));
+    for (t, p) in [
+        (0.0, 1.0),
+        (-1.0, 1.0),
+        (f32::NAN, 0.9),
+        (1.0, 0.0),
+        (1.0, 1.01),
+    ] {
+        let refused = ctx.set_input_tensor(2, &sampling_tensor(t, p));
+        assert!(
+            matches!(refused, Err(Gpt2Error::BadRule(_))),
+            "temperature {t}, top_p {p}: {refused:?}"
+        );
+    }
+    let wrong_type = Tensor::new(vec![2], TensorType::I32, vec![0; 8]);
+    assert!(matches!(
+        ctx.set_input_tensor(2, &wrong_type),
+        Err(Gpt2Error::WrongTensorType { index: 2, .. })
+    ));
+    let wrong_shape = Tensor::new(vec![1], TensorType::I64, vec![0; 16]);
+    assert!(matches!(
+        ctx.set_input_tensor(3, &wrong_shape),
+        Err(Gpt2Error::WrongShape { index: 3, .. })
+    ));
+    // the context still serves, and a good rule draws
+    ctx.set_input_tensor(2, &sampling_tensor(1.0, 0.95))
+        .expect("sampling");
+    compute(&mut ctx, &sequence(5, 1));
+    assert!(ctx.sampled_token().is_ok());
+}
+
+/// Through the WIT ABI: `sampling` and `seed` with the call, and `sampled_token` alone back.
+#[test]
+fn wit_compute_with_sampling_returns_the_sampled_token_alone() {
+    use wasi_nn_host::engine::draw::{draw, DrawRule};
+    use wasmtime_wasi_nn::backend::NamedTensor;
+    let ids = sequence(11, 4);
+    let mut ctx = tiny_context();
+    let logits = compute(&mut ctx, &ids);
+    let want = draw(
+        &logits,
+        &DrawRule::new(1.0, 0.9, 7).expect("rule"),
+        ids.len(),
+    ) as i32;
+    let ids32: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+    let named = |name: &str, tensor: Tensor| NamedTensor {
+        name: name.to_owned(),
+        tensor,
+    };
+    let mut fresh = tiny_context();
+    let outputs = fresh
+        .compute(Some(vec![
+            named("input_ids", tokens_tensor(&ids32)),
+            named("sampling", sampling_tensor(1.0, 0.9)),
+            named("seed", seed_tensor(7)),
+        ]))
+        .expect("compute")
+        .expect("named outputs");
+    assert_eq!(outputs.len(), 1, "only the sampled token comes back");
+    assert_eq!(outputs[0].name, "sampled_token");
+    assert_eq!(outputs[0].tensor.data, want.to_le_bytes().to_vec());
+    // the settings applied to that call alone: the next call without them gets logits
+    let outputs = fresh
+        .compute(Some(vec![named("input_ids", tokens_tensor(&ids32))]))
+        .expect("compute")
+        .expect("named outputs");
+    assert_eq!(outputs[0].name, "logits");
+}

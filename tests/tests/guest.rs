@@ -438,3 +438,43 @@ fn fuel_bounds_a_guest_work_whatever_the_time() {
         "{result:?}"
     );
 }
+
+/// A request that samples with temperature and top-p alone is drawn by the host (output 4):
+/// each token the guest made is the rule's draw from the CPU reference's logits for its
+/// position; with top-k as well, the guest samples the logits itself (other tokens).
+#[test]
+fn temperature_and_top_p_alone_are_drawn_by_the_host() {
+    use wasi_nn_host::engine::draw::{draw, DrawRule};
+    let args = |top_k: &'static str| {
+        [
+            "--json",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            top_k,
+            "--seed",
+            "3",
+            "--max-tokens",
+            "24",
+            "JULIET:",
+        ]
+    };
+    let out = run_json(&args("0"));
+    let (prompt, made) = (ids(&out["prompt_ids"]), ids(&out["ids"]));
+    assert_eq!(made.len(), 24);
+    let weights = std::sync::Arc::new(
+        wasi_nn_host::model::load_path(&shakespeare_dir()).expect("the embedded model"),
+    );
+    let model = wasi_nn_host::cpu::CpuModel::new(weights);
+    let mut cache = Default::default();
+    let mut logits = model.forward(&mut cache, &prompt, false);
+    let rule = DrawRule::new(0.9, 0.9, 3).expect("rule");
+    for (i, &id) in made.iter().enumerate() {
+        assert_eq!(id, draw(&logits, &rule, prompt.len() + i), "token {i}");
+        logits = model.forward(&mut cache, &[id], false);
+    }
+    let guest_sampled = run_json(&args("200"));
+    assert_ne!(ids(&guest_sampled["ids"]), made);
+}

@@ -62,6 +62,18 @@ struct WitModel {
     /// Whether the backend took `next_token_only` last time (ours does; another runtime may
     /// refuse the input or ignore it, and greedy steps then read the logits).
     next_token_only: bool,
+    /// Whether the backend took `sampling` and `seed` and drew `sampled_token` last time.
+    draws: bool,
+}
+
+/// What a `compute` asks for besides the logits.
+#[derive(Clone, Copy)]
+enum Ask<'a> {
+    Logits,
+    /// The greedy `next_token` instead of the logits.
+    NextToken,
+    /// The `sampled_token` these settings draw, instead of the logits.
+    Draw(&'a SamplingParams),
 }
 
 fn nn_error(what: &str, e: wasi::nn::errors::Error) -> String {
@@ -88,6 +100,7 @@ impl WitModel {
             raw: Vec::new(),
             logits: Vec::new(),
             next_token_only: true,
+            draws: true,
         })
     }
 
@@ -97,16 +110,26 @@ impl WitModel {
         tokens: &[u32],
         logits_from: Option<i32>,
     ) -> Result<Vec<(String, tensor::Tensor)>, String> {
-        self.compute_with(tokens, logits_from, false)
+        self.compute_with(tokens, logits_from, Ask::Logits)
     }
 
-    /// compute(), asking for the greedy next token alone when `next_token_only`.
+    /// compute(), asking for what `ask` names.
     fn compute_with(
         &self,
         tokens: &[u32],
         logits_from: Option<i32>,
-        next_token_only: bool,
+        ask: Ask<'_>,
     ) -> Result<Vec<(String, tensor::Tensor)>, String> {
+        self.compute_asking(tokens, logits_from, ask)
+            .map_err(|e| nn_error("compute", e))
+    }
+
+    fn compute_asking(
+        &self,
+        tokens: &[u32],
+        logits_from: Option<i32>,
+        ask: Ask<'_>,
+    ) -> Result<Vec<(String, tensor::Tensor)>, wasi::nn::errors::Error> {
         let ids: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         let mut inputs = vec![(
             "input_ids".to_string(),
@@ -119,15 +142,28 @@ impl WitModel {
                 tensor::Tensor::new(&[1], tensor::TensorType::I32, &bytes),
             ));
         }
-        if next_token_only {
-            inputs.push((
+        match ask {
+            Ask::Logits => {}
+            Ask::NextToken => inputs.push((
                 "next_token_only".to_string(),
                 tensor::Tensor::new(&[1], tensor::TensorType::I32, &1i32.to_le_bytes()),
-            ));
+            )),
+            Ask::Draw(p) => {
+                let settings: Vec<u8> = [p.temperature, p.top_p]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                inputs.push((
+                    "sampling".to_string(),
+                    tensor::Tensor::new(&[2], tensor::TensorType::Fp32, &settings),
+                ));
+                inputs.push((
+                    "seed".to_string(),
+                    tensor::Tensor::new(&[1], tensor::TensorType::I64, &p.seed.to_le_bytes()),
+                ));
+            }
         }
-        self.context
-            .compute(inputs)
-            .map_err(|e| nn_error("compute", e))
+        self.context.compute(inputs)
     }
 
     /// The last logits from `outputs` (named `logits`, else the first).
@@ -166,7 +202,7 @@ impl Forward for WitModel {
         if self.next_token_only {
             // a backend that refuses the extra input gets the plain call (the context keeps
             // its cache either way: the same tokens again run nothing new)
-            if let Ok(outputs) = self.compute_with(tokens, None, true) {
+            if let Ok(outputs) = self.compute_with(tokens, None, Ask::NextToken) {
                 if let Some(id) = output(&outputs, "next_token").and_then(|d| {
                     d.get(..4)
                         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -180,6 +216,36 @@ impl Forward for WitModel {
             self.next_token_only = false;
         }
         Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
+    }
+
+    /// `sampled_token` for `sampling` and `seed`; a backend that refuses them or returns
+    /// no such output leaves sampling to the guest from then on.
+    fn sampled_next(
+        &mut self,
+        tokens: &[u32],
+        params: &SamplingParams,
+    ) -> Result<Option<u32>, String> {
+        if !self.draws {
+            return Ok(None);
+        }
+        let outputs = match self.compute_asking(tokens, None, Ask::Draw(params)) {
+            Ok(outputs) => outputs,
+            // a backend without these inputs refuses them as invalid; anything else (the
+            // sequence past the context, a device error) is the step's own failure
+            Err(e) if e.code() == wasi::nn::errors::ErrorCode::InvalidArgument => {
+                self.draws = false;
+                return Ok(None);
+            }
+            Err(e) => return Err(nn_error("compute", e)),
+        };
+        let drawn = output(&outputs, "sampled_token").and_then(|d| {
+            d.get(..4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        });
+        if drawn.is_none() {
+            self.draws = false;
+        }
+        Ok(drawn)
     }
 
     fn all_logits(&mut self, tokens: &[u32]) -> Result<Option<Vec<f32>>, String> {

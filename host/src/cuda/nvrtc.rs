@@ -9,7 +9,7 @@ use std::path::Path;
 /// Constants handed to the kernels as `-D NAME=value`.
 pub type Defines = [(&'static str, u32)];
 
-const KERNEL_SOURCES: [(&str, &str); 6] = [
+const KERNEL_SOURCES: [(&str, &str); 7] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embed_norm.cu",
@@ -22,6 +22,7 @@ const KERNEL_SOURCES: [(&str, &str); 6] = [
         include_str!("../../../kernels/attention.cu"),
     ),
     ("batch.cu", include_str!("../../../kernels/batch.cu")),
+    ("draw.cu", include_str!("../../../kernels/draw.cu")),
 ];
 
 /// One translation unit of every kernel file: the header pasted in place of its includes.

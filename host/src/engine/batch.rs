@@ -20,6 +20,7 @@
 //! full, say) fails that context alone, and a panic in a step fails that step's contexts with
 //! an error while the batcher keeps serving.
 
+use super::draw::DrawRule;
 pub use super::kv_pool::KvPool;
 use super::{EngineError, Session};
 use std::collections::{HashSet, VecDeque};
@@ -44,6 +45,10 @@ pub trait SeqState: Send + Sync + 'static {
     fn all_logits(&self) -> Result<Vec<f32>, EngineError>;
     /// Index of the largest last-position logit.
     fn argmax(&self) -> Result<u32, EngineError>;
+    /// The token `rule` draws from the last position's logits (see [`Session::draw`]).
+    fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        Ok(super::draw::draw(&self.last_logits()?, rule, self.len()))
+    }
 }
 
 /// A model that runs several contexts' tokens as one step.
@@ -676,5 +681,10 @@ impl<M: BatchModel> Session for BatchedSession<M> {
     }
     fn argmax(&mut self) -> Result<u32, EngineError> {
         self.seq()?.argmax()
+    }
+    fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        (self.seq.as_mut())
+            .ok_or_else(|| EngineError::device("context state lost"))?
+            .draw(rule)
     }
 }

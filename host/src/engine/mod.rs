@@ -1,12 +1,14 @@
 //! What every device backend shares, and nothing device-specific: where a forward pass runs
 //! ([`Device`], [`GpuDtype`]), the engine's error ([`EngineError`]), the two traits a backend
 //! implements ([`Executor`]: a model loaded on a device; [`Session`]: one sequence's KV cache
-//! on it), the greedy [`argmax`], and continuous batching across contexts ([`batch`]).
+//! on it), the greedy [`argmax`], the sampled draw's specification ([`draw`]), and continuous
+//! batching across contexts ([`batch`]).
 //!
 //! The CPU reference ([`crate::cpu`]) and the CUDA backend ([`crate::cuda`]) depend on this
 //! module; it depends on neither. The wasi-nn contract ([`crate::wasi_nn`]) sits on top.
 
 pub mod batch;
+pub mod draw;
 mod kv_pool;
 
 use crate::model::{Gpt2Config, LoadError};
@@ -144,6 +146,12 @@ pub trait Session: Send + Sync {
     fn all_logits(&mut self) -> Result<Vec<f32>, EngineError>;
     /// Index of the largest last-position logit (first index on ties, NaN never wins).
     fn argmax(&mut self) -> Result<u32, EngineError>;
+    /// The token `rule` draws from the last position's logits for the next position
+    /// ([`draw::draw`]); devices that hold the logits elsewhere draw there.
+    fn draw(&mut self, rule: &draw::DrawRule) -> Result<u32, EngineError> {
+        let position = self.len();
+        Ok(draw::draw(&self.last_logits()?, rule, position))
+    }
 }
 
 /// The index of the largest value, first on ties, NaN never chosen (as the GPU kernel); 0

@@ -179,7 +179,8 @@ fn cycle(text: &mut String) {
     let _ = writeln!(
         text,
         "# HELP {CYCLE_SECONDS} time of each part of the guests' token cycle (step: the forward \
-         pass waited for; read_logits, encode: the logits brought back and made a tensor; guest: \
+         pass waited for; read_logits, encode: the logits brought back and made a tensor; draw: a \
+         sampled token drawn where the logits are; guest: \
          the guests' own time between their calls)\n# TYPE {CYCLE_SECONDS} counter"
     );
     for part in Part::ALL {

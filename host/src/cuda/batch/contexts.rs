@@ -7,6 +7,7 @@ use super::ahead::state::{wait_idle, RunAhead};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};
+use crate::engine::draw::DrawRule;
 use crate::engine::{EngineError, Session};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -197,6 +198,12 @@ impl SeqState for CudaSeq {
         self.read_logits.store(true, Ordering::Relaxed);
         self.settle()?;
         self.session()?.all_logits_now()
+    }
+    fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        // its next token is not the argmax: nothing runs ahead for it
+        self.read_logits.store(true, Ordering::Relaxed);
+        self.settle()?;
+        self.session_mut()?.draw_now(rule)
     }
     fn argmax(&self) -> Result<u32, EngineError> {
         match self.settle()? {

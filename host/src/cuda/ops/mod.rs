@@ -1,5 +1,5 @@
 //! Kernel launchers: the only code that launches our kernels. One module per kernel family,
-//! named like its file in `kernels/` (`embed_norm`, `matvec`, `matmul`, `attention`); each
+//! named like its file in `kernels/` (`embed_norm`, `matvec`, `matmul`, `attention`, `draw`); each
 //! launcher takes typed device views ([`DevPtr`], [`Act`]) and the shapes, picks the grid, and
 //! says in a `// SAFETY:` comment what the kernel touches.
 //!
@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod batch;
 pub mod batch_gemm;
+pub mod draw;
 pub mod embed_norm;
 mod kernels;
 pub mod matmul;
@@ -57,6 +58,8 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("TC_THREADS", attention::TC_THREADS),
     ("FA_SMEM", attention::FA_SMEM),
     ("BL_PER", batch::BL_PER),
+    ("DRAW_THREADS", draw::DRAW_THREADS),
+    ("MAX_DRAWS", draw::MAX_DRAWS),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).

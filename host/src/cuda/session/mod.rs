@@ -82,6 +82,11 @@ pub struct CudaSession {
     ids: DevBuf<i32>,
     /// `[1]`: the argmax key of the last logits (see [`super::ops::matvec::argmax_row`]).
     argmax_key: DevBuf<u64>,
+    /// A sampled draw's rule (`[4]`, see [`super::ops::draw::rule_words`]), its token on
+    /// the device and its page-locked landing.
+    draw_rule: DevBuf<u64>,
+    drawn: DevBuf<i32>,
+    drawn_host: Mutex<HostCopy<i32>>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
@@ -123,7 +128,7 @@ impl CudaSession {
             + LOGITS_BUFFERS * v // logits
             + capacity * 4 * c; // cuBLAS's f32 scratch
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
-        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + (4 << 20)
+        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + (4 << 20)
     }
 
     pub(crate) fn new(model: Arc<LoadedModel>) -> Result<Self, CudaError> {
@@ -176,6 +181,9 @@ impl CudaSession {
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,
             argmax_key: DevBuf::zeros(&stream, 1, "argmax buffer")?,
+            draw_rule: DevBuf::zeros(&stream, 4, "draw buffer")?,
+            drawn: DevBuf::zeros(&stream, 1, "draw buffer")?,
+            drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
             may_capture: true,
             max_chunks,
             capacity,

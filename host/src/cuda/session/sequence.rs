@@ -5,7 +5,9 @@
 
 use super::CudaSession;
 use crate::cuda::error::CudaError;
+use crate::cuda::ops::draw::{rule_words, Draw};
 use crate::cuda::ops::matvec::argmax_row;
+use crate::engine::draw::{self, DrawRule};
 use crate::engine::{EngineError, Session};
 
 /// What the batched step ([`crate::cuda::batch`]) needs of a session.
@@ -104,6 +106,34 @@ impl CudaSession {
         Ok(argmax_row(key.first().copied().unwrap_or(0)))
     }
 
+    /// The token `rule` draws from the last logits, drawn on the GPU: 4 bytes come back
+    /// instead of the logits (a row whose draws all fell outside the nucleus, odds below
+    /// 2^-32 at top-p 0.5, is finished here from the logits).
+    pub(crate) fn draw_now(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        let position = self.read_out.len();
+        let stream = self.launcher.stream().clone();
+        let vocab = self.model.config.vocab_size;
+        self.draw_rule
+            .write(&stream, 0, &rule_words(rule, position))?;
+        self.launcher.draw_token(Draw {
+            logits: self.logits_buffer(self.read_out.readable()).ptr(),
+            stride: vocab,
+            rows: 1,
+            vocab,
+            rules: self.draw_rule.ptr(),
+            out: self.drawn.ptr(),
+        })?;
+        let drawn = {
+            let mut host = self.drawn_host.lock().unwrap_or_else(|p| p.into_inner());
+            host.start(&stream, &self.drawn, 1)?;
+            host.wait()?
+        };
+        match drawn.first() {
+            Some(&id) if id >= 0 && (id as usize) < vocab => Ok(id as u32),
+            _ => Ok(draw::draw(&self.logits_now()?, rule, position)),
+        }
+    }
+
     /// Copy `count` logits back (from the all-position buffer when `all`) and wait for them.
     fn read_logits(&self, count: usize, all: bool) -> Result<Vec<f32>, CudaError> {
         let stream = self.launcher.stream();
@@ -151,5 +181,9 @@ impl Session for CudaSession {
 
     fn argmax(&mut self) -> Result<u32, EngineError> {
         self.argmax_now()
+    }
+
+    fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        self.draw_now(rule)
     }
 }

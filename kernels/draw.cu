@@ -1,0 +1,160 @@
+// The sampled draw where the logits are: the rule of `host/src/engine/draw.rs` (its
+// specification and the CPU side), steps 1-3; the host finishes the rare row whose draws all
+// fell outside the nucleus (out = -1). DRAW_THREADS and MAX_DRAWS are defined by the host.
+#include "common.cuh"
+
+__device__ __forceinline__ unsigned long long draw_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// Draw k's uniform in [0, 1) for `position` (`uniform` in draw.rs).
+__device__ __forceinline__ double draw_uniform(unsigned long long seed, unsigned long long position, int k) {
+    unsigned long long counter = position * 64ull + (unsigned long long)k + 1ull;
+    unsigned long long bits = draw_mix(draw_mix(seed) + counter * 0x9e3779b97f4a7c15ull);
+    return (double)(bits >> 11) * (1.0 / 9007199254740992.0);
+}
+
+__device__ __forceinline__ double draw_weight(float l, float m, double inv_t) {
+    return l != l ? 0.0 : exp(((double)l - (double)m) * inv_t);
+}
+
+// Block-wide reductions over DRAW_THREADS threads; every thread gets the result. `scratch`
+// holds one value a warp; the trailing barrier lets the next reduction reuse it.
+__device__ __forceinline__ double draw_block_sum(double v, double* scratch) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < DRAW_THREADS / 32; w++) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float draw_block_max(float v, float* scratch) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float m = -INFINITY;
+    for (int w = 0; w < DRAW_THREADS / 32; w++) m = fmaxf(m, scratch[w]);
+    __syncthreads();
+    return m;
+}
+
+__device__ __forceinline__ int draw_block_min(int v, int* scratch) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, off));
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int m = 0x7fffffff;
+    for (int w = 0; w < DRAW_THREADS / 32; w++) m = min(m, scratch[w]);
+    __syncthreads();
+    return m;
+}
+
+// One row a block: out[row] = the token drawn from logits[row * stride ..][0..v] by the rule in
+// rules[4 * row ..]: 1 / temperature and top_p (f64 bits), the seed, and the position drawn
+// for; -1 when MAX_DRAWS draws fell
+// outside the nucleus. Each thread weighs a contiguous chunk of ids, so the cumulative weight
+// in id order is a scan over the threads' chunks: thread t's range of it is
+// [incl[t - 1], incl[t]), and exactly one thread's range holds a draw's target.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    draw_token(const float* logits, long long stride, int v, const unsigned long long* rules, int* out) {
+    __shared__ double incl[DRAW_THREADS];
+    __shared__ double dscratch[DRAW_THREADS / 32];
+    __shared__ float fscratch[DRAW_THREADS / 32];
+    __shared__ int iscratch[DRAW_THREADS / 32];
+    __shared__ int picked;
+    pdl_wait();
+    int row = blockIdx.x, t = threadIdx.x;
+    const float* l = logits + (size_t)row * (size_t)stride;
+    float m = -INFINITY;
+    for (int i = t; i < v; i += DRAW_THREADS) m = fmaxf(m, l[i]);  // fmaxf skips NaN
+    m = draw_block_max(m, fscratch);
+    if (!(m > -INFINITY && m < INFINITY)) {
+        // greedy: the first +inf, or 0 when nothing is above -inf
+        int first = 0x7fffffff;
+        if (m == INFINITY)
+            for (int i = t; i < v; i += DRAW_THREADS)
+                if (l[i] == m) first = min(first, i);
+        first = draw_block_min(first, iscratch);
+        if (t == 0) out[row] = m == INFINITY ? first : 0;
+        return;
+    }
+    const unsigned long long* rule = rules + 4 * row;
+    double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
+    unsigned long long seed = rule[2], position = rule[3];
+    int per = (v + DRAW_THREADS - 1) / DRAW_THREADS;
+    int lo = min(t * per, v), hi = min(lo + per, v);
+    double chunk = 0.0;
+    for (int i = lo; i < hi; i++) chunk += draw_weight(l[i], m, it);
+    // inclusive scan of the chunk sums: within the warp, then over the warps' totals
+    int warp = t >> 5, lane = t & 31;
+    double scan = chunk;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        double up = __shfl_up_sync(0xffffffffu, scan, off);
+        if (lane >= off) scan += up;
+    }
+    if (lane == 31) dscratch[warp] = scan;
+    __syncthreads();
+    double warps_before = 0.0;
+    for (int w = 0; w < warp; w++) warps_before += dscratch[w];
+    incl[t] = warps_before + scan;
+    __syncthreads();
+    double total = incl[DRAW_THREADS - 1];
+    double before_chunk = t == 0 ? 0.0 : incl[t - 1];
+    double after_chunk = incl[t];
+    // the last id weighing anything, for a target that rounding leaves past every one
+    int last = -1;
+    for (int i = hi - 1; i >= lo; i--)
+        if (draw_weight(l[i], m, it) > 0.0) {
+            last = i;
+            break;
+        }
+    last = -draw_block_min(-last, iscratch);
+    for (int k = 0; k < MAX_DRAWS; k++) {
+        double target = draw_uniform(seed, position, k) * total;
+        if (t == 0) picked = last;
+        __syncthreads();
+        if (before_chunk <= target && target < after_chunk) {
+            double cumulative = before_chunk;
+            int pick = -1;
+            for (int i = lo; i < hi; i++) {
+                double w = draw_weight(l[i], m, it);
+                if (w > 0.0) {
+                    pick = i;
+                    cumulative += w;
+                    if (cumulative > target) break;
+                }
+            }
+            // the walk ran out by rounding: its last weighted id (the CPU's `pick` takes the
+            // overall last; a target this close to a chunk's end is a rounding apart anyway)
+            if (pick >= 0) picked = pick;
+        }
+        __syncthreads();
+        int x = picked;
+        if (p >= 1.0) {
+            if (t == 0) out[row] = x;
+            return;
+        }
+        float lx = l[x];
+        double before = 0.0;
+        for (int j = t; j < v; j += DRAW_THREADS) {
+            float lj = l[j];
+            if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it);
+        }
+        before = draw_block_sum(before, dscratch);
+        if (before < p * total) {
+            if (t == 0) out[row] = x;
+            return;
+        }
+    }
+    if (t == 0) out[row] = -1;
+}
