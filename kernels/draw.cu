@@ -1,6 +1,7 @@
 // The sampled draw where the logits are: the rule of `host/src/engine/draw.rs` (its
-// specification and the CPU side), steps 1-3; the host finishes the rare row whose draws all
-// fell outside the nucleus (out = -1). DRAW_THREADS and MAX_DRAWS are defined by the host.
+// specification and the CPU side), steps 1-3, for a session's last logits (`draw_token`) or
+// the rows of a batched pass (`batch_draw`); the host finishes the rare row whose draws all
+// fell outside the nucleus. DRAW_THREADS and MAX_DRAWS are defined by the host.
 #include "common.cuh"
 
 __device__ __forceinline__ unsigned long long draw_mix(unsigned long long z) {
@@ -58,22 +59,19 @@ __device__ __forceinline__ int draw_block_min(int v, int* scratch) {
     return m;
 }
 
-// One row a block: out[row] = the token drawn from logits[row * stride ..][0..v] by the rule in
-// rules[4 * row ..]: 1 / temperature and top_p (f64 bits), the seed, and the position drawn
-// for; -1 when MAX_DRAWS draws fell
-// outside the nucleus. Each thread weighs a contiguous chunk of ids, so the cumulative weight
-// in id order is a scan over the threads' chunks: thread t's range of it is
-// [incl[t - 1], incl[t]), and exactly one thread's range holds a draw's target.
-extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
-    draw_token(const float* logits, long long stride, int v, const unsigned long long* rules, int* out) {
+// The token `rule` (4 words: 1 / temperature and top_p as f64 bits, the seed, the position
+// drawn for) draws from the `v` logits at `l`, for every thread of the block (which must all
+// call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread weighs a contiguous
+// chunk of ids, so the cumulative weight in id order is a scan over the threads' chunks:
+// thread t's range of it is [incl[t - 1], incl[t]), and exactly one thread's range holds a
+// draw's target.
+__device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     __shared__ double incl[DRAW_THREADS];
     __shared__ double dscratch[DRAW_THREADS / 32];
     __shared__ float fscratch[DRAW_THREADS / 32];
     __shared__ int iscratch[DRAW_THREADS / 32];
     __shared__ int picked;
-    pdl_wait();
-    int row = blockIdx.x, t = threadIdx.x;
-    const float* l = logits + (size_t)row * (size_t)stride;
+    int t = threadIdx.x;
     float m = -INFINITY;
     for (int i = t; i < v; i += DRAW_THREADS) m = fmaxf(m, l[i]);  // fmaxf skips NaN
     m = draw_block_max(m, fscratch);
@@ -84,10 +82,8 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
             for (int i = t; i < v; i += DRAW_THREADS)
                 if (l[i] == m) first = min(first, i);
         first = draw_block_min(first, iscratch);
-        if (t == 0) out[row] = m == INFINITY ? first : 0;
-        return;
+        return m == INFINITY ? first : 0;
     }
-    const unsigned long long* rule = rules + 4 * row;
     double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
     unsigned long long seed = rule[2], position = rule[3];
     int per = (v + DRAW_THREADS - 1) / DRAW_THREADS;
@@ -140,10 +136,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
         }
         __syncthreads();
         int x = picked;
-        if (p >= 1.0) {
-            if (t == 0) out[row] = x;
-            return;
-        }
+        if (p >= 1.0) return x;
         float lx = l[x];
         double before = 0.0;
         for (int j = t; j < v; j += DRAW_THREADS) {
@@ -151,10 +144,34 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
             if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it);
         }
         before = draw_block_sum(before, dscratch);
-        if (before < p * total) {
-            if (t == 0) out[row] = x;
-            return;
-        }
+        if (before < p * total) return x;
     }
-    if (t == 0) out[row] = -1;
+    return -1;
+}
+
+// One row a block: out[row] = the token rules[4 * row ..] draws from logits[row * stride ..]
+// (`v` of them), -1 when undecided (see `draw_row`).
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    draw_token(const float* logits, long long stride, int v, const unsigned long long* rules, int* out) {
+    pdl_wait();
+    int row = blockIdx.x;
+    int token = draw_row(logits + (size_t)row * (size_t)stride, v, rules + 4 * row);
+    if (threadIdx.x == 0) out[row] = token;
+}
+
+// The batched pass's draws: for each row whose rule is set (rules[4 * row] != 0) and whose
+// logits were kept (dst[row] != 0, its context's last row), keys[row] becomes the drawn
+// token's key in place of the argmax key `batch_logits` left (the low word the complement of
+// the token, as `argmax_key`; an undecided row names token v, past the vocabulary, which the
+// host draws again and `batch_feed` never feeds).
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys,
+               int v) {
+    pdl_wait();
+    int row = blockIdx.x;
+    const unsigned long long* rule = rules + 4 * row;
+    if (rule[0] == 0ull || dst[row] == 0ull) return;
+    int token = draw_row(reinterpret_cast<const float*>(dst[row]), v, rule);
+    if (token < 0) token = v;
+    if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
 }

@@ -89,6 +89,7 @@ impl Contexts {
             serial: self.serials.fetch_add(1, Ordering::Relaxed),
             read_logits: AtomicBool::new(false),
             late: AtomicBool::new(false),
+            rule: Mutex::new(None),
         })
     }
 }
@@ -104,6 +105,9 @@ pub struct CudaSeq {
     /// Its last rows ran late (in a pass run ahead its step did not wait for): their argmax
     /// is in `Ahead::late_done` once the pass is resolved, and the logits are not read before.
     pub(crate) late: AtomicBool,
+    /// The rule its guest drew its last token by (None: it read the argmax or the logits):
+    /// its next rows' keys are drawn by it, so that the token comes back with the pass.
+    rule: Mutex<Option<DrawRule>>,
 }
 
 impl CudaSeq {
@@ -111,6 +115,15 @@ impl CudaSeq {
         self.session
             .as_ref()
             .ok_or_else(|| EngineError::device("session already released"))
+    }
+
+    /// The rule its next rows are drawn by (see [`Self::rule`]).
+    pub(crate) fn rule(&self) -> Option<DrawRule> {
+        *self.rule.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_rule(&self, rule: Option<DrawRule>) {
+        *self.rule.lock().unwrap_or_else(|p| p.into_inner()) = rule;
     }
 
     pub(crate) fn session_mut(&mut self) -> Result<&mut CudaSession, EngineError> {
@@ -191,24 +204,35 @@ impl SeqState for CudaSeq {
     }
     fn last_logits(&self) -> Result<Vec<f32>, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
+        self.set_rule(None);
         self.settle()?;
         self.session()?.logits_now()
     }
     fn all_logits(&self) -> Result<Vec<f32>, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
+        self.set_rule(None);
         self.settle()?;
         self.session()?.all_logits_now()
     }
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         // its next token is not the argmax: nothing runs ahead for it
         self.read_logits.store(true, Ordering::Relaxed);
-        self.settle()?;
-        self.session_mut()?.draw_now(rule)
+        self.set_rule(Some(*rule));
+        let settled = self.settle()?;
+        let session = self.session_mut()?;
+        if let Some(token) = settled {
+            session.set_argmax(token);
+        }
+        session.draw_now(rule)
     }
     fn argmax(&self) -> Result<u32, EngineError> {
-        match self.settle()? {
-            Some(argmax) => Ok(argmax),
-            None => self.session()?.argmax_now(),
+        self.set_rule(None);
+        let settled = self.settle()?;
+        let session = self.session()?;
+        match settled {
+            // a late row's key is its argmax unless its rows were drawn
+            Some(argmax) if session.keys_rule().is_none() => Ok(argmax),
+            _ => session.argmax_now(),
         }
     }
 }

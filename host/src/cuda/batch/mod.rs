@@ -194,16 +194,17 @@ impl CudaBatch {
     /// and their argmax.
     fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
         let inputs = (items.iter())
-            .map(|item| Ok(Rows::of(item.seq.session()?, item.tokens)))
+            .map(|item| Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule())))
             .collect::<Result<Vec<_>, EngineError>>()?;
         let (_, last_rows, keys) = self.pass.run(&inputs)?;
         drop(inputs);
         for (item, row) in items.iter_mut().zip(last_rows) {
             let key = keys.get(row).copied().unwrap_or(0);
             let added = item.tokens.len();
-            item.seq
-                .session_mut()?
-                .advanced_in_batch(added, argmax_row(key));
+            let rule = item.seq.rule();
+            let session = item.seq.session_mut()?;
+            session.advanced_in_batch(added, argmax_row(key));
+            session.set_keys_rule(rule);
         }
         Ok(())
     }

@@ -36,7 +36,7 @@ pub struct RowTable {
 }
 
 impl RowTable {
-    fn check(&self, what: &'static str) -> Result<(), CudaError> {
+    pub(crate) fn check(&self, what: &'static str) -> Result<(), CudaError> {
         let n = self.rows;
         ensure(
             self.tokens.len() >= n

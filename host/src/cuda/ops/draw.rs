@@ -1,6 +1,7 @@
 //! `kernels/draw.cu`: the sampled draw of [`crate::engine::draw`] over rows of logits on the
 //! GPU, one block a row.
 
+use super::batch::RowTable;
 use super::{kernel_args, Launcher};
 use crate::cuda::buffer::DevPtr;
 use crate::cuda::error::{ensure, CudaError};
@@ -59,5 +60,25 @@ impl Launcher {
         // 4 words a row, out one int a row (checked above).
         let mut args = kernel_args![&logits, &stride, &v, &rules, &out];
         unsafe { self.launch(&self.kernels.draw_token, cfg, 1, &mut args, "draw") }
+    }
+
+    /// The batched pass's draws: each of the table's rows with a rule in `rules` (4 words a
+    /// row, [`rule_words`] for the position after the row's; zeros: none) and logits kept gets
+    /// the drawn token's key in `t.keys` instead of its argmax's (`batch_draw` in
+    /// `kernels/draw.cu`). Launched after the pass's LM head.
+    pub fn batch_draw(&self, t: &RowTable, rules: DevPtr<u64>) -> Result<(), CudaError> {
+        t.check("batched draw")?;
+        ensure(rules.len() >= 4 * t.rows, "batched draw")?;
+        let cfg = LaunchConfig {
+            grid_dim: (t.rows as u32, 1, 1),
+            block_dim: (DRAW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let v = self.config.vocab_size as i32;
+        let (dst, rules, keys) = (t.logits.addr(), rules.addr(), t.keys.addr());
+        // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules 4
+        // words a row, keys one u64 a row (checked by `t.check` and above).
+        let mut args = kernel_args![&dst, &rules, &keys, &v];
+        unsafe { self.launch(&self.kernels.batch_draw, cfg, 1, &mut args, "batched draw") }
     }
 }

@@ -72,7 +72,12 @@ impl CudaSession {
     /// (the step may still be under way; reads are ordered after it on the stream). False, and
     /// the step run ahead forgotten, otherwise.
     pub(crate) fn take_ahead_decode(&mut self, token: u32) -> bool {
-        self.read_out.take_own_ahead(token)
+        let taken = self.read_out.take_own_ahead(token);
+        if taken {
+            // its key is the argmax
+            self.keys_rule = None;
+        }
+        taken
     }
 
     /// Forget any decode run ahead and wait for this session's own stream if work run ahead

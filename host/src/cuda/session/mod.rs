@@ -87,6 +87,9 @@ pub struct CudaSession {
     draw_rule: DevBuf<u64>,
     drawn: DevBuf<i32>,
     drawn_host: Mutex<HostCopy<i32>>,
+    /// The rule the batched pass drew the last position's next token by (its key is the
+    /// draw's, not the argmax's); None when the argmax is known, or nothing.
+    keys_rule: Option<crate::engine::draw::DrawRule>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
@@ -184,6 +187,7 @@ impl CudaSession {
             draw_rule: DevBuf::zeros(&stream, 4, "draw buffer")?,
             drawn: DevBuf::zeros(&stream, 1, "draw buffer")?,
             drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
+            keys_rule: None,
             may_capture: true,
             max_chunks,
             capacity,

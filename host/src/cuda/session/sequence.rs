@@ -35,6 +35,7 @@ impl CudaSession {
         continued: bool,
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
+        self.keys_rule = None;
         self.read_out.chunk_started(all_positions, continued);
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
@@ -75,12 +76,15 @@ impl CudaSession {
     /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
     /// take its results.
     pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize) {
+        // steps are run ahead for argmax readers only
+        self.keys_rule = None;
         self.read_out.took_batched_ahead(buffer, Some(argmax));
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
     pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize) {
+        self.keys_rule = None;
         self.read_out.took_batched_ahead(buffer, None);
     }
 
@@ -97,8 +101,22 @@ impl CudaSession {
         )?)
     }
 
-    /// The argmax of the last logits: known on the host, or its key read from the GPU.
+    /// The batched pass drew the next token by `rule` (the key it brought back is the
+    /// draw's), or took the argmax (None).
+    pub(crate) fn set_keys_rule(&mut self, rule: Option<DrawRule>) {
+        self.keys_rule = rule;
+    }
+
+    pub(crate) fn keys_rule(&self) -> Option<DrawRule> {
+        self.keys_rule
+    }
+
+    /// The argmax of the last logits: known on the host, or its key read from the GPU (or,
+    /// where the batched pass drew the token instead, found in the logits).
     pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
+        if self.keys_rule.is_some() {
+            return Ok(crate::engine::argmax(&self.logits_now()?));
+        }
         if let Some(id) = self.read_out.argmax() {
             return Ok(id);
         }
@@ -111,8 +129,14 @@ impl CudaSession {
     /// 2^-32 at top-p 0.5, is finished here from the logits).
     pub(crate) fn draw_now(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         let position = self.read_out.len();
-        let stream = self.launcher.stream().clone();
         let vocab = self.model.config.vocab_size;
+        // the batched pass drew it already, by the same rule
+        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_rule) {
+            if drawn_by == rule && (token as usize) < vocab {
+                return Ok(token);
+            }
+        }
+        let stream = self.launcher.stream().clone();
         self.draw_rule
             .write(&stream, 0, &rule_words(rule, position))?;
         self.launcher.draw_token(Draw {
@@ -151,6 +175,7 @@ impl CudaSession {
 
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
+        self.keys_rule = None;
         self.read_out.reset();
     }
 }

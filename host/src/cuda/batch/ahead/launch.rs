@@ -60,7 +60,8 @@ impl CudaBatch {
         let begun = Instant::now();
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
-            inputs.push(Rows::of(items[i].seq.session()?, items[i].tokens));
+            let seq = &items[i].seq;
+            inputs.push(Rows::of(seq.session()?, items[i].tokens, seq.rule()));
         }
         let launched = Instant::now();
         let timing = ahead.clock.events(self.pass.stream());
@@ -108,10 +109,12 @@ impl CudaBatch {
             let added = item.tokens.len();
             let seq = &mut *item.seq;
             let serial = seq.serial;
+            let rule = seq.rule();
             let Ok(session) = seq.session_mut() else {
                 continue;
             };
             session.advanced_late(added);
+            session.set_keys_rule(rule);
             let room = session.len() < session.capacity();
             // the token is the argmax, known when the pass is resolved; the late row writes
             // the first buffer, which its guest reads next

@@ -96,6 +96,7 @@ impl NextStep {
             tokens: std::slice::from_ref(&self.token),
             fed: self.fed,
             layer_floats: self.targets.layer_floats,
+            rule: None,
         }
     }
 }

@@ -12,9 +12,11 @@ use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
+use crate::cuda::ops::draw::rule_words;
 use crate::cuda::ops::Launcher;
 use crate::cuda::session::CudaSession;
 use crate::cuda::weights::head_rows;
+use crate::engine::draw::DrawRule;
 use crate::engine::{EngineError, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use rustc_hash::FxHashMap;
@@ -92,6 +94,9 @@ pub(crate) struct StepBuffers {
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
     pub(crate) keys: DevBuf<u64>,
+    /// The rows' draw rules (`[4 * MAX_ROWS]`, see `batch_draw`): a row whose context draws
+    /// its tokens gets the drawn token's key instead of the argmax's.
+    rules: DevBuf<u64>,
     /// Page-locked landing of `keys` for a pass waited for (a pageable copy would queue
     /// behind the guests' in the driver's staging buffer).
     keys_host: HostCopy<u64>,
@@ -125,6 +130,7 @@ impl StepBuffers {
             ints: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
+            rules: DevBuf::zeros(&stream, 4 * MAX_ROWS, "batched step table")?,
             keys_host: HostCopy::new(&stream, MAX_ROWS)?,
             launcher,
             blas,
@@ -165,12 +171,14 @@ pub(crate) struct Rows<'t> {
     /// A lone token fed on the GPU from this row of the pass before (see [`NextStep::fed`]).
     pub(crate) fed: Option<usize>,
     pub(crate) layer_floats: usize,
+    /// The context draws its next token by this rule: its last row's key is the draw's.
+    pub(crate) rule: Option<DrawRule>,
 }
 
 impl<'t> Rows<'t> {
     /// `tokens` at the session's next positions, its last row's logits into the buffer its
-    /// guest reads.
-    pub(crate) fn of(session: &CudaSession, tokens: &'t [u32]) -> Self {
+    /// guest reads, its next token drawn by `rule` (else the argmax).
+    pub(crate) fn of(session: &CudaSession, tokens: &'t [u32], rule: Option<DrawRule>) -> Self {
         let (k, v, logits) = session.row_addresses();
         Self {
             k,
@@ -180,6 +188,7 @@ impl<'t> Rows<'t> {
             tokens,
             fed: None,
             layer_floats: session.layer_floats(),
+            rule,
         }
     }
 }
@@ -320,11 +329,19 @@ impl Pass {
         ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
         ints[2 * MAX_ROWS..].fill(-1);
         let mut fed = false;
+        let drawn = inputs.iter().any(|i| i.rule.is_some());
+        let mut rules = match drawn {
+            true => vec![0u64; 4 * padded],
+            false => Vec::new(),
+        };
+        let vocab = self.exec.config.vocab_size;
         let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
         let mut last_rows = Vec::with_capacity(inputs.len());
         for input in inputs {
             for (i, &token) in input.tokens.iter().enumerate() {
-                ints[r] = token as i32;
+                // a token the host learned from a key is below V, except an undecided draw's
+                // (V): never an embedding row past the table
+                ints[r] = (token as usize).min(vocab - 1) as i32;
                 ints[MAX_ROWS + r] = (input.start + i) as i32;
                 if let (Some(source), 1) = (input.fed, input.tokens.len()) {
                     ints[2 * MAX_ROWS + r] = source as i32;
@@ -336,6 +353,10 @@ impl Pass {
                 if i + 1 == input.tokens.len() {
                     addrs[2 * MAX_ROWS + r] = input.logits;
                     last_rows.push(r);
+                    if let Some(rule) = &input.rule {
+                        let words = rule_words(rule, input.start + i + 1);
+                        rules[4 * r..4 * r + 4].copy_from_slice(&words);
+                    }
                 }
                 r += 1;
             }
@@ -353,6 +374,9 @@ impl Pass {
         let t0 = Instant::now();
         b.ints.write(&stream, 0, &ints)?;
         b.addrs.write(&stream, 0, &addrs)?;
+        if drawn {
+            b.rules.write(&stream, 0, &rules)?;
+        }
         self.capture(b, key, layer_floats);
         let table = b.table(padded, layer_floats);
         if fed {
@@ -371,6 +395,9 @@ impl Pass {
                 false
             }
         };
+        if drawn {
+            b.launcher.batch_draw(&table, b.rules.ptr())?;
+        }
         tracing::trace!(
             rows = n,
             graphed,
