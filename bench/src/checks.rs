@@ -6,6 +6,9 @@
 //! both backends and compares last-position logits after the prefill and after every step,
 //! with the error scaled as `|gpu - cpu| / max(1, |cpu|)`.
 
+mod draws;
+
+pub use draws::{compare_batched_draws, DrawCheckReport};
 use std::sync::Arc;
 use wasi_nn_host::cpu::CpuExecutor;
 use wasi_nn_host::cuda::batch::BATCHED_PROMPT;

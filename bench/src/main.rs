@@ -452,6 +452,16 @@ fn check_cuda(
         failed += usize::from(!r.passed);
     }
     total += batched.len();
+    // contexts that draw their tokens, run ahead with their draws
+    for spec in models {
+        let weights = model::load_spec(spec)?;
+        for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
+            let r = checks::compare_batched_draws(spec, &weights, dtype, 8, steps)?;
+            println!("{}", serde_json::to_string(&r)?);
+            failed += usize::from(!r.passed);
+            total += 1;
+        }
+    }
     // Whether a context's rows run late depends on when its prompt meets the others' step (on
     // the smallest model, they sometimes meet none): some checks must have seen it, each check
     // compares whatever ran late.

@@ -55,6 +55,19 @@ fn contexts_sharing_batched_steps_match_the_cpu_and_their_runs_alone() {
 }
 
 #[test]
+fn contexts_drawing_their_tokens_in_batched_steps_draw_by_the_rule() {
+    if !gpu_or_skip("batched draws") {
+        return;
+    }
+    let weights = wasi_nn_host::model::load_path(&shakespeare_dir()).expect("model");
+    for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
+        let r = gpu_check::compare_batched_draws("shakespeare", &weights, dtype, 8, 24)
+            .expect("batched draws");
+        assert!(r.passed, "{r:?}");
+    }
+}
+
+#[test]
 fn shakespeare_on_the_gpu_matches_the_cpu_in_f32_and_bf16() {
     if !gpu_or_skip("shakespeare") {
         return;

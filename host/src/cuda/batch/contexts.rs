@@ -215,8 +215,7 @@ impl SeqState for CudaSeq {
         self.session()?.all_logits_now()
     }
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
-        // its next token is not the argmax: nothing runs ahead for it
-        self.read_logits.store(true, Ordering::Relaxed);
+        // its next rows draw their keys by the rule, and its steps are run ahead with them
         self.set_rule(Some(*rule));
         let settled = self.settle()?;
         let session = self.session_mut()?;

@@ -312,7 +312,9 @@ impl CudaBatch {
         let [item] = items else {
             return false;
         };
-        if !(greedy[0] && plan.own() == [0] && item.tokens.len() == 1) {
+        // (its own decode feeds the argmax: not for a context that draws its tokens)
+        let own = greedy[0] && item.seq.rule().is_none();
+        if !(own && plan.own() == [0] && item.tokens.len() == 1) {
             return false;
         }
         match item

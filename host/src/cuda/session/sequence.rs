@@ -75,16 +75,16 @@ impl CudaSession {
 
     /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
     /// take its results.
-    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize) {
-        // steps are run ahead for argmax readers only
-        self.keys_rule = None;
+    /// (`argmax` is the token drawn by `rule` where the context draws its tokens.)
+    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize, rule: Option<DrawRule>) {
+        self.keys_rule = rule;
         self.read_out.took_batched_ahead(buffer, Some(argmax));
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
-    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize) {
-        self.keys_rule = None;
+    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize, rule: Option<DrawRule>) {
+        self.keys_rule = rule;
         self.read_out.took_batched_ahead(buffer, None);
     }
 
@@ -109,6 +109,12 @@ impl CudaSession {
 
     pub(crate) fn keys_rule(&self) -> Option<DrawRule> {
         self.keys_rule
+    }
+
+    /// The token the batched pass drew for the next position, when it is known on the host
+    /// and decided (an undecided row names V).
+    pub(crate) fn drawn_known(&self) -> Option<u32> {
+        (self.read_out.argmax()).filter(|&t| (t as usize) < self.model.config.vocab_size)
     }
 
     /// The argmax of the last logits: known on the host, or its key read from the GPU (or,

@@ -151,7 +151,7 @@ fn take_hits(
         if let (Some(taken), None) = (early[i], &item.error) {
             if let Ok(session) = item.seq.session_mut() {
                 // its argmax comes when the pass in flight is resolved
-                session.advanced_ahead_pending(taken.buffer);
+                session.advanced_ahead_pending(taken.buffer, taken.rule);
                 hit[i] = true;
                 ahead.counts.hits += 1;
             }

@@ -31,7 +31,10 @@ impl CudaBatch {
         {
             return false;
         }
-        let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed);
+        // a lone decode's own next step feeds its argmax: not for a guest that reads logits
+        // or draws its tokens
+        let sampled =
+            item.seq.read_logits.swap(false, Ordering::Relaxed) || item.seq.rule().is_some();
         let ran = item.seq.session_mut().and_then(|s| {
             match sampled || !self.exec.gpu.measurement().run_ahead {
                 true => Ok(None),
@@ -101,6 +104,7 @@ impl CudaBatch {
                 fed: next.fed.is_some(),
                 row,
                 buffer: next.buffer,
+                rule: next.rule,
             })
             .collect();
         let mut late_rows = Vec::with_capacity(late.len());
@@ -124,6 +128,7 @@ impl CudaBatch {
                 position: session.len(),
                 targets: RowTargets::of(session),
                 buffer: 1,
+                rule,
             });
             seq.late.store(true, Ordering::Release);
             item.deferred = true;

@@ -62,6 +62,7 @@ pub(crate) fn early_hits(
             .map(|r| InFlightHit {
                 position: r.position,
                 buffer: r.buffer,
+                rule: r.rule,
             });
         any |= hit.is_some() || ahead.results.get(&at).is_some_and(|g| same(g.token));
         hits.push(hit);
@@ -101,6 +102,7 @@ pub(crate) fn note_guests(
             greedy: eligible[i],
             targets: RowTargets::of(session),
             argmax: argmax[i],
+            rule: item.seq.rule(),
         };
         ahead.guests.insert(serial, at);
         serials.push(serial);
@@ -180,15 +182,24 @@ pub(crate) fn plan_rows(
             position,
             targets: guest.targets,
             buffer,
+            rule: guest.rule,
         };
         picks.push((serial, next));
     }
     picks
 }
 
-/// An item's argmax when known on the host (read back if its step ran on its own stream).
+/// An item's next token when known on the host: its argmax (read back if its step ran on
+/// its own stream), or the token its rows drew.
 pub(crate) fn host_argmax(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
-    item.seq.session().ok()?.argmax_now().ok()
+    let session = item.seq.session().ok()?;
+    match item.seq.rule() {
+        // its rows' keys are its draws; a step on its own stream took the argmax: no guess
+        Some(rule) => (session.keys_rule() == Some(rule))
+            .then(|| session.drawn_known())
+            .flatten(),
+        None => session.argmax_now().ok(),
+    }
 }
 
 /// Forget everything run ahead for a context (its guest came back with something else): its
@@ -217,7 +228,7 @@ pub(crate) fn take_result(ahead: &mut Ahead, item: &mut StepItem<'_, CudaSeq>) -
     };
     let same = item.tokens == [guess.token] && item.first_chunk && !item.all_positions;
     if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
-        session.advanced_ahead(guess.argmax, guess.buffer);
+        session.advanced_ahead(guess.argmax, guess.buffer, guess.rule);
         ahead.results.remove(&at);
         ahead.counts.hits += 1;
         true
@@ -267,7 +278,7 @@ pub(crate) fn take_precomputed(ahead: &mut Ahead, seq: &mut CudaSeq, token: u32)
         return false;
     };
     ahead.results.remove(&at);
-    session.advanced_ahead(result.argmax, result.buffer);
+    session.advanced_ahead(result.argmax, result.buffer, result.rule);
     ahead.counts.hits += 1;
     ahead.counts.taken += 1;
     // a guest that read logits samples: no more steps run ahead for it
@@ -302,6 +313,7 @@ mod tests {
             greedy: true,
             targets: targets(64),
             argmax: None,
+            rule: None,
         }
     }
 
@@ -313,6 +325,7 @@ mod tests {
             fed: false,
             row,
             buffer,
+            rule: None,
         }
     }
 
@@ -321,6 +334,7 @@ mod tests {
             token: 5,
             argmax,
             buffer,
+            rule: None,
         }
     }
 
@@ -396,5 +410,21 @@ mod tests {
         let mut sampling = guest(10, 0);
         sampling.greedy = false;
         assert!(plan_7(&[], &[], sampling, Some(33), 2).is_none());
+    }
+
+    /// A guest that draws its tokens gets steps run ahead with the token its rows drew, and
+    /// the step carries its rule, so that the pass draws that step's next token too.
+    #[test]
+    fn a_drawing_guest_runs_ahead_with_its_draw_and_rule() {
+        let rule = crate::engine::draw::DrawRule {
+            temperature: 0.8,
+            top_p: 0.95,
+            seed: 9,
+        };
+        let mut drawing = guest(10, 2);
+        drawing.rule = Some(rule);
+        let next = plan_7(&[], &[], drawing, Some(33), 2).expect("a step");
+        assert_eq!((next.token, next.rule), (33, Some(rule)));
+        assert_eq!(next.rows().rule, Some(rule));
     }
 }

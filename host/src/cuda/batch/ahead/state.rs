@@ -6,6 +6,7 @@ use crate::cuda::batch::pass::Rows;
 use crate::cuda::buffer::HostCopy;
 use crate::cuda::ops::matvec::argmax_row;
 use crate::cuda::session::{CudaSession, LOGITS_BUFFERS};
+use crate::engine::draw::DrawRule;
 use cudarc::driver::CudaEvent;
 use rustc_hash::FxHashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -22,6 +23,8 @@ pub(crate) struct AheadRow {
     pub(crate) row: usize,
     /// The session's logits buffer it writes.
     pub(crate) buffer: usize,
+    /// The rule its key was drawn by (None: the argmax).
+    pub(crate) rule: Option<DrawRule>,
 }
 
 /// Where a context's rows go: what a row run ahead for it needs without its session.
@@ -59,6 +62,9 @@ pub(crate) struct GuestState {
     /// The argmax of its guest's last position when known on the host (after its step, or a
     /// result its guest took without one): the token of the step after it.
     pub(crate) argmax: Option<u32>,
+    /// The rule its guest draws its tokens by: the keys of its rows are the draws, and
+    /// `argmax` is the token drawn (None: the argmax).
+    pub(crate) rule: Option<DrawRule>,
 }
 
 /// A context's rows in a pass run ahead whose step did not wait for them (see the module
@@ -84,6 +90,8 @@ pub(crate) struct NextStep {
     /// The logits buffer it writes: neither the one its guest reads nor one another step run
     /// ahead for it writes.
     pub(crate) buffer: usize,
+    /// Its token's next token is drawn by this rule (None: the argmax).
+    pub(crate) rule: Option<DrawRule>,
 }
 
 impl NextStep {
@@ -96,7 +104,7 @@ impl NextStep {
             tokens: std::slice::from_ref(&self.token),
             fed: self.fed,
             layer_floats: self.targets.layer_floats,
-            rule: None,
+            rule: self.rule,
         }
     }
 }
@@ -121,8 +129,10 @@ pub(crate) struct InFlight {
 #[derive(Clone, Copy)]
 pub(crate) struct AheadResult {
     pub(crate) token: u32,
+    /// The next token: the argmax, or the draw by `rule`.
     pub(crate) argmax: u32,
     pub(crate) buffer: usize,
+    pub(crate) rule: Option<DrawRule>,
 }
 
 /// An item's row in the pass in flight, which it takes (see [`CudaBatch::early_hits`]).
@@ -130,6 +140,7 @@ pub(crate) struct AheadResult {
 pub(crate) struct InFlightHit {
     pub(crate) position: usize,
     pub(crate) buffer: usize,
+    pub(crate) rule: Option<DrawRule>,
 }
 
 /// What the run-ahead layer keeps between steps (under [`RunAhead`]'s lock).
@@ -236,6 +247,7 @@ impl Ahead {
                 token: r.token,
                 argmax: key(r.row),
                 buffer: r.buffer,
+                rule: r.rule,
             };
             self.results.insert((r.serial, r.position), result);
         }

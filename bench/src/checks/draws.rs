@@ -1,0 +1,99 @@
+//! Contexts that draw their tokens (output 4) sharing batched steps: the token each step
+//! draws, in the pass or in a step run ahead for the context, is the rule's draw from the
+//! logits of that position.
+
+use super::gpu_executor;
+use super::prompt;
+use wasi_nn_host::engine::draw::{self, DrawRule};
+use wasi_nn_host::engine::{EngineError, Executor, GpuDtype};
+use wasi_nn_host::model::Gpt2Weights;
+
+/// What [`compare_batched_draws`] saw.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DrawCheckReport {
+    pub model: String,
+    pub dtype: String,
+    pub streams: usize,
+    pub steps: usize,
+    /// Draws checked against the rule on the logits read after them.
+    pub checked: usize,
+    /// Of those, draws that are not the rule's (must be 0).
+    pub mismatches: usize,
+    /// Steps run ahead that the contexts took (with their drawn tokens).
+    pub ahead_hits: u64,
+    pub passed: bool,
+}
+
+/// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, or temperature alone) and
+/// seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
+/// so that the next step is run ahead with the drawn token; the step after it draws and then
+/// reads its logits, and its draw must be the rule's draw from them.
+pub fn compare_batched_draws(
+    name: &str,
+    weights: &Gpt2Weights,
+    dtype: GpuDtype,
+    streams: usize,
+    steps: usize,
+) -> Result<DrawCheckReport, EngineError> {
+    let cfg = weights.config;
+    let gpu = gpu_executor(weights, dtype)?;
+    let before = gpu.batch_counts().unwrap_or_default();
+    let barrier = std::sync::Barrier::new(streams);
+    let run = |i: usize| -> Result<(usize, usize), EngineError> {
+        let (temperature, top_p) = [(1.0, 0.9), (0.8, 0.5), (1.1, 1.0)][i % 3];
+        let rule = DrawRule {
+            temperature,
+            top_p,
+            seed: 77 + i as u64,
+        };
+        let mut s = gpu.new_session()?;
+        let len = (4 + 3 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
+        let mut next = prompt(len, cfg.vocab_size, 300 + i as u32);
+        let (mut checked, mut mismatches) = (0, 0);
+        for step in 0..steps {
+            barrier.wait();
+            s.extend(&next, false)?;
+            let token = s.draw(&rule)?;
+            if step % 2 == 1 {
+                let logits = s.last_logits()?;
+                checked += 1;
+                mismatches += usize::from(token != draw::draw(&logits, &rule, s.len()));
+            }
+            next = vec![token];
+        }
+        Ok((checked, mismatches))
+    };
+    let results: Vec<Result<(usize, usize), EngineError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..streams)
+            .map(|i| {
+                let run = &run;
+                scope.spawn(move || run(i))
+            })
+            .collect();
+        (handles.into_iter())
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(EngineError::device("a stream panicked")))
+            })
+            .collect()
+    });
+    let (mut checked, mut mismatches) = (0, 0);
+    for result in results {
+        let (c, m) = result?;
+        checked += c;
+        mismatches += m;
+    }
+    let after = gpu.batch_counts().unwrap_or_default();
+    let ahead_hits = after.speculation.hits - before.speculation.hits;
+    let run_ahead = wasi_nn_host::switches::get().measurement.run_ahead;
+    Ok(DrawCheckReport {
+        model: name.to_owned(),
+        dtype: format!("{dtype:?}").to_lowercase(),
+        streams,
+        steps,
+        checked,
+        mismatches,
+        ahead_hits,
+        passed: mismatches == 0 && checked > 0 && (ahead_hits > 0 || !run_ahead),
+    })
+}
