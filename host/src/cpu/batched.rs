@@ -327,7 +327,13 @@ impl CpuBatch {
         }
         let (x, first_row) = self.layers(&mut active);
         self.logits(&mut active, &x, &first_row);
+        let drawing = std::time::Instant::now();
         Self::draws(&mut active);
+        tracing::trace!(
+            rows = active.len(),
+            draws_us = drawing.elapsed().as_micros() as u64,
+            "cpu step's draws"
+        );
     }
 
     /// The next token of each context that draws its tokens, drawn in the step (the contexts
