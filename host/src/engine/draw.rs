@@ -87,39 +87,42 @@ pub fn uniform(seed: u64, position: usize, k: u32) -> f64 {
 /// Every token's [`weight`]: with AVX-512 or AVX2 where the CPU has them (the same
 /// arithmetic, so the same bits, eight or four lanes at a time; over 50,257 logits 0.27 ms
 /// with the library's `exp` one at a time, 0.11 ms with AVX2 on the development machine).
-fn weights(logits: &[f32], max: f32, inverse_t: f64) -> Vec<f64> {
+/// Written into `out`, which is reused from draw to draw (a fresh zeroed 400 KB a draw was
+/// part of a draw's cost).
+fn weigh(logits: &[f32], max: f32, inverse_t: f64, out: &mut Vec<f64>) {
+    if out.len() != logits.len() {
+        out.resize(logits.len(), 0.0);
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512F (checked just above).
-        return unsafe { weights_avx512(logits, max, inverse_t) };
+        return unsafe { weights_avx512(logits, max, inverse_t, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
-        return unsafe { weights_avx2(logits, max, inverse_t) };
+        return unsafe { weights_avx2(logits, max, inverse_t, out) };
     }
-    weights_in_lanes(logits, max, inverse_t)
+    weights_in_lanes(logits, max, inverse_t, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weights_avx512(logits: &[f32], max: f32, inverse_t: f64) -> Vec<f64> {
-    weights_in_lanes(logits, max, inverse_t)
+unsafe fn weights_avx512(logits: &[f32], max: f32, inverse_t: f64, out: &mut [f64]) {
+    weights_in_lanes(logits, max, inverse_t, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn weights_avx2(logits: &[f32], max: f32, inverse_t: f64) -> Vec<f64> {
-    weights_in_lanes(logits, max, inverse_t)
+unsafe fn weights_avx2(logits: &[f32], max: f32, inverse_t: f64, out: &mut [f64]) {
+    weights_in_lanes(logits, max, inverse_t, out)
 }
 
 #[inline(always)]
-fn weights_in_lanes(logits: &[f32], max: f32, inverse_t: f64) -> Vec<f64> {
-    let mut out = vec![0.0f64; logits.len()];
+fn weights_in_lanes(logits: &[f32], max: f32, inverse_t: f64, out: &mut [f64]) {
     for (w, &l) in out.iter_mut().zip(logits) {
         *w = weight(l, max, inverse_t);
     }
-    out
 }
 
 /// A token's weight against the largest logit `max`.
@@ -212,12 +215,15 @@ fn sum(values: &[f64]) -> f64 {
 /// The token `rule` draws from `logits` for `position` (the index of the token drawn: the
 /// sequence's length).
 pub fn draw(logits: &[f32], rule: &DrawRule, position: usize) -> u32 {
-    match draw_by_rejection(logits, rule, position) {
-        Drawn::Token(id) => id,
-        Drawn::Undecided { weights, total } => {
-            nucleus_draw(logits, &weights, total, rule, position)
-        }
+    thread_local! {
+        static WEIGHTS: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    WEIGHTS.with_borrow_mut(
+        |weights| match rejection_into(logits, rule, position, weights) {
+            Ok(id) => id,
+            Err(total) => nucleus_draw(logits, weights, total, rule, position),
+        },
+    )
 }
 
 /// Steps 1-3 of the rule, what the GPU kernel does.
@@ -233,30 +239,46 @@ pub enum Drawn {
 /// Steps 1-3 of the rule: the token, or [`Drawn::Undecided`] after [`MAX_DRAWS`] draws outside
 /// the nucleus.
 pub fn draw_by_rejection(logits: &[f32], rule: &DrawRule, position: usize) -> Drawn {
+    let mut weights = Vec::new();
+    match rejection_into(logits, rule, position, &mut weights) {
+        Ok(id) => Drawn::Token(id),
+        Err(total) => Drawn::Undecided { weights, total },
+    }
+}
+
+/// Steps 1-3 with the weights into `weights`: the token, or the weights' total when
+/// undecided.
+fn rejection_into(
+    logits: &[f32],
+    rule: &DrawRule,
+    position: usize,
+    weights: &mut Vec<f64>,
+) -> Result<u32, f64> {
     let max = largest(logits);
     if !max.is_finite() {
-        return Drawn::Token(super::argmax(logits));
+        return Ok(super::argmax(logits));
     }
     let inverse_t = rule.inverse_temperature();
-    let weights = weights(logits, max, inverse_t);
+    weigh(logits, max, inverse_t, weights);
+    let weights = &weights[..];
     let blocks: Vec<f64> = weights.chunks(BLOCK).map(sum).collect();
     let total = blocks.iter().sum::<f64>();
     let top_p = f64::from(rule.top_p);
     for k in 0..MAX_DRAWS {
-        let x = pick(&weights, &blocks, uniform(rule.seed, position, k) * total);
+        let x = pick(weights, &blocks, uniform(rule.seed, position, k) * total);
         if rule.top_p >= 1.0 {
-            return Drawn::Token(x as u32);
+            return Ok(x as u32);
         }
         let lx = logits[x];
         // (tokens tied with it count before it below its id: each weighs what it weighs)
-        let above = sum_where(logits, &weights, |lj| lj > lx);
+        let above = sum_where(logits, weights, |lj| lj > lx);
         let ties = (logits[..x].iter()).filter(|&&lj| lj == lx).count();
         let before = above + ties as f64 * weights[x];
         if before < top_p * total {
-            return Drawn::Token(x as u32);
+            return Ok(x as u32);
         }
     }
-    Drawn::Undecided { weights, total }
+    Err(total)
 }
 
 /// The first id whose cumulative weight passes `target` (the last weighing anything, where
