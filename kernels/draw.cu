@@ -21,42 +21,26 @@ __device__ __forceinline__ double draw_weight(float l, float m, double inv_t) {
     return l != l ? 0.0 : exp(((double)l - (double)m) * inv_t);
 }
 
-// Block-wide reductions over DRAW_THREADS threads; every thread gets the result. `scratch`
-// holds one value a warp; the trailing barrier lets the next reduction reuse it.
-__device__ __forceinline__ double draw_block_sum(double v, double* scratch) {
+// A block-wide reduction of `v` by `op` over DRAW_THREADS threads (`identity` its neutral
+// value); every thread gets the result. `scratch` holds one value a warp; the trailing barrier
+// lets the next reduction reuse it. (The float maximum is `block_max` in common.cuh.)
+struct DrawAdd {
+    __device__ double operator()(double a, double b) const { return a + b; }
+};
+struct DrawMin {
+    __device__ int operator()(int a, int b) const { return min(a, b); }
+};
+template <typename T, typename Op>
+__device__ __forceinline__ T draw_block_reduce(T v, T* scratch, T identity, Op op) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    double total = 0.0;
-    for (int w = 0; w < DRAW_THREADS / 32; w++) total += scratch[w];
+    T all = identity;
+    for (int w = 0; w < DRAW_THREADS / 32; w++) all = op(all, scratch[w]);
     __syncthreads();
-    return total;
-}
-
-__device__ __forceinline__ float draw_block_max(float v, float* scratch) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float m = -INFINITY;
-    for (int w = 0; w < DRAW_THREADS / 32; w++) m = fmaxf(m, scratch[w]);
-    __syncthreads();
-    return m;
-}
-
-__device__ __forceinline__ int draw_block_min(int v, int* scratch) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, off));
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    int m = 0x7fffffff;
-    for (int w = 0; w < DRAW_THREADS / 32; w++) m = min(m, scratch[w]);
-    __syncthreads();
-    return m;
+    return all;
 }
 
 // The token `rule` (4 words: 1 / temperature and top_p as f64 bits, the seed, the position
@@ -74,14 +58,14 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     int t = threadIdx.x;
     float m = -INFINITY;
     for (int i = t; i < v; i += DRAW_THREADS) m = fmaxf(m, l[i]);  // fmaxf skips NaN
-    m = draw_block_max(m, fscratch);
+    m = block_max(m, fscratch);
     if (!(m > -INFINITY && m < INFINITY)) {
         // greedy: the first +inf, or 0 when nothing is above -inf
         int first = 0x7fffffff;
         if (m == INFINITY)
             for (int i = t; i < v; i += DRAW_THREADS)
                 if (l[i] == m) first = min(first, i);
-        first = draw_block_min(first, iscratch);
+        first = draw_block_reduce(first, iscratch, 0x7fffffff, DrawMin());
         return m == INFINITY ? first : 0;
     }
     double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
@@ -114,7 +98,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             last = i;
             break;
         }
-    last = -draw_block_min(-last, iscratch);
+    last = -draw_block_reduce(-last, iscratch, 0x7fffffff, DrawMin());
     for (int k = 0; k < MAX_DRAWS; k++) {
         double target = draw_uniform(seed, position, k) * total;
         if (t == 0) picked = last;
@@ -143,7 +127,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             float lj = l[j];
             if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it);
         }
-        before = draw_block_sum(before, dscratch);
+        before = draw_block_reduce(before, dscratch, 0.0, DrawAdd());
         if (before < p * total) return x;
     }
     return -1;

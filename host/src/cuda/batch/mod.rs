@@ -35,7 +35,7 @@ use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::batch::{BatchModel, KvPool, SpeculationCounts, StepItem};
 use crate::engine::EngineError;
 use ahead::plan::{
-    early_hits, host_argmax, may_run_ahead, note_guests, plan_ahead, take_late_results,
+    early_hits, host_next_token, may_run_ahead, note_guests, plan_ahead, take_late_results,
     take_next_after_late, take_precomputed, take_result,
 };
 use ahead::state::Ahead;
@@ -267,7 +267,7 @@ impl CudaBatch {
             .map(|i| greedy[i] && late.binary_search(&i).is_err() && !lone_ahead)
             .collect();
         let argmax: Vec<Option<u32>> = (0..items.len())
-            .map(|i| eligible[i].then(|| host_argmax(&items[i])).flatten())
+            .map(|i| eligible[i].then(|| host_next_token(&items[i])).flatten())
             .collect();
         let serials = note_guests(ahead, items, hit, &eligible, &argmax);
         let mut picks = match run_ahead {

@@ -6,8 +6,8 @@
 //! its argmax, so the GPU goes from one pass to the next without waiting for the host.
 
 use super::plan::{
-    host_argmax, may_run_ahead, note_guests, plan_ahead, take_late_results, take_next_after_late,
-    take_result,
+    host_next_token, may_run_ahead, note_guests, plan_ahead, take_late_results,
+    take_next_after_late, take_result,
 };
 use super::state::{Ahead, InFlight, InFlightHit, NextStep};
 use crate::cuda::batch::contexts::CudaSeq;
@@ -109,7 +109,7 @@ impl CudaBatch {
         let argmax: Vec<Option<u32>> = (0..items.len())
             .map(|i| {
                 (hit[i] && early[i].is_none())
-                    .then(|| host_argmax(&items[i]))
+                    .then(|| host_next_token(&items[i]))
                     .flatten()
             })
             .collect();

@@ -191,7 +191,7 @@ pub(crate) fn plan_rows(
 
 /// An item's next token when known on the host: its argmax (read back if its step ran on
 /// its own stream), or the token its rows drew.
-pub(crate) fn host_argmax(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
+pub(crate) fn host_next_token(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
     let session = item.seq.session().ok()?;
     match item.seq.rule() {
         // its rows' keys are its draws; a step on its own stream took the argmax: no guess
