@@ -43,7 +43,7 @@ pub mod serve;
 pub mod switches;
 pub mod wasi_nn;
 
-pub use engine::{Device, EngineError, EngineOptions, GpuDtype};
+pub use engine::{Device, DeviceSpec, EngineError, EngineOptions, GpuDtype};
 pub use runtime::{
     GuestModule, Host, HostBuilder, HostError, InstancePool, RunOptions, RunOutcome,
 };

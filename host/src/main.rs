@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use wasi_nn_host::model::{self, Gpt2Config, StorageDtype};
 use wasi_nn_host::runtime::{HostBuilder, RunOptions};
-use wasi_nn_host::{Device, GpuDtype};
+use wasi_nn_host::{DeviceSpec, GpuDtype};
 
 /// jemalloc for the CLI and the service: with glibc's malloc the service's RSS grew with every
 /// round of concurrent requests (its per-thread arenas kept freed memory: flat with
@@ -37,12 +37,12 @@ enum Command {
         /// (models/gpt2-shakespeare).
         #[arg(long = "graph", value_name = "NAME=PATH")]
         graphs: Vec<String>,
-        /// Where forward passes run, for every graph (overrides the guest's execution target).
-        /// Without it, a model the guest loads from bytes runs where its wasi-nn execution
-        /// target says (cpu, or gpu = cuda), and preloaded graphs (--graph, loaded by name)
-        /// run on the CPU.
-        #[arg(long, value_enum)]
-        device: Option<Device>,
+        /// Where forward passes run, for every graph (overrides the guest's execution target):
+        /// cpu, cuda (the first GPU) or cuda:N. Without it, a model the guest loads from bytes
+        /// runs where its wasi-nn execution target says (cpu, or gpu = cuda:0), and preloaded
+        /// graphs (--graph, loaded by name) run on the CPU.
+        #[arg(long, value_name = "cpu|cuda|cuda:N")]
+        device: Option<DeviceSpec>,
         /// Storage type of the weights on the GPU (converted at load).
         #[arg(long, value_enum, default_value = "f32")]
         dtype: GpuDtype,
@@ -142,7 +142,8 @@ fn main() -> Result<()> {
             );
         }
         Command::Serve(args) => {
-            let builder = HostBuilder::new(args.device)
+            let builder = HostBuilder::auto()
+                .device_spec(args.device)
                 .dtype(args.dtype)
                 .warm_contexts(args.warm_contexts)
                 .fuel_metering(args.fuel.is_some())
@@ -174,7 +175,7 @@ fn main() -> Result<()> {
 
 /// Where `run` puts the guest's graphs.
 struct GuestHost {
-    device: Option<Device>,
+    device: Option<DeviceSpec>,
     dtype: GpuDtype,
     max_load_bytes: usize,
 }
@@ -193,7 +194,8 @@ fn run_guest(
     guest_args: Vec<String>,
 ) -> Result<()> {
     let builder = HostBuilder::auto()
-        .device(device)
+        .device(device.map(|d| d.device))
+        .gpu(device.map_or(0, |d| d.gpu))
         .dtype(dtype)
         .max_load_bytes(max_load_bytes)
         .fuel_metering(fuel.is_some());

@@ -98,6 +98,12 @@ impl Gpt2Backend {
         self
     }
 
+    /// Which GPU `Device::Cuda` is (`cuda:N`).
+    pub fn with_gpu(mut self, gpu: u32) -> Self {
+        self.options.gpu = gpu;
+        self
+    }
+
     /// Contexts made ready per GPU graph when it loads.
     pub fn with_warm_contexts(mut self, n: usize) -> Self {
         self.options.warm_contexts = n;
@@ -115,6 +121,11 @@ impl Gpt2Backend {
     /// override if there is one, else the CPU.
     pub fn device(&self) -> Device {
         self.device.unwrap_or(Device::Cpu)
+    }
+
+    /// Which GPU `Device::Cuda` is (`cuda:N`).
+    pub fn gpu(&self) -> u32 {
+        self.options.gpu
     }
 
     /// The host's device override (`--device`), if any.
@@ -146,6 +157,15 @@ impl Gpt2Backend {
         self.graph_on(weights, self.device())
     }
 
+    /// Load weights onto [`Gpt2Backend::device`] as an executor, for
+    /// [`GraphSet::insert_executor`] (which keeps it to report its KV pool).
+    pub fn executor_from(
+        &self,
+        weights: model::Gpt2Weights,
+    ) -> Result<Arc<dyn Executor>, Gpt2Error> {
+        Ok(crate::executor_for(weights, self.device(), &self.options)?)
+    }
+
     /// Load a graph from guest bytes (`[llm.c checkpoint]` or `[model.safetensors,
     /// config.json]`) for the execution target `target` (see [`Gpt2Backend::device_for`]).
     pub fn load_bytes(
@@ -175,8 +195,7 @@ impl Gpt2Backend {
 
     fn graph_on(&self, weights: model::Gpt2Weights, device: Device) -> Result<Graph, Gpt2Error> {
         let executor = crate::executor_for(weights, device, &self.options)?;
-        let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
-        Ok(graph.into())
+        Ok(graph_of(executor))
     }
 }
 
@@ -581,24 +600,50 @@ impl Gpt2Context {
     }
 }
 
-/// Named graphs preloaded by the host, shared (weights and all) by every guest instance.
+/// An executor as a wasi-nn graph.
+fn graph_of(executor: Arc<dyn Executor>) -> Graph {
+    let graph: Box<dyn BackendGraph> = Box::new(Gpt2Graph { executor });
+    graph.into()
+}
+
+/// Named graphs preloaded by the host, shared (weights and all) by every guest instance, and
+/// the executors behind those of ours (for their KV pools).
 #[derive(Clone, Default)]
-pub struct GraphSet(HashMap<String, Graph>);
+pub struct GraphSet {
+    graphs: HashMap<String, Graph>,
+    executors: HashMap<String, Arc<dyn Executor>>,
+}
 
 impl GraphSet {
     pub fn insert(&mut self, name: impl Into<String>, graph: Graph) {
-        self.0.insert(name.into(), graph);
+        let name = name.into();
+        self.executors.remove(&name);
+        self.graphs.insert(name, graph);
+    }
+    /// `executor` as the graph `name`.
+    pub fn insert_executor(&mut self, name: impl Into<String>, executor: Arc<dyn Executor>) {
+        let name = name.into();
+        self.graphs.insert(name.clone(), graph_of(executor.clone()));
+        self.executors.insert(name, executor);
     }
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.0.keys().map(String::as_str)
+        self.graphs.keys().map(String::as_str)
+    }
+    /// Bytes the open contexts hold in the KV pools of the executors inserted with
+    /// [`GraphSet::insert_executor`], and the pools' caps, summed (`None`: no such pool).
+    pub fn kv_pool(&self) -> Option<(usize, usize)> {
+        self.executors
+            .values()
+            .filter_map(|e| e.kv_pool())
+            .reduce(|(used, cap), (u, c)| (used + u, cap + c))
     }
 }
 
 impl GraphRegistry for GraphSet {
     fn get(&self, name: &str) -> Option<&Graph> {
-        self.0.get(name)
+        self.graphs.get(name)
     }
     fn get_mut(&mut self, name: &str) -> Option<&mut Graph> {
-        self.0.get_mut(name)
+        self.graphs.get_mut(name)
     }
 }

@@ -868,11 +868,32 @@ fn tokenizer_models_health_metrics_and_request_ids() {
         // a step a token, and the guest's turn between them
         ("wasi_nn_cycle_count_total{part=\"step\"}", 5.0),
         ("wasi_nn_cycle_count_total{part=\"guest\"}", 4.0),
+        ("wasi_nn_request_seconds_count", 1.0),
+        ("wasi_nn_queue_seconds_count", 1.0),
     ] {
         let moved = count(after, name) - count(&before, name);
         assert!(moved >= at_least, "{name} moved by {moved}\n{after}");
     }
     assert!(after.contains("wasi_nn_guests_running"));
+    // the gauges an inference gateway's endpoint picker reads, by vLLM's names, equal ours;
+    // the KV pools are held by open contexts only (none is open between requests here,
+    // unless another test's runs)
+    for (ours, picker) in [
+        ("wasi_nn_requests_queued", "vllm:num_requests_waiting"),
+        ("wasi_nn_guests_running", "vllm:num_requests_running"),
+        ("wasi_nn_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+        ("wasi_nn_kv_cache_usage_ratio", "vllm:gpu_cache_usage_perc"),
+    ] {
+        let gauge = |name: &str| {
+            after
+                .lines()
+                .find(|l| l.split(' ').next() == Some(name))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no gauge {name}\n{after}"))
+        };
+        assert_eq!(gauge(ours), gauge(picker), "{picker}");
+        assert!((0.0..=1.0).contains(&gauge("wasi_nn_kv_cache_usage_ratio")));
+    }
     let step_seconds = count(after, "wasi_nn_cycle_seconds_total{part=\"step\"}")
         - count(&before, "wasi_nn_cycle_seconds_total{part=\"step\"}");
     assert!(step_seconds > 0.0, "{after}");
@@ -1002,6 +1023,58 @@ fn streamed_logprobs_and_echo_equal_the_whole_answer() {
         );
         assert!(values[0].is_null(), "the prompt's first token has none");
     }
+}
+
+#[test]
+fn a_draining_service_fails_its_health_check_while_it_still_serves() {
+    let delay = Duration::from_secs(3);
+    let config = ServiceConfig {
+        shutdown_delay: delay,
+        shutdown_grace: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let (address, service, stop, server) = serve_until_stopped(config);
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let health = || {
+        let mut r = agent
+            .get(&format!("http://{address}/health"))
+            .call()
+            .expect("health");
+        let body: serde_json::Value = r.body_mut().read_json().expect("json");
+        (r.status().as_u16(), body["status"].clone())
+    };
+    assert_eq!(health(), (200, "ok".into()));
+    let signalled = Instant::now();
+    stop.send(()).expect("signal");
+    let start = Instant::now();
+    while !service.draining() {
+        assert!(start.elapsed() < Duration::from_secs(1), "not draining");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(health(), (503, "draining".into()));
+    // still accepting: a new connection gets its completion (it may take longer than the
+    // delay on a loaded machine; it must have connected within it)
+    assert!(
+        signalled.elapsed() < delay / 2,
+        "the request comes too late to prove anything"
+    );
+    let body = serde_json::json!({ "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0 });
+    let response = ureq::post(&format!("http://{address}/v1/completions"))
+        .send_json(&body)
+        .expect("a completion while draining");
+    assert_eq!(response.status().as_u16(), 200);
+    server.join().expect("server thread").expect("served");
+    assert!(
+        signalled.elapsed() >= delay,
+        "serve returned before the delay was over"
+    );
+    assert!(
+        std::net::TcpStream::connect(&address).is_err(),
+        "connections are refused once the service stopped"
+    );
 }
 
 #[test]

@@ -334,14 +334,6 @@ impl CpuExecutor {
             CpuEngine::Reference(_) => None,
         }
     }
-
-    /// Bytes of the KV pool in use and its cap, when batched.
-    pub fn kv_pool(&self) -> Option<(usize, usize)> {
-        match &self.engine {
-            CpuEngine::Batched(b) => Some((b.model().pool().used(), b.model().pool().cap())),
-            CpuEngine::Reference(_) => None,
-        }
-    }
 }
 
 struct CpuSession {
@@ -358,6 +350,12 @@ impl Executor for CpuExecutor {
     fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
         match &self.engine {
             CpuEngine::Batched(b) => Some(b.counts()),
+            CpuEngine::Reference(_) => None,
+        }
+    }
+    fn kv_pool(&self) -> Option<(usize, usize)> {
+        match &self.engine {
+            CpuEngine::Batched(b) => Some((b.model().pool().used(), b.model().pool().cap())),
             CpuEngine::Reference(_) => None,
         }
     }

@@ -12,6 +12,8 @@ const BATCH_GEMM_ROWS: usize = 64;
 /// The GPU and its compiled kernels, shared by every graph in the process.
 pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
+    /// Its place among the GPUs this process sees (`cuda:N`).
+    ordinal: u32,
     /// `compute_XY`, the architecture the kernels are compiled for.
     arch: String,
     /// Our kernels, compiled for `arch` and loaded at the first executor ([`Self::module`]).
@@ -34,22 +36,23 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// The first GPU (device 0), once per process.
-    pub fn get() -> Result<Arc<Gpu>, CudaError> {
-        static GPU: OnceLock<Mutex<Option<Arc<Gpu>>>> = OnceLock::new();
-        let slot = GPU.get_or_init(|| Mutex::new(None));
-        let mut slot = slot
+    /// GPU `ordinal` (`cuda:N`, counted among the GPUs `CUDA_VISIBLE_DEVICES` leaves
+    /// visible), opened once per process.
+    pub fn get(ordinal: u32) -> Result<Arc<Gpu>, CudaError> {
+        static GPUS: OnceLock<Mutex<Vec<Arc<Gpu>>>> = OnceLock::new();
+        let opened = GPUS.get_or_init(|| Mutex::new(Vec::new()));
+        let mut opened = opened
             .lock()
             .map_err(|_| CudaError::unavailable("GPU state poisoned"))?;
-        if let Some(gpu) = slot.as_ref() {
+        if let Some(gpu) = opened.iter().find(|gpu| gpu.ordinal == ordinal) {
             return Ok(gpu.clone());
         }
-        let gpu = Arc::new(Self::open()?);
-        *slot = Some(gpu.clone());
+        let gpu = Arc::new(Self::open(ordinal)?);
+        opened.push(gpu.clone());
         Ok(gpu)
     }
 
-    fn open() -> Result<Gpu, CudaError> {
+    fn open(ordinal: u32) -> Result<Gpu, CudaError> {
         let no_driver =
             || CudaError::unavailable("no CUDA driver (libcuda.so) found on this machine");
         // Without libcuda, cudarc panics (caught below, but its message and backtrace still
@@ -58,7 +61,23 @@ impl Gpu {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(no_driver());
         }
-        let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+        let count = std::panic::catch_unwind(CudaContext::device_count)
+            .map_err(|_| no_driver())?
+            .map_err(|e| CudaError::unavailable(format!("no usable GPU: {e:?}")))?;
+        if i64::from(ordinal) >= i64::from(count) {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+                .map(|v| format!(" with CUDA_VISIBLE_DEVICES={v}"))
+                .unwrap_or_default();
+            let seen = match count {
+                0 => "no GPU".to_owned(),
+                1 => "one GPU, cuda:0".to_owned(),
+                n => format!("{n} GPUs, cuda:0 to cuda:{}", n - 1),
+            };
+            return Err(CudaError::unavailable(format!(
+                "cuda:{ordinal}: this process sees {seen}{visible}"
+            )));
+        }
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal as usize))
             .map_err(|_| no_driver())?
             .map_err(|e| CudaError::unavailable(format!("no usable GPU: {e:?}")))?;
         // We order work on each session's stream ourselves; cudarc's per-buffer event
@@ -78,6 +97,7 @@ impl Gpu {
             .ctx("multiprocessor count")?;
         Ok(Gpu {
             ctx,
+            ordinal,
             arch: format!("compute_{major}{minor}"),
             module: OnceLock::new(),
             name,
@@ -92,6 +112,11 @@ impl Gpu {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its place among the GPUs this process sees (`cuda:N`).
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
     }
 
     /// The production settings ([`crate::switches::Settings`]).

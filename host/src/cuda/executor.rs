@@ -51,7 +51,7 @@ impl CudaExecutor {
             ))
             .into());
         }
-        let gpu = Gpu::get()?;
+        let gpu = Gpu::get(options.gpu)?;
         let kernels = Arc::new(Kernels::load(&gpu, dtype)?);
         let weights = DevWeights::upload(&gpu.ctx.default_stream(), weights, dtype)?;
         // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
@@ -100,17 +100,6 @@ impl CudaExecutor {
             .fold(BatchCounts::default(), BatchCounts::with)
     }
 
-    /// Bytes of the KV pool in use and its cap.
-    pub fn kv_pool(&self) -> (usize, usize) {
-        match self.lanes.first() {
-            Some(lane) => {
-                let pool = lane.model().kv_pool();
-                (pool.used(), pool.cap())
-            }
-            None => (0, 0),
-        }
-    }
-
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.inner.gpu
     }
@@ -157,6 +146,11 @@ impl Executor for CudaExecutor {
     }
     fn batch_counts(&self) -> Option<BatchCounts> {
         Some(self.counts())
+    }
+    /// The lanes share one pool.
+    fn kv_pool(&self) -> Option<(usize, usize)> {
+        let pool = self.lanes.first()?.model().kv_pool();
+        Some((pool.used(), pool.cap()))
     }
 }
 

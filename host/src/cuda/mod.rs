@@ -63,9 +63,10 @@ pub fn compile_kernels(arch: &str) -> Result<String, CudaError> {
     nvrtc::compile_kernels(arch, ops::DEFINES, kernels_dir)
 }
 
-/// The GPU's name and free memory, or why there is no usable GPU; for diagnostics.
+/// The first GPU's (`cuda:0`) name and free memory, or why there is no usable GPU; for
+/// diagnostics.
 pub fn describe() -> Result<String, EngineError> {
-    Ok(Gpu::get()?.describe()?)
+    Ok(Gpu::get(0)?.describe()?)
 }
 
 /// The bytes of all weights stored as `dtype`.

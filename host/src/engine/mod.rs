@@ -13,11 +13,61 @@ mod kv_pool;
 
 use crate::model::{Gpt2Config, LoadError};
 
-/// Where the forward pass runs.
+/// Where the forward pass runs. Which GPU [`Device::Cuda`] means is
+/// [`EngineOptions::gpu`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
     Cpu,
     Cuda,
+}
+
+/// A device as the command line names it: `cpu`, `cuda` (the first GPU CUDA makes visible)
+/// or `cuda:N`. GPUs are counted among those `CUDA_VISIBLE_DEVICES` leaves visible, as CUDA
+/// counts them: with `CUDA_VISIBLE_DEVICES=2,3`, `cuda:1` is the machine's third GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub device: Device,
+    /// The GPU's ordinal (0 for the CPU).
+    pub gpu: u32,
+}
+
+impl DeviceSpec {
+    pub const CPU: DeviceSpec = DeviceSpec {
+        device: Device::Cpu,
+        gpu: 0,
+    };
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("{text:?}: expected cpu, cuda or cuda:N (N a GPU's ordinal)");
+        match text.split_once(':') {
+            None if text.eq_ignore_ascii_case("cpu") => Ok(DeviceSpec::CPU),
+            None if text.eq_ignore_ascii_case("cuda") => Ok(DeviceSpec {
+                device: Device::Cuda,
+                gpu: 0,
+            }),
+            Some((kind, ordinal)) if kind.eq_ignore_ascii_case("cuda") => {
+                let gpu = ordinal.parse().map_err(|_| bad())?;
+                Ok(DeviceSpec {
+                    device: Device::Cuda,
+                    gpu,
+                })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.device {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda => write!(f, "cuda:{}", self.gpu),
+        }
+    }
 }
 
 /// Storage type of the weights on the GPU. Activations, the KV cache and logits stay f32.
@@ -62,6 +112,8 @@ pub struct EngineOptions {
     /// up front, as a server preallocates its KV memory), so the first requests of a burst
     /// don't pay for them.
     pub warm_contexts: usize,
+    /// Which GPU [`Device::Cuda`] is: N of `cuda:N` ([`DeviceSpec`]).
+    pub gpu: u32,
 }
 
 impl EngineOptions {
@@ -78,6 +130,7 @@ impl Default for EngineOptions {
             max_kv_bytes: Self::DEFAULT_MAX_KV_BYTES,
             kv_pool_bytes: None,
             warm_contexts: 0,
+            gpu: 0,
         }
     }
 }
@@ -123,6 +176,10 @@ pub trait Executor: Send + Sync {
     fn new_session(&self) -> Result<Box<dyn Session>, EngineError>;
     /// What the executor's batcher has done, if its contexts share batched steps.
     fn batch_counts(&self) -> Option<batch::BatchCounts> {
+        None
+    }
+    /// Bytes of the KV pool its open contexts hold, and the pool's cap, if it has one.
+    fn kv_pool(&self) -> Option<(usize, usize)> {
         None
     }
 }
@@ -182,7 +239,33 @@ pub fn argmax(values: &[f32]) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::argmax;
+    use super::{argmax, Device, DeviceSpec};
+
+    #[test]
+    fn device_specs_parse_and_print() {
+        let cuda = |gpu| DeviceSpec {
+            device: Device::Cuda,
+            gpu,
+        };
+        for (text, want, printed) in [
+            ("cpu", DeviceSpec::CPU, "cpu"),
+            ("CPU", DeviceSpec::CPU, "cpu"),
+            ("cuda", cuda(0), "cuda:0"),
+            ("cuda:0", cuda(0), "cuda:0"),
+            ("cuda:3", cuda(3), "cuda:3"),
+        ] {
+            let spec: DeviceSpec = text.parse().expect("a device");
+            assert_eq!(spec, want, "{text}");
+            assert_eq!(spec.to_string(), printed);
+            assert_eq!(printed.parse::<DeviceSpec>(), Ok(want));
+        }
+        for bad in [
+            "", "gpu", "cuda:", "cuda:-1", "cuda:x", "cpu:0", "cuda:1:2", "rocm:0",
+        ] {
+            let err = bad.parse::<DeviceSpec>().expect_err("not a device");
+            assert!(err.contains("cuda:N"), "{bad}: {err}");
+        }
+    }
 
     /// Against the plain one-pass loop (first index of the strictly largest, NaN skipped), on
     /// ties, NaNs, infinities and lengths around the lane count.

@@ -180,6 +180,7 @@ pub struct HostBuilder {
     max_kv_bytes: usize,
     kv_pool_bytes: Option<usize>,
     warm_contexts: usize,
+    gpu: u32,
     graphs: GraphSet,
     contexts: HashMap<String, usize>,
     pool: Option<InstancePool>,
@@ -208,6 +209,7 @@ impl HostBuilder {
             max_kv_bytes: EngineOptions::DEFAULT_MAX_KV_BYTES,
             kv_pool_bytes: None,
             warm_contexts: 0,
+            gpu: 0,
             graphs: GraphSet::default(),
             contexts: HashMap::new(),
             pool: Some(InstancePool::default()),
@@ -220,6 +222,19 @@ impl HostBuilder {
     pub fn device(mut self, device: Option<Device>) -> Self {
         self.device = device;
         self
+    }
+
+    /// Which GPU [`Device::Cuda`] is: N of `cuda:N`, counted among the GPUs
+    /// `CUDA_VISIBLE_DEVICES` leaves visible (0 by default). Call it before
+    /// [`HostBuilder::graph`].
+    pub fn gpu(mut self, gpu: u32) -> Self {
+        self.gpu = gpu;
+        self
+    }
+
+    /// The device override and GPU `spec` names (`--device cpu|cuda|cuda:N`).
+    pub fn device_spec(self, spec: crate::DeviceSpec) -> Self {
+        self.device(Some(spec.device)).gpu(spec.gpu)
     }
 
     /// The largest model a guest may pass to wasi-nn `load` as bytes.
@@ -281,20 +296,14 @@ impl HostBuilder {
         weights: crate::model::Gpt2Weights,
     ) -> Result<Self, HostError> {
         self.contexts.insert(name.to_owned(), weights.config.n_ctx);
-        let graph = self.backend().graph_from(weights);
-        self.register(name, graph)
-    }
-
-    fn register(
-        mut self,
-        name: &str,
-        graph: Result<wasmtime_wasi_nn::Graph, Gpt2Error>,
-    ) -> Result<Self, HostError> {
-        let graph = graph.map_err(|source| HostError::Graph {
-            name: name.to_owned(),
-            source: Box::new(source),
-        })?;
-        self.graphs.insert(name, graph);
+        let executor =
+            self.backend()
+                .executor_from(weights)
+                .map_err(|source| HostError::Graph {
+                    name: name.to_owned(),
+                    source: Box::new(source),
+                })?;
+        self.graphs.insert_executor(name, executor);
         Ok(self)
     }
 
@@ -304,6 +313,7 @@ impl HostBuilder {
             .with_max_kv_bytes(self.max_kv_bytes)
             .with_kv_pool_bytes(self.kv_pool_bytes)
             .with_warm_contexts(self.warm_contexts)
+            .with_gpu(self.gpu)
     }
 
     /// Count what guests execute, so that [`RunOptions::fuel`] can bound a run's work
@@ -509,6 +519,20 @@ impl Host {
     /// The device of the preloaded graphs: the override, else the CPU.
     pub fn device(&self) -> Device {
         self.backend.device()
+    }
+
+    /// The device of the preloaded graphs as `--device` names it (`cpu`, `cuda:N`).
+    pub fn device_spec(&self) -> crate::DeviceSpec {
+        crate::DeviceSpec {
+            device: self.device(),
+            gpu: self.backend.gpu(),
+        }
+    }
+
+    /// Bytes the open contexts hold in the preloaded graphs' KV pools, and the pools' caps,
+    /// summed over the graphs (`None`: none has a pool).
+    pub fn kv_pool(&self) -> Option<(usize, usize)> {
+        self.graphs.kv_pool()
     }
 
     /// The device override (`--device`), if any; without one the guest's execution target

@@ -3,7 +3,7 @@
 //! model) is left to the binary, which loads models for `run` the same way.
 
 use super::{serve, ChatTemplate, ServeError, Service, ServiceConfig};
-use crate::engine::{Device, GpuDtype};
+use crate::engine::{DeviceSpec, GpuDtype};
 use crate::runtime::Host;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -16,14 +16,15 @@ pub struct ServeArgs {
     /// The guest component (gpt2_component.wasm, built for wasm32-wasip2).
     #[arg(long)]
     pub component: PathBuf,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on (0.0.0.0 for every interface, as in a container).
+    #[arg(long, env = "WASI_NN_SERVE_HOST", default_value = "127.0.0.1")]
     pub host: String,
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, env = "WASI_NN_SERVE_PORT", default_value_t = 8080)]
     pub port: u16,
-    /// Where forward passes run.
-    #[arg(long, value_enum, default_value = "cpu")]
-    pub device: Device,
+    /// Where forward passes run: cpu, cuda (the first GPU) or cuda:N (counted among the
+    /// GPUs CUDA_VISIBLE_DEVICES leaves visible). One process a GPU: see docs/deploy.md.
+    #[arg(long, value_name = "cpu|cuda|cuda:N", default_value = "cpu")]
+    pub device: DeviceSpec,
     /// Storage type of the weights on the GPU (converted at load).
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: GpuDtype,
@@ -57,7 +58,12 @@ pub struct ServeArgs {
     /// model's own comes from `chat_template` in its folder's tokenizer_config.json).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
-    /// Seconds the streams in flight get to finish after Ctrl-C or SIGTERM.
+    /// Seconds the service goes on accepting requests after Ctrl-C or SIGTERM while
+    /// /health answers 503 (draining), so load balancers and endpoint pickers take it out
+    /// first; then it stops accepting.
+    #[arg(long, default_value_t = 0)]
+    pub shutdown_delay: u64,
+    /// Seconds the streams in flight get to finish once the service stops accepting.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace: u64,
     /// Requests that may run at once: the size of the host's instance pool (each reserves
@@ -153,6 +159,7 @@ pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
         chat_templates: args.chat_templates(&host.graph_names())?,
+        shutdown_delay: Duration::from_secs(args.shutdown_delay),
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
         ..Default::default()
     };

@@ -86,6 +86,7 @@ async fn run_plan(
         Ok(permit) => Arc::new(permit),
         Err(e) => return e.into_response(),
     };
+    super::metrics::queue_time(accepted.elapsed());
     plan.sampling.context_length = service
         .host
         .graph_context(&plan.model)

@@ -43,8 +43,10 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
-/// Serve `service` on `listener` until `shutdown` completes; then stop accepting, let the
-/// requests in flight finish for up to
+/// Serve `service` on `listener` until `shutdown` completes; then drain: answer `/health`
+/// with 503 while still accepting for
+/// [`ServiceConfig::shutdown_delay`](super::ServiceConfig::shutdown_delay), stop accepting,
+/// let the requests in flight finish for up to
 /// [`ServiceConfig::shutdown_grace`](super::ServiceConfig::shutdown_grace), and cancel the
 /// rest.
 pub async fn serve(
@@ -54,9 +56,16 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let signalled = Arc::new(tokio::sync::Notify::new());
     let notify = signalled.clone();
+    let draining = service.clone();
     let server =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(async move {
             shutdown.await;
+            draining.draining.store(true, Ordering::Relaxed);
+            let delay = draining.config.shutdown_delay;
+            if !delay.is_zero() {
+                tracing::info!("draining: /health answers 503; accepting for {delay:?} more");
+                tokio::time::sleep(delay).await;
+            }
             tracing::info!("shutting down: no new connections; finishing the requests in flight");
             notify.notify_one();
         });

@@ -30,19 +30,27 @@ pub(super) async fn models(State(service): State<Arc<Service>>) -> Response {
     Json(serde_json::json!({ "object": "list", "data": data })).into_response()
 }
 
+/// 200 while serving; 503 once a shutdown signal came (readiness probes and load
+/// balancers' checks then take the replica out while it still accepts).
 pub(super) async fn health(State(service): State<Arc<Service>>) -> Response {
-    Json(serde_json::json!({
-        "status": "ok",
-        "device": format!("{:?}", service.host.device()).to_lowercase(),
+    let (code, status) = match service.draining() {
+        false => (StatusCode::OK, "ok"),
+        true => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+    };
+    let body = Json(serde_json::json!({
+        "status": status,
+        "device": service.host.device_spec().to_string(),
         "graphs": service.models,
         "active": service.active(),
         "queued": service.queued(),
         "served": service.served(),
-    }))
-    .into_response()
+    }));
+    (code, body).into_response()
 }
 
-pub(super) async fn metrics_text() -> Response {
+pub(super) async fn metrics_text(State(service): State<Arc<Service>>) -> Response {
+    // read when scraped: the pools change with every context opened or dropped
+    metrics::kv_usage(service.host.kv_pool());
     match metrics::render() {
         Ok(text) => (
             [(

@@ -175,6 +175,7 @@ fn run_choice(
     let total = accepted.elapsed();
     let ttft = first.unwrap_or(total);
     metrics::tokens(prompt_tokens, completion.ids.len());
+    metrics::request_latency(total);
     let timings = Timings::new(
         ttft.as_secs_f64() * 1e3,
         total.as_secs_f64() * 1e3,

@@ -18,10 +18,25 @@ pub(crate) const GENERATED_TOKENS: &str = "wasi_nn_generation_tokens_total";
 pub(crate) const TTFT: &str = "wasi_nn_time_to_first_token_seconds";
 /// Between consecutive tokens of one completion.
 pub(crate) const INTER_TOKEN: &str = "wasi_nn_inter_token_seconds";
+/// From a request's arrival to the end of one of its choices (a completion).
+pub(crate) const REQUEST_LATENCY: &str = "wasi_nn_request_seconds";
+/// From a request's arrival to its admission (places for its guests).
+pub(crate) const QUEUE_TIME: &str = "wasi_nn_queue_seconds";
 /// Guest instances generating now.
 pub(crate) const GUESTS_RUNNING: &str = "wasi_nn_guests_running";
 /// Requests waiting for guests.
 pub(crate) const QUEUED: &str = "wasi_nn_requests_queued";
+/// The share (0 to 1) of the KV-cache pools that open contexts hold.
+pub(crate) const KV_USAGE: &str = "wasi_nn_kv_cache_usage_ratio";
+
+/// The names an inference gateway's endpoint picker reads (the model-server protocol of the
+/// Gateway API inference extension, with vLLM's names, which pickers read by default): the
+/// same gauges as [`QUEUED`], [`GUESTS_RUNNING`] and [`KV_USAGE`] (both of vLLM's names
+/// for the last: older pickers read `gpu_cache_usage_perc`). vLLM's "perc" is a fraction
+/// from 0 to 1, as ours.
+const PICKER_QUEUED: &str = "vllm:num_requests_waiting";
+const PICKER_RUNNING: &str = "vllm:num_requests_running";
+const PICKER_KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"];
 
 /// Seconds spent in each part of the guests' token cycle ([`crate::guest_cycle`]), and how
 /// often each ran.
@@ -84,8 +99,36 @@ fn describe() {
         metrics::Unit::Seconds,
         "between consecutive tokens of one completion"
     );
+    metrics::describe_histogram!(
+        REQUEST_LATENCY,
+        metrics::Unit::Seconds,
+        "from a request's arrival to the end of one of its completions"
+    );
+    metrics::describe_histogram!(
+        QUEUE_TIME,
+        metrics::Unit::Seconds,
+        "from a request's arrival to its admission"
+    );
     metrics::describe_gauge!(GUESTS_RUNNING, "guest instances generating now");
     metrics::describe_gauge!(QUEUED, "requests waiting for guests");
+    metrics::describe_gauge!(
+        KV_USAGE,
+        "share (0 to 1) of the KV-cache pools held by open contexts"
+    );
+    metrics::describe_gauge!(
+        PICKER_QUEUED,
+        "requests waiting for guests (wasi_nn_requests_queued, by vLLM's name)"
+    );
+    metrics::describe_gauge!(
+        PICKER_RUNNING,
+        "guest instances generating now (wasi_nn_guests_running, by vLLM's name)"
+    );
+    for name in PICKER_KV_USAGE {
+        metrics::describe_gauge!(
+            name,
+            "share (0 to 1) of the KV cache held (wasi_nn_kv_cache_usage_ratio, by vLLM's name)"
+        );
+    }
     metrics::describe_gauge!(
         HEAP,
         metrics::Unit::Bytes,
@@ -114,6 +157,8 @@ fn heap() {
 struct Handles {
     ttft: metrics::Histogram,
     inter_token: metrics::Histogram,
+    request_latency: metrics::Histogram,
+    queue_time: metrics::Histogram,
     prompt_tokens: metrics::Counter,
     generated_tokens: metrics::Counter,
 }
@@ -126,6 +171,8 @@ fn handles() -> &'static Handles {
         Handles {
             ttft: metrics::histogram!(TTFT),
             inter_token: metrics::histogram!(INTER_TOKEN),
+            request_latency: metrics::histogram!(REQUEST_LATENCY),
+            queue_time: metrics::histogram!(QUEUE_TIME),
             prompt_tokens: metrics::counter!(PROMPT_TOKENS),
             generated_tokens: metrics::counter!(GENERATED_TOKENS),
         }
@@ -138,6 +185,14 @@ pub(crate) fn ttft(d: Duration) {
 
 pub(crate) fn inter_token(d: Duration) {
     handles().inter_token.record(d.as_secs_f64());
+}
+
+pub(crate) fn request_latency(d: Duration) {
+    handles().request_latency.record(d.as_secs_f64());
+}
+
+pub(crate) fn queue_time(d: Duration) {
+    handles().queue_time.record(d.as_secs_f64());
 }
 
 pub(crate) fn tokens(prompt: u32, generated: usize) {
@@ -153,10 +208,24 @@ pub(crate) fn request(route: &str, status: u16) {
 
 pub(crate) fn guests_running(n: usize) {
     metrics::gauge!(GUESTS_RUNNING).set(n as f64);
+    metrics::gauge!(PICKER_RUNNING).set(n as f64);
 }
 
 pub(crate) fn queued(n: usize) {
     metrics::gauge!(QUEUED).set(n as f64);
+    metrics::gauge!(PICKER_QUEUED).set(n as f64);
+}
+
+/// The KV pools' bytes held and caps (`None`: no pool, 0 held).
+pub(crate) fn kv_usage(pool: Option<(usize, usize)>) {
+    let share = match pool {
+        Some((used, cap)) if cap > 0 => (used as f64 / cap as f64).min(1.0),
+        _ => 0.0,
+    };
+    metrics::gauge!(KV_USAGE).set(share);
+    for name in PICKER_KV_USAGE {
+        metrics::gauge!(name).set(share);
+    }
 }
 
 /// The Prometheus text, or why there is none.

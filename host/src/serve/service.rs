@@ -42,7 +42,11 @@ pub struct ServiceConfig {
     pub api_key: Option<String>,
     /// Chat templates by model; a model without one answers chat requests with a 400.
     pub chat_templates: HashMap<String, ChatTemplate>,
-    /// After a shutdown signal, streams in flight get this long to finish; then they are
+    /// After a shutdown signal, the service goes on accepting requests this long while
+    /// `/health` answers 503 (draining), so that load balancers and endpoint pickers take it
+    /// out of rotation before it refuses connections.
+    pub shutdown_delay: Duration,
+    /// Once it stops accepting, streams in flight get this long to finish; then they are
     /// cancelled.
     pub shutdown_grace: Duration,
 }
@@ -62,6 +66,7 @@ impl Default for ServiceConfig {
             max_body_bytes: 1 << 20,
             api_key: None,
             chat_templates: HashMap::new(),
+            shutdown_delay: Duration::ZERO,
             shutdown_grace: Duration::from_secs(30),
         }
     }
@@ -80,6 +85,8 @@ pub struct Service {
     pub(super) queued: AtomicUsize,
     pub(super) active: AtomicUsize,
     pub(super) served: AtomicUsize,
+    /// Set when a shutdown signal came: `/health` answers 503.
+    pub(super) draining: AtomicBool,
     /// Set when the shutdown deadline has passed: instances stop at their next token.
     pub(super) stopping: AtomicBool,
 }
@@ -112,6 +119,7 @@ impl Service {
         metrics::handle();
         metrics::guests_running(0);
         metrics::queued(0);
+        metrics::kv_usage(host.kv_pool());
         Ok(Arc::new(Self {
             host,
             component,
@@ -122,6 +130,7 @@ impl Service {
             queued: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             served: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
         }))
     }
@@ -134,6 +143,11 @@ impl Service {
     /// Guest instances that have finished (completed, failed or cancelled).
     pub fn served(&self) -> usize {
         self.served.load(Ordering::Relaxed)
+    }
+
+    /// Whether a shutdown signal came (the service drains).
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 
     /// Requests waiting for guests now.
