@@ -20,12 +20,17 @@
 //! text (`--prompt-tokens MIN-MAX`, some long with `--long-prompts SHARE:TOKENS`; see
 //! `prompts.rs`); the report then gives the long and the other prompts' streams apart.
 //!
+//! A failed request ends the run with its error, unless `--keep-going`: then it is counted
+//! (`failed`, the first `errors` with when each was sent and how long it took to fail) and
+//! its client goes on with the next; `--request-timeout` bounds every request.
+//!
 //! Usage: loadgen --url URL --concurrency N (--requests M | --duration S) --max-tokens T
 //!        [--temperature T --top-p P --seed S] [--prompt-file FILE --prompt-tokens MIN-MAX
 //!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
-//!        [--no-check]
+//!        [--no-check] [--keep-going] [--request-timeout SECONDS]
 
 mod cycle;
+mod failures;
 mod prompts;
 
 use anyhow::{bail, Context, Result};
@@ -86,6 +91,13 @@ struct Args {
     /// Copied into the JSON line as `label` (the chart draws one series per label).
     #[arg(long)]
     label: Option<String>,
+    /// Count a failed request of the concurrent phase and go on, instead of ending the run
+    /// (texts are checked on the requests that succeeded).
+    #[arg(long)]
+    keep_going: bool,
+    /// Give up on a request (its whole stream) after this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    request_timeout: f64,
 }
 
 /// What one streamed completion looked like from the client.
@@ -100,10 +112,12 @@ struct Stream {
     text: String,
 }
 
-/// An HTTP client whose error answers reach [`stream_one`] (which shows their bodies).
-fn agent() -> ureq::Agent {
+/// An HTTP client whose error answers reach [`stream_one`] (which shows their bodies), each
+/// call bounded by `timeout`.
+fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
+        .timeout_global(Some(timeout))
         .build()
         .into()
 }
@@ -210,11 +224,13 @@ fn percentile(v: &[f64], q: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-/// One request of the concurrent phase: which client, which round, which prompt.
+/// One request of the concurrent phase: which client, which round, which prompt, when it
+/// was sent (seconds since the phase began).
 struct Done {
     client: usize,
     round: usize,
     prompt: usize,
+    sent_s: f64,
     stream: Stream,
 }
 
@@ -244,6 +260,11 @@ fn main() -> Result<()> {
     if args.concurrency == 0 || args.requests == 0 {
         bail!("--concurrency and --requests must be at least 1");
     }
+    if !(args.request_timeout.is_finite() && args.request_timeout > 0.0) {
+        bail!("--request-timeout must be a positive number of seconds");
+    }
+    let timeout = Duration::from_secs_f64(args.request_timeout);
+    let agent = || agent(timeout);
     let duration = match args.duration {
         Some(d) if !(d.is_finite() && d > 0.0) => {
             bail!("--duration must be a positive number of seconds")
@@ -286,45 +307,65 @@ fn main() -> Result<()> {
 
     let cycle_before = cycle::Totals::fetch(&agent(), &args.url);
     let start = Instant::now();
-    let results: Vec<Result<Vec<Done>>> = std::thread::scope(|scope| {
+    // each client's requests in order, each done or failed; a client stops at its first
+    // failure unless --keep-going
+    type Outcomes = Vec<Result<Done, failures::Failure>>;
+    let results: Vec<std::thread::Result<Outcomes>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.concurrency)
             .map(|client| {
                 let (args, all) = (&args, &all);
-                scope.spawn(move || -> Result<Vec<Done>> {
+                scope.spawn(move || {
                     let agent = agent();
                     let rounds = match duration {
                         Some(_) => usize::MAX,
                         None => args.requests,
                     };
-                    (0..rounds)
-                        .take_while(|_| duration.is_none_or(|d| start.elapsed() < d))
-                        .map(|round| {
-                            let k = prompt_of(client, round);
-                            let stream =
-                                stream_one(&agent, args, &all[k], k).with_context(|| {
-                                    format!("client {client}, request {round}, prompt {k}")
-                                })?;
-                            Ok(Done {
+                    let mut outcomes = Vec::new();
+                    for round in 0..rounds {
+                        if duration.is_some_and(|d| start.elapsed() >= d) {
+                            break;
+                        }
+                        let k = prompt_of(client, round);
+                        let sent_s = start.elapsed().as_secs_f64();
+                        let outcome = stream_one(&agent, args, &all[k], k)
+                            .map(|stream| Done {
                                 client,
                                 round,
                                 prompt: k,
+                                sent_s,
                                 stream,
                             })
-                        })
-                        .collect()
+                            .map_err(|e| failures::Failure {
+                                sent_s,
+                                failed_after_s: start.elapsed().as_secs_f64() - sent_s,
+                                error: format!(
+                                    "client {client}, request {round}, prompt {k}: {e:#}"
+                                ),
+                            });
+                        let failed = outcome.is_err();
+                        outcomes.push(outcome);
+                        if failed && !args.keep_going {
+                            break;
+                        }
+                    }
+                    outcomes
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| bail!("client panicked")))
-            .collect()
+        handles.into_iter().map(|h| h.join()).collect()
     });
     let seconds = start.elapsed().as_secs_f64();
     let cycle = cycle::Totals::fetch(&agent(), &args.url).since(&cycle_before);
-    let mut done = Vec::new();
-    for r in results {
-        done.extend(r?);
+    let (mut done, mut failed) = (Vec::new(), failures::Failures::default());
+    for outcomes in results {
+        let outcomes = outcomes.map_err(|_| anyhow::anyhow!("a client panicked"))?;
+        for outcome in outcomes {
+            match outcome {
+                Ok(d) => done.push(d),
+                Err(f) if args.keep_going => failed.0.push(f),
+                Err(f) => bail!("{}", f.error),
+            }
+        }
     }
     let total = done.len();
 
@@ -381,6 +422,14 @@ fn main() -> Result<()> {
     }
     if let Some(cycle) = cycle {
         report["cycle"] = cycle;
+    }
+    if args.keep_going {
+        let sent: Vec<f64> = done.iter().map(|d| d.sent_s).collect();
+        if let (serde_json::Value::Object(fields), Some(report)) =
+            (failed.report(&sent), report.as_object_mut())
+        {
+            report.extend(fields);
+        }
     }
     if let Some(label) = &args.label {
         report["label"] = label.as_str().into();

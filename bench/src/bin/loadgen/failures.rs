@@ -1,0 +1,47 @@
+//! Requests that failed under `--keep-going`: when each was sent, how long it took to fail
+//! and why, so a run through a load balancer that loses a replica shows that the streams it
+//! held ended with an error (not a hang) and that the requests after them succeeded.
+
+/// One failed request of the concurrent phase.
+pub struct Failure {
+    /// When it was sent, in seconds since the concurrent phase began.
+    pub sent_s: f64,
+    /// From sending it to its error, in seconds.
+    pub failed_after_s: f64,
+    pub error: String,
+}
+
+/// The failures of a run, and the report's fields about them.
+#[derive(Default)]
+pub struct Failures(pub Vec<Failure>);
+
+/// Errors listed in the report (the count covers all).
+const LISTED: usize = 20;
+
+impl Failures {
+    /// `failed`, `errors` (the first ones, oldest first), the longest time a request took to
+    /// fail, and how many requests sent after the last failure succeeded (`sent_s` of each
+    /// success in `succeeded_sent_s`).
+    pub fn report(mut self, succeeded_sent_s: &[f64]) -> serde_json::Value {
+        self.0.sort_by(|a, b| a.sent_s.total_cmp(&b.sent_s));
+        let last = self.0.iter().map(|f| f.sent_s).fold(f64::NAN, f64::max);
+        let after_last = succeeded_sent_s.iter().filter(|&&s| s > last).count();
+        let slowest = self.0.iter().map(|f| f.failed_after_s).fold(0.0, f64::max);
+        let errors: Vec<serde_json::Value> = self
+            .0
+            .iter()
+            .take(LISTED)
+            .map(|f| {
+                serde_json::json!({ "sent_s": f.sent_s, "failed_after_s": f.failed_after_s,
+                                    "error": f.error })
+            })
+            .collect();
+        serde_json::json!({
+            "failed": self.0.len(),
+            "errors": errors,
+            "slowest_failure_s": slowest,
+            "last_failure_sent_s": (!self.0.is_empty()).then_some(last),
+            "succeeded_after_last_failure": (!self.0.is_empty()).then_some(after_last),
+        })
+    }
+}
