@@ -52,9 +52,18 @@ impl Drop for Blas {
 }
 
 impl Blas {
-    /// cuBLAS on `stream` when the library loads (cudarc panics when it cannot find it), with
-    /// cuBLASLt when `lt` and it loads.
+    /// Whether cuBLAS (libcublas) can be loaded. Asked before the first handle: cudarc panics
+    /// when it cannot find the library, and the panic's message would reach stderr.
+    pub fn loadable() -> bool {
+        // SAFETY: only tries to open the library by its usual names.
+        unsafe { cudarc::cublas::sys::is_culib_present() }
+    }
+
+    /// cuBLAS on `stream` when the library loads, with cuBLASLt when `lt` and it loads.
     pub fn new(stream: &Arc<CudaStream>, rows: usize, c: usize, with_lt: bool) -> Option<Blas> {
+        if !Self::loadable() {
+            return None;
+        }
         let handle = std::panic::catch_unwind(cudarc::cublas::result::create_handle)
             .ok()?
             .ok()?;

@@ -52,6 +52,17 @@ impl CudaExecutor {
             .into());
         }
         let gpu = Gpu::get(options.gpu)?;
+        // A session's own prompt pass runs without cuBLAS, but the batched pass (every
+        // decode in company, every short prompt) needs it: say so at load, not at the first
+        // request that shares a step.
+        if !super::blas::Blas::loadable() {
+            return Err(CudaError::unavailable(
+                "cuBLAS (libcublas.so.12) was not found: the batched pass needs it; install \
+                 CUDA's cuBLAS (in a container image: deploy/build-image.sh --with-cublas) or \
+                 add its folder to LD_LIBRARY_PATH",
+            )
+            .into());
+        }
         let kernels = Arc::new(Kernels::load(&gpu, dtype)?);
         let weights = DevWeights::upload(&gpu.ctx.default_stream(), weights, dtype)?;
         // Keep up to 8 GiB of idle sessions (their KV caches and buffers) for reuse.
