@@ -36,3 +36,17 @@ cp target/release/wasi-nn-host target/release/loadgen "$soak/"
 target/release/wasi-nn-host preinit target/guest/wasm32-wasip2/release-wasm/gpt2_component.wasm \
   "$soak/gpt2_component.wasm" >/dev/null
 bench/soak.sh "$soak" 45 "$soak/soak.jsonl" cpu
+# replicas behind a real load balancer (Debian's haproxy, installed here where missing):
+# texts equal to their prompts alone, one replica killed and one drained mid-load
+if ! command -v haproxy >/dev/null; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq haproxy >/dev/null
+fi
+bench/scale-out.sh "$soak" cpu,cpu
+# the Kubernetes manifests against the Kubernetes and CRD schemas, and their invariants
+scripts/check-kubernetes.sh
+# the container image, built from Debian's packages (debootstrap) and run with host networking:
+# the same completions as the plain binary (installs docker.io and debootstrap where missing)
+scripts/test-image.sh
