@@ -1081,6 +1081,7 @@ fn row_table(
     let (ip, ap) = (ints.ptr(), addrs.ptr());
     RowTable {
         rows,
+        logit_rows: rows,
         tokens: ip,
         positions: ip.skip(rows),
         k_caches: ap,

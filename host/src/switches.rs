@@ -98,6 +98,9 @@ pub struct Measurement {
     /// The CPU's packed products (the LM head, and small models' layers) instead of `gemm`
     /// (`NO_PACKED` turns them off).
     pub packed: bool,
+    /// The batched step's LM head over the rows whose logits are wanted (`NO_LOGIT_ROWS`: over
+    /// every row, prompt rows before a prompt's last included).
+    pub logit_rows: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -169,6 +172,7 @@ impl Switches {
                 batch_wave: number("BATCH_WAVE"),
                 batch_gemm: number("BATCH_GEMM"),
                 packed: !set("NO_PACKED"),
+                logit_rows: !set("NO_LOGIT_ROWS"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),

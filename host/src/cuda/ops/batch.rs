@@ -25,6 +25,9 @@ pub const BATCH_ATT_SPAN: usize = 64;
 #[derive(Clone, Copy, Debug)]
 pub struct RowTable {
     pub rows: usize,
+    /// The first rows, which hold every row whose logits are wanted: the LM head runs over
+    /// these alone (at most `rows`).
+    pub logit_rows: usize,
     pub tokens: DevPtr<i32>,
     pub positions: DevPtr<i32>,
     pub k_caches: DevPtr<u64>,
@@ -39,7 +42,8 @@ impl RowTable {
     pub(crate) fn check(&self, what: &'static str) -> Result<(), CudaError> {
         let n = self.rows;
         ensure(
-            self.tokens.len() >= n
+            self.logit_rows <= n
+                && self.tokens.len() >= n
                 && self.positions.len() >= n
                 && self.k_caches.len() >= n
                 && self.v_caches.len() >= n
@@ -356,7 +360,11 @@ impl Launcher {
         let tmp_rows = if split { 2 * t.rows } else { t.rows };
         ensure(ld >= v && tmp.len() >= tmp_rows * ld, "batched logits")?;
         let cfg = LaunchConfig {
-            grid_dim: (v.div_ceil(256 * BL_PER as usize) as u32, t.rows as u32, 1),
+            grid_dim: (
+                v.div_ceil(256 * BL_PER as usize) as u32,
+                t.logit_rows as u32,
+                1,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

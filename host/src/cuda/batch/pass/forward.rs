@@ -219,8 +219,19 @@ impl<'a> PassKernels<'a> {
                 }
             }
         }
-        let product_rows = if self.split { 2 * n } else { n };
-        (self.b.blas).gemm(l, wte, self.act, (product_rows, ld, c), (head, ld), false)?;
+        // the rows whose logits are wanted come first: the product over those alone; split
+        // rows as their hi halves, then their lo halves `n` rows further on, where
+        // `batch_logits` reads them (one product over both when every row is wanted)
+        let (m, blas) = (t.logit_rows, &self.b.blas);
+        match self.act {
+            Act::Bf16(a) if m < n => {
+                blas.gemm(l, wte, Act::Bf16(a), (m, ld, c), (head, ld), false)?;
+                let (a_lo, head_lo) = (Act::Bf16(a.skip(n * c)), head.skip(n * ld));
+                blas.gemm(l, wte, a_lo, (m, ld, c), (head_lo, ld), false)?;
+            }
+            Act::Bf16(_) => blas.gemm(l, wte, self.act, (2 * n, ld, c), (head, ld), false)?,
+            Act::F32(_) => blas.gemm(l, wte, self.act, (m, ld, c), (head, ld), false)?,
+        }
         l.batch_logits(t, head, ld, self.split)
     }
 }

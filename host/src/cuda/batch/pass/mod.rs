@@ -65,10 +65,33 @@ pub fn bucket(rows: usize) -> usize {
     }
 }
 
-/// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it).
-/// Every session of a batch has the same cache layout (`layer_floats`), which the graph
-/// bakes in.
-type GraphKey = (usize, usize, bool);
+/// The rows the LM head of a step of `padded` rows runs over when `wanted` of them want
+/// logits (a table puts those first): the smallest of a quarter, a half and all of the rows
+/// (as buckets) that holds them. Prompt rows before a prompt's last want none, and they are
+/// most of a step's rows when prompts of hundreds of tokens ride beside the decodes: a few
+/// sizes keep the head's product to about the rows that are read, with few graphs.
+fn logit_rows(padded: usize, wanted: usize) -> usize {
+    logit_row_sizes(padded)
+        .into_iter()
+        .find(|&rows| rows >= wanted)
+        .unwrap_or(padded)
+}
+
+/// The sizes [`logit_rows`] picks from for a step of `padded` rows, smallest first.
+fn logit_row_sizes(padded: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = [padded.div_ceil(4), padded.div_ceil(2)]
+        .into_iter()
+        .map(|rows| bucket(rows).min(padded))
+        .chain([padded])
+        .collect();
+    sizes.dedup();
+    sizes
+}
+
+/// A captured step: (rows as its bucket, attention spans, whether prompt rows are in it, the
+/// rows its LM head runs over). Every session of a batch has the same cache layout
+/// (`layer_floats`), which the graph bakes in.
+type GraphKey = (usize, usize, bool, usize);
 
 /// Floats between two rows of the LM head's product, and the product's N: V rounded up to
 /// [`head_rows`] (wte's zero rows past V give zero columns, which no one reads).
@@ -144,11 +167,12 @@ impl StepBuffers {
     }
 
     /// The table of the first `rows` rows (fixed addresses: every graph reads it).
-    fn table(&self, rows: usize, layer_floats: usize) -> RowTable {
+    fn table(&self, rows: usize, logit_rows: usize, layer_floats: usize) -> RowTable {
         let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
         let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
         RowTable {
             rows,
+            logit_rows,
             tokens: ints,
             positions: ints.skip(MAX_ROWS),
             k_caches: part(addrs, 0),
@@ -233,8 +257,9 @@ impl Pass {
                     self.span(),
                 );
                 for splits in 1..=most {
-                    for prompts in [false, true] {
-                        self.capture(b, (padded, splits, prompts), layer_floats);
+                    self.capture(b, (padded, splits, false, padded), layer_floats);
+                    for logit_rows in logit_row_sizes(padded) {
+                        self.capture(b, (padded, splits, true, logit_rows), layer_floats);
                     }
                 }
             }
@@ -293,8 +318,8 @@ impl Pass {
         if !self.exec.gpu.measurement().graphs || b.graphs_failed || b.graphs.contains_key(&key) {
             return;
         }
-        let (padded, splits, prompts) = key;
-        let table = b.table(padded, layer_floats);
+        let (padded, splits, prompts, logit_rows) = key;
+        let table = b.table(padded, logit_rows, layer_floats);
         let stream = b.stream().clone();
         let launches = || self.forward(b, &table, splits, prompts);
         match self.exec.gpu.capture(&stream, launches) {
@@ -322,6 +347,10 @@ impl Pass {
         if n == 0 {
             return Err(EngineError::device("a batched pass of no rows"));
         }
+        // every input has a last row, which the table puts among the first inputs.len()
+        if inputs.iter().any(|i| i.tokens.is_empty()) {
+            return Err(EngineError::device("a batched input of no tokens"));
+        }
         let padded = bucket(n);
         let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
         let mut ints = vec![0i32; 3 * MAX_ROWS];
@@ -335,10 +364,21 @@ impl Pass {
             false => Vec::new(),
         };
         let vocab = self.exec.config.vocab_size;
-        let (mut layer_floats, mut longest, mut r) = (0, 0, 0);
+        // each input's last row (the rows whose logits are wanted) first, in input order, the
+        // rows before a prompt's last after them: the LM head runs over the first rows only
+        let (mut layer_floats, mut longest) = (0, 0);
+        let (mut next_last, mut next_other) = (0, inputs.len());
         let mut last_rows = Vec::with_capacity(inputs.len());
         for input in inputs {
             for (i, &token) in input.tokens.iter().enumerate() {
+                let last = i + 1 == input.tokens.len();
+                let cursor = if last {
+                    &mut next_last
+                } else {
+                    &mut next_other
+                };
+                let r = *cursor;
+                *cursor += 1;
                 // a token the host learned from a key is below V, except an undecided draw's
                 // (V): never an embedding row past the table
                 ints[r] = (token as usize).min(vocab - 1) as i32;
@@ -350,7 +390,7 @@ impl Pass {
                 addrs[r] = input.k;
                 addrs[MAX_ROWS + r] = input.v;
                 // logits for the input's last row only
-                if i + 1 == input.tokens.len() {
+                if last {
                     addrs[2 * MAX_ROWS + r] = input.logits;
                     last_rows.push(r);
                     if let Some(rule) = &input.rule {
@@ -358,7 +398,6 @@ impl Pass {
                         rules[4 * r..4 * r + 4].copy_from_slice(&words);
                     }
                 }
-                r += 1;
             }
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
@@ -369,7 +408,11 @@ impl Pass {
             self.wave(),
             self.span(),
         );
-        let key = (padded, splits, prompts);
+        let logit_rows = match prompts && self.exec.gpu.measurement().logit_rows {
+            true => logit_rows(padded, inputs.len()),
+            false => padded,
+        };
+        let key = (padded, splits, prompts, logit_rows);
         let stream = b.stream().clone();
         let t0 = Instant::now();
         b.ints.write(&stream, 0, &ints)?;
@@ -378,7 +421,7 @@ impl Pass {
             b.rules.write(&stream, 0, &rules)?;
         }
         self.capture(b, key, layer_floats);
-        let table = b.table(padded, layer_floats);
+        let table = b.table(padded, logit_rows, layer_floats);
         if fed {
             // the pass before has left its keys; this pass's embedding clears them
             b.launcher
@@ -433,6 +476,30 @@ impl Pass {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lm_head_runs_over_a_few_sizes_that_hold_the_rows_wanted() {
+        assert_eq!(logit_row_sizes(224), vec![56, 128, 224]);
+        assert_eq!(logit_row_sizes(8), vec![2, 4, 8]);
+        assert_eq!(logit_row_sizes(1), vec![1]);
+        assert_eq!(logit_rows(224, 90), 128);
+        assert_eq!(logit_rows(224, 56), 56);
+        assert_eq!(logit_rows(224, 129), 224);
+        let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+        sizes.dedup();
+        for padded in sizes {
+            let options = logit_row_sizes(padded);
+            assert!(options.len() <= 3 && options.windows(2).all(|w| w[0] < w[1]));
+            for wanted in 1..=padded {
+                let rows = logit_rows(padded, wanted);
+                assert!(
+                    wanted <= rows && rows <= padded,
+                    "{padded} {wanted} -> {rows}"
+                );
+                assert!(options.contains(&rows));
+            }
+        }
+    }
 
     #[test]
     fn attention_spans_grow_with_the_longest_row_until_the_wave_is_full() {
