@@ -74,9 +74,8 @@ port=$(free_port)
 plain_port=$(free_port)
 [ "$port" != "$plain_port" ] || plain_port=$(free_port)
 
-# The image's flags are appended to its entry point: --port only (the address comes from
-# WASI_NN_SERVE_HOST in the image where the CLI reads it; with host networking the default
-# 127.0.0.1 is reachable too).
+# The image's flags are appended to its entry point: --port only (the address, 0.0.0.0, comes
+# from WASI_NN_SERVE_HOST in the image).
 "${docker[@]}" run -d --name "$container" --network host "$tag" --port "$port" >/dev/null
 target/release/wasi-nn-host serve --component "$wasm" --port "$plain_port" >target/image/plain.log 2>&1 &
 plain_pid=$!
@@ -109,10 +108,8 @@ wait_health "$plain_port" "the plain binary" >/dev/null || { tail -20 target/ima
 [ "$(field 'd["status"] + " " + d["device"]' <<<"$health")" = "ok cpu" ] || fail "/health said $health"
 say "/health: $health"
 
-if target/release/wasi-nn-host serve --help | grep -q WASI_NN_SERVE_HOST; then
-  "${docker[@]}" logs "$container" 2>&1 | grep -q "listening on http://0.0.0.0:$port" ||
-    fail "the image does not listen on 0.0.0.0 by WASI_NN_SERVE_HOST: $("${docker[@]}" logs "$container" 2>&1 | tail -3)"
-fi
+"${docker[@]}" logs "$container" 2>&1 | grep -q "listening on http://0.0.0.0:$port" ||
+  fail "the image does not listen on 0.0.0.0 by WASI_NN_SERVE_HOST: $("${docker[@]}" logs "$container" 2>&1 | tail -3)"
 
 texts=0
 for body in '{"prompt":"ROMEO:","max_tokens":24,"temperature":0}' \
