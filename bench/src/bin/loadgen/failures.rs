@@ -45,3 +45,36 @@ impl Failures {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Failure, Failures};
+
+    fn failure(sent_s: f64, failed_after_s: f64) -> Failure {
+        Failure {
+            sent_s,
+            failed_after_s,
+            error: format!("sent at {sent_s}"),
+        }
+    }
+
+    #[test]
+    fn the_report_counts_failures_and_the_successes_after_the_last() {
+        let failed = Failures(vec![
+            failure(3.0, 0.2),
+            failure(1.0, 0.5),
+            failure(3.5, 0.1),
+        ]);
+        let report = failed.report(&[0.5, 2.0, 3.6, 4.0, 5.0]);
+        assert_eq!(report["failed"], 3);
+        assert_eq!(report["slowest_failure_s"], 0.5);
+        assert_eq!(report["last_failure_sent_s"], 3.5);
+        assert_eq!(report["succeeded_after_last_failure"], 3);
+        // oldest first
+        assert_eq!(report["errors"][0]["error"], "sent at 1");
+        let none = Failures::default().report(&[1.0]);
+        assert_eq!(none["failed"], 0);
+        assert!(none["last_failure_sent_s"].is_null());
+        assert!(none["succeeded_after_last_failure"].is_null());
+    }
+}
