@@ -1,6 +1,6 @@
 //! The CUDA backend: GPT-2 forward passes on our own kernels (`kernels/*.cu`).
 //!
-//! - [`device`]: the GPU (device 0, once per process), its capabilities and the switches
+//! - [`device`]: a GPU (`cuda:N`, each opened once per process), its capabilities and the switches
 //!   that apply to it ([`crate::switches`]); [`nvrtc`] compiles the kernels with the defines
 //!   it is given (PTX cached on disk). cudarc finds libcuda and libnvrtc at run time: the
 //!   binary builds without CUDA.
