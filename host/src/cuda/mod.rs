@@ -1,9 +1,9 @@
 //! The CUDA backend: GPT-2 forward passes on our own kernels (`kernels/*.cu`).
 //!
-//! - [`device`]: a GPU (`cuda:N`, each opened once per process), its capabilities and the switches
-//!   that apply to it ([`crate::switches`]); [`nvrtc`] compiles the kernels with the defines
-//!   it is given (PTX cached on disk). cudarc finds libcuda and libnvrtc at run time: the
-//!   binary builds without CUDA.
+//! - [`device`]: a GPU (`cuda:N`, each opened once per process), its capabilities and the
+//!   switches that apply to it ([`crate::switches`]); [`nvrtc`] compiles the kernels with the
+//!   defines it is given (PTX cached on disk). cudarc finds libcuda and libnvrtc at run time:
+//!   the binary builds without CUDA.
 //! - [`CudaExecutor`] holds a graph's weights on the GPU once ([`weights`]: f32, or bf16
 //!   converted at load; shared as a `LoadedModel`) and its batchers ("lanes"), each a
 //!   [`batch::CudaBatch`]: the batched step over many contexts. Every
