@@ -89,26 +89,20 @@ fn describe() {
     metrics::describe_counter!(REQUESTS, "HTTP requests answered, by route and status");
     metrics::describe_counter!(PROMPT_TOKENS, "prompt tokens of the completions started");
     metrics::describe_counter!(GENERATED_TOKENS, "tokens generated");
-    metrics::describe_histogram!(
-        TTFT,
-        metrics::Unit::Seconds,
-        "from a request's arrival to its first generated token"
-    );
-    metrics::describe_histogram!(
-        INTER_TOKEN,
-        metrics::Unit::Seconds,
-        "between consecutive tokens of one completion"
-    );
-    metrics::describe_histogram!(
-        REQUEST_LATENCY,
-        metrics::Unit::Seconds,
-        "from a request's arrival to the end of one of its completions"
-    );
-    metrics::describe_histogram!(
-        QUEUE_TIME,
-        metrics::Unit::Seconds,
-        "from a request's arrival to its admission"
-    );
+    for (name, help) in [
+        (
+            TTFT,
+            "from a request's arrival to its first generated token",
+        ),
+        (INTER_TOKEN, "between consecutive tokens of one completion"),
+        (
+            REQUEST_LATENCY,
+            "from a request's arrival to the end of one of its completions",
+        ),
+        (QUEUE_TIME, "from a request's arrival to its admission"),
+    ] {
+        metrics::describe_histogram!(name, metrics::Unit::Seconds, help);
+    }
     metrics::describe_gauge!(GUESTS_RUNNING, "guest instances generating now");
     metrics::describe_gauge!(QUEUED, "requests waiting for guests");
     metrics::describe_gauge!(

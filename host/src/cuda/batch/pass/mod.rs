@@ -258,13 +258,30 @@ impl Pass {
                 );
                 for splits in 1..=most {
                     self.capture(b, (padded, splits, false, padded), layer_floats);
-                    for logit_rows in logit_row_sizes(padded) {
+                    for logit_rows in self.logit_row_sizes(padded) {
                         self.capture(b, (padded, splits, true, logit_rows), layer_floats);
                     }
                 }
             }
             Ok(())
         })
+    }
+
+    /// The rows the LM head of a step of `padded` rows with prompt rows runs over when
+    /// `wanted` want logits ([`logit_rows`]; all of them with `NO_LOGIT_ROWS`).
+    fn logit_rows(&self, padded: usize, wanted: usize) -> usize {
+        match self.exec.gpu.measurement().logit_rows {
+            true => logit_rows(padded, wanted),
+            false => padded,
+        }
+    }
+
+    /// The sizes [`Pass::logit_rows`] can give a step of `padded` rows: its graphs.
+    fn logit_row_sizes(&self, padded: usize) -> Vec<usize> {
+        match self.exec.gpu.measurement().logit_rows {
+            true => logit_row_sizes(padded),
+            false => vec![padded],
+        }
     }
 
     /// Blocks of the batched attention the GPU runs at once (see [`attention_splits`]; 0, no
@@ -408,8 +425,8 @@ impl Pass {
             self.wave(),
             self.span(),
         );
-        let logit_rows = match prompts && self.exec.gpu.measurement().logit_rows {
-            true => logit_rows(padded, inputs.len()),
+        let logit_rows = match prompts {
+            true => self.logit_rows(padded, inputs.len()),
             false => padded,
         };
         let key = (padded, splits, prompts, logit_rows);
