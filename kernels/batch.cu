@@ -194,10 +194,10 @@ __device__ __forceinline__ int ba_row_spans(int len, int grid, int span_len) {
 // takes: len (0 for a padding row), the row's spans, [first, end) and its partial results'
 // place. A block past the row's spans does nothing; an empty span leaves what the combine or
 // the next product reads (no positions, or zeros). Both return false.
-__device__ __forceinline__ bool ba_span(void* out, float* partial, const int* positions, int c, int hd, int rows,
-                                        int split_out, int span_len, int& len, int& spans, int& first, int& end,
-                                        float*& part) {
-    int h = blockIdx.x, s = blockIdx.y, r = blockIdx.z, grid = gridDim.y;
+__device__ __forceinline__ bool ba_span(int r, void* out, float* partial, const int* positions, int c, int hd,
+                                        int rows, int split_out, int span_len, int& len, int& spans, int& first,
+                                        int& end, float*& part) {
+    int h = blockIdx.x, s = blockIdx.y, grid = gridDim.y;
     len = positions[r] + 1;
     spans = ba_row_spans(len, grid, span_len);
     if (s >= spans) return false;
@@ -215,9 +215,9 @@ __device__ __forceinline__ bool ba_span(void* out, float* partial, const int* po
 }
 // The four groups' sums of each dimension (`acc_s`, groups `stride` floats apart), normalised
 // into `out` (the row's one span), or left with the span's max and sum for the combine.
-__device__ __forceinline__ void ba_finish(const float* acc_s, int stride, float m_run, float sum_run, float* part,
-                                          void* out, int c, int hd, int rows, int split_out, int spans) {
-    int h = blockIdx.x, r = blockIdx.z;
+__device__ __forceinline__ void ba_finish(int r, const float* acc_s, int stride, float m_run, float sum_run,
+                                          float* part, void* out, int c, int hd, int rows, int split_out, int spans) {
+    int h = blockIdx.x;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = acc_s[d] + acc_s[stride + d] + acc_s[2 * stride + d] + acc_s[3 * stride + d];
         if (spans == 1) store_act(out, rows, r, h * hd + d, c, a / sum_run, split_out);
@@ -240,7 +240,7 @@ __device__ __forceinline__ float ba_softmax(float sc, bool in, float* p, float* 
     return rescale;
 }
 template <typename W>
-__device__ void batch_attention_impl(void* out, float* partial, const float* tmp, const W* bias, int split_in,
+__device__ void batch_attention_impl(int r, void* out, float* partial, const float* tmp, const W* bias, int split_in,
                                      const int* positions, const unsigned long long* k_caches,
                                      const unsigned long long* v_caches, long long layer_off, int c, int hd,
                                      int rows, int split_out, int append, int span_len) {
@@ -248,11 +248,9 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
     __shared__ float p[BA_CHUNK];
     __shared__ float acc_s[4][MAX_HD];
     __shared__ float scratch[32];
-    pdl_launch_dependents();
-    pdl_wait();
-    int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
+    int h = blockIdx.x, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
+    if (!ba_span(r, out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
     typedef typename KvOf<W>::T KV;
     KV* kc = reinterpret_cast<KV*>(k_caches[r]) + layer_off + h * hd;
     KV* vc = reinterpret_cast<KV*>(v_caches[r]) + layer_off + h * hd;
@@ -307,7 +305,8 @@ __device__ void batch_attention_impl(void* out, float* partial, const float* tmp
         }
     }
     __syncthreads();
-    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out, spans);
+    ba_finish(r, &acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out,
+              spans);
 }
 
 // `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), its
@@ -336,22 +335,21 @@ __device__ __forceinline__ void ba_stage_values(u32 (*vbuf)[BA_HD / 2], const kv
     }
     cp_async_commit();
 }
-__device__ void batch_attention_h64(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
-                                    const int* positions, const unsigned long long* k_caches,
-                                    const unsigned long long* v_caches, long long layer_off, int c, int rows,
-                                    int split_out, int append, int span_len) {
+// `vbuf` ([BA_CHUNK][BA_HD / 2] words) is in dynamic shared memory, which the tiles of
+// `ba_tile` share.
+__device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, float* partial, const float* tmp,
+                                    const bf16_t* bias, int split_in, const int* positions,
+                                    const unsigned long long* k_caches, const unsigned long long* v_caches,
+                                    long long layer_off, int c, int rows, int split_out, int append, int span_len) {
     __shared__ float qs[BA_HD];
     __shared__ float own_k[BA_HD], own_v[BA_HD];  // the appended position, as the cache keeps it
     __shared__ float p[BA_CHUNK];
     __shared__ float acc_s[4][BA_HD];
     __shared__ float scratch[32];
-    __shared__ __align__(16) u32 vbuf[BA_CHUNK][BA_HD / 2];
-    pdl_launch_dependents();
-    pdl_wait();
     const int hd = BA_HD;
-    int h = blockIdx.x, r = blockIdx.z, len, spans, first, end;
+    int h = blockIdx.x, len, spans, first, end;
     float* part;
-    if (!ba_span(out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
+    if (!ba_span(r, out, partial, positions, c, hd, rows, split_out, span_len, len, spans, first, end, part)) return;
     kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
     kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
     int own = append && end == len ? len - 1 : -1;
@@ -419,25 +417,199 @@ __device__ void batch_attention_h64(void* out, float* partial, const float* tmp,
     acc_s[g][d2] = acc.x;
     acc_s[g][d2 + 1] = acc.y;
     __syncthreads();
-    ba_finish(&acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out, spans);
+    ba_finish(r, &acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out,
+              spans);
 }
+// A prompt's rows in tiles (bf16 mode, fp16 cache, hd <= 64 and hd % 32 == 0): tile t is up
+// to BT_Q rows of one context at consecutive positions (`tiles[2t]`: its first entry of
+// `tile_rows`, `tiles[2t + 1]`: its rows, in position order), every key and value already in
+// the cache (`batch_append_kv`). Flash attention on CUDA cores: the keys and values 0..the last
+// row's position pass through shared memory in tiles of BT_K positions once for all of the
+// tile's rows (cp.async, two stages: the next tile's loads in flight while this one is summed),
+// with an online softmax. BT_TPQ threads own a query: thread i of them scores keys i, i +
+// BT_TPQ, ... of each key tile and sums the dimensions i * hd / BT_TPQ.. of the output. Key
+// tiles start at position 0 and a row's sums run over them in order, masked past its
+// position, so a row's result does not depend on the rows beside it in its tile. Small tiles
+// keep a block short (its rows' keys are read once a tile, not once a row, and the tiles of a
+// pass run beside the decode rows' blocks). Dynamic shared memory: BT_SMEM (BT_Q and BT_SMEM
+// come from the host), which `batch_attention_h64` shares for its values.
+#define BT_K 32
+#define BT_HD 64
+#define BT_TPQ (ATT_THREADS / BT_Q)
+#define BT_KPAD 8  // fp16 elements past each staged key row: rows 144 bytes apart, no bank conflicts
+#define BT_STAGE (BT_K * (BT_HD + BT_KPAD) * 2 + BT_K * BT_HD * 2)
+static_assert(ATT_THREADS % BT_Q == 0 && BT_TPQ <= 32 && (BT_TPQ & (BT_TPQ - 1)) == 0 && BT_K % BT_TPQ == 0,
+              "a power of two of threads a query, within a warp");
+static_assert(BT_SMEM == BT_Q * (BT_HD + 4) * 4 + 2 * BT_STAGE + BT_Q * (BT_K + 1) * 4,
+              "BT_SMEM (ops/batch.rs) must hold the queries, two stages of keys and values, the weights");
+static_assert(BT_SMEM >= BA_CHUNK * BA_HD * 2, "the h64 decode's values share the tiles' shared memory");
+// Keys and values k0..k0 + BT_K - 1 of a head (`pieces` 16-byte pieces a row) into a stage,
+// zeros past `keys`, as one cp.async group.
+__device__ __forceinline__ void bt_stage(unsigned char* stage, const kv16_t* kc, const kv16_t* vc, int c, int k0,
+                                         int keys, int pieces) {
+    kv16_t (*ks)[BT_HD + BT_KPAD] = reinterpret_cast<kv16_t (*)[BT_HD + BT_KPAD]>(stage);
+    kv16_t (*vs)[BT_HD] = reinterpret_cast<kv16_t (*)[BT_HD]>(stage + BT_K * (BT_HD + BT_KPAD) * 2);
+    for (int idx = threadIdx.x; idx < BT_K * pieces; idx += blockDim.x) {
+        int r = idx / pieces, off = (idx % pieces) * 8;
+        bool in = k0 + r < keys;
+        size_t at = in ? (size_t)(k0 + r) * c + off : 0;
+        cp_async16(&ks[r][off], kc + at, in);
+        cp_async16(&vs[r][off], vc + at, in);
+    }
+    cp_async_commit();
+}
+// The max (or sum) over the BT_TPQ threads of a query (aligned lanes of one warp).
+__device__ __forceinline__ float bt_max(float v) {
+#pragma unroll
+    for (int o = 1; o < BT_TPQ; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float bt_sum(float v) {
+#pragma unroll
+    for (int o = 1; o < BT_TPQ; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <typename W>
+__device__ void bt_attend(unsigned char* smem, int t, const int* tiles, const int* tile_rows, void* out,
+                          const float* tmp, const W* bias, int split_in, const int* positions,
+                          const unsigned long long* k_caches, const unsigned long long* v_caches, long long layer_off,
+                          int c, int hd, int rows, int split_out) {
+    const int KT = BT_K / BT_TPQ, DT = BT_HD / BT_TPQ;  // keys scored, dimensions summed a thread
+    float (*qs)[BT_HD + 4] = reinterpret_cast<float (*)[BT_HD + 4]>(smem);
+    unsigned char* stages = smem + BT_Q * (BT_HD + 4) * 4;
+    float (*ps)[BT_K + 1] = reinterpret_cast<float (*)[BT_K + 1]>(stages + 2 * BT_STAGE);
+    int first = tiles[2 * t], count = min(tiles[2 * t + 1], BT_Q);
+    if (blockIdx.y != 0 || count <= 0) return;
+    int h = blockIdx.x, tid = threadIdx.x, q = tid / BT_TPQ, part = tid % BT_TPQ;
+    int row0 = tile_rows[first];
+    const kv16_t* kc = reinterpret_cast<const kv16_t*>(k_caches[row0]) + layer_off + h * hd;
+    const kv16_t* vc = reinterpret_cast<const kv16_t*>(v_caches[row0]) + layer_off + h * hd;
+    int keys = positions[tile_rows[first + count - 1]] + 1;
+    int pieces = hd / 8;
+    bt_stage(stages, kc, vc, c, 0, keys, pieces);
+    float scale = rsqrtf((float)hd);
+    int n3 = 3 * c;
+    for (int idx = tid; idx < BT_Q * hd; idx += blockDim.x) {
+        int i = idx / hd, d = idx % hd, col = h * hd + d;
+        qs[i][d] = i < count ? (product_value(tmp, rows, tile_rows[first + i], col, n3, split_in) + load1(bias + col)) *
+                                   scale
+                             : 0.0f;
+    }
+    int qpos = q < count ? positions[tile_rows[first + q]] : -1;
+    int quads = hd / 4, dt = hd / BT_TPQ, d0 = part * dt;  // dt: 2 or 4 (hd 32 or 64)
+    float2 acc[DT / 2];
+#pragma unroll
+    for (int i = 0; i < DT / 2; i++) acc[i] = make_float2(0.f, 0.f);
+    float m = -INFINITY, l = 0.0f;
+    for (int it = 0, k0 = 0; k0 < keys; it++, k0 += BT_K) {
+        if (k0 + BT_K < keys) {
+            bt_stage(stages + ((it + 1) & 1) * BT_STAGE, kc, vc, c, k0 + BT_K, keys, pieces);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        unsigned char* stage = stages + (it & 1) * BT_STAGE;
+        const kv16_t (*ks)[BT_HD + BT_KPAD] = reinterpret_cast<const kv16_t (*)[BT_HD + BT_KPAD]>(stage);
+        const kv16_t (*vs)[BT_HD] = reinterpret_cast<const kv16_t (*)[BT_HD]>(stage + BT_K * (BT_HD + BT_KPAD) * 2);
+        float s[KT];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int mm = 0; mm < KT; mm++) {
+            int j = part + BT_TPQ * mm;
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < BT_HD / 4; i++) {
+                if (i < quads) {
+                    float4 qv = *reinterpret_cast<const float4*>(&qs[q][4 * i]);
+                    float4 kv = kv_get4(&ks[j][4 * i]);
+                    dot += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+                }
+            }
+            s[mm] = k0 + j <= qpos ? dot : -INFINITY;
+            tile_max = fmaxf(tile_max, s[mm]);
+        }
+        float m_new = fmaxf(m, bt_max(tile_max));
+        float corr = m_new == -INFINITY ? 1.0f : __expf(m - m_new);
+        float psum = 0.0f;
+#pragma unroll
+        for (int mm = 0; mm < KT; mm++) {
+            float p = s[mm] == -INFINITY ? 0.0f : __expf(s[mm] - m_new);
+            ps[q][part + BT_TPQ * mm] = p;
+            psum += p;
+        }
+        l = l * corr + bt_sum(psum);
+        m = m_new;
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < DT / 2; i++) {
+            acc[i].x *= corr;
+            acc[i].y *= corr;
+        }
+#pragma unroll 8
+        for (int j = 0; j < BT_K; j++) {
+            float p = ps[q][j];
+#pragma unroll
+            for (int i = 0; i < DT / 2; i++) {
+                if (2 * i < dt) {
+                    float2 vv = kv_get2(&vs[j][d0 + 2 * i]);
+                    acc[i].x += p * vv.x;
+                    acc[i].y += p * vv.y;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    if (q >= count) return;
+    int r = tile_rows[first + q];
+    float inv = 1.0f / l;
+#pragma unroll
+    for (int i = 0; i < DT / 2; i++) {
+        if (2 * i < dt) {
+            int col = h * hd + d0 + 2 * i;
+            store_act(out, rows, r, col, c, acc[i].x * inv, split_out);
+            store_act(out, rows, r, col + 1, c, acc[i].y * inv, split_out);
+        }
+    }
+}
+
+// The batched attention's entry points. Without `work`, block (h, s, r) takes span s of head
+// h of row r. With it, block z takes work[z]: a row (>= 0) as above, tile -2 - work[z] of
+// `tiles` (bf16 only; its rows have no block of their own), or nothing (-1); the host puts
+// the tiles first, whose blocks run longest.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_f32(void* out, float* partial, const float* tmp, const float* bias, int split_in,
                         const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
-                        long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len) {
-    batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, rows,
+                        long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len,
+                        const int* work, const int* tiles, const int* tile_rows) {
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = work == nullptr ? (int)blockIdx.z : work[blockIdx.z];
+    if (r < 0) return;
+    batch_attention_impl(r, out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, rows,
                          split_out, append, span_len);
 }
 // Six blocks an SM (80 registers a thread): the 768 blocks of 64 rows of GPT-2 124M in one wave.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 6)
     batch_attention_bf16(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
                          const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
-                         long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len) {
+                         long long layer_off, int c, int hd, int rows, int split_out, int append, int span_len,
+                         const int* work, const int* tiles, const int* tile_rows) {
+    extern __shared__ __align__(16) unsigned char ba_dynamic[];
+    pdl_launch_dependents();
+    pdl_wait();
+    int r = work == nullptr ? (int)blockIdx.z : work[blockIdx.z];
+    if (r < -1) {
+        bt_attend(ba_dynamic, -2 - r, tiles, tile_rows, out, tmp, bias, split_in, positions, k_caches, v_caches,
+                  layer_off, c, hd, rows, split_out);
+        return;
+    }
+    if (r < 0) return;
     if (hd == BA_HD && blockDim.x == BA_CHUNK)
-        batch_attention_h64(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, rows,
-                            split_out, append, span_len);
+        batch_attention_h64(r, reinterpret_cast<u32 (*)[BA_HD / 2]>(ba_dynamic), out, partial, tmp, bias, split_in,
+                            positions, k_caches, v_caches, layer_off, c, rows, split_out, append, span_len);
     else
-        batch_attention_impl(out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd,
+        batch_attention_impl(r, out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd,
                              rows, split_out, append, span_len);
 }
 
@@ -477,13 +649,15 @@ extern "C" __global__ void batch_append_kv_bf16(const float* tmp, const bf16_t* 
 
 // Block (h, r): the row's spans (`ba_row_spans` of the grid's `splits`) rescaled by
 // exp(max_span - max) and normalised, into `out` as a product input (f32, or split). A row of
-// one span (a padding row too) was written by its attention block.
+// one span (a padding row too) was written by its attention block, and so was a row of a tile
+// (`tiled[r]` != 0, when given).
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_combine(void* out, const float* partial, const int* positions, int hd, int c, int rows,
-                            int splits, int split, int span_len) {
+                            int splits, int split, int span_len, const int* tiled) {
     pdl_launch_dependents();
     pdl_wait();
     int h = blockIdx.x, r = blockIdx.y;
+    if (tiled != nullptr && tiled[r] != 0) return;
     int spans = ba_row_spans(positions[r] + 1, splits, span_len);
     if (spans == 1) return;
     const float* base = partial + ((size_t)r * gridDim.x + h) * splits * (hd + 2);

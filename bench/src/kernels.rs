@@ -5,6 +5,7 @@
 //! both sides multiply the same numbers.
 
 mod draw;
+mod tiles;
 
 use crate::checks::scaled_error;
 use rand::{Rng, SeedableRng};
@@ -965,6 +966,7 @@ fn check_one(
     // whole context, a padding row) over the same cache, f32 or split bf16 output
     let qkv_b = (&lw.qkv_b[..], dl.qkv_b.ptr());
     check_batch_attention(b, dtype, (&keys, &values), qkv_b, report)?;
+    tiles::check_tiles(b, (&keys, &values), qkv_b, report)?;
     check_batch_feed(b, report)?;
     // the sampled draw, on the model's vocabulary and GPT-2's
     let seed = b.rng.random();
@@ -1089,6 +1091,7 @@ fn row_table(
         logits: ap.skip(2 * rows),
         keys: keys.ptr(),
         layer_floats,
+        tiles: None,
     }
 }
 

@@ -101,6 +101,9 @@ pub struct Measurement {
     /// The batched step's LM head over the rows whose logits are wanted (`NO_LOGIT_ROWS`: over
     /// every row, prompt rows before a prompt's last included).
     pub logit_rows: bool,
+    /// The batched step's attention takes a prompt's rows in tiles, their keys read once a
+    /// tile (`NO_PROMPT_TILES`: one block a row and head, as a decode row).
+    pub prompt_tiles: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -173,6 +176,7 @@ impl Switches {
                 batch_gemm: number("BATCH_GEMM"),
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
+                prompt_tiles: !set("NO_PROMPT_TILES"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),
@@ -212,6 +216,7 @@ mod tests {
         assert!(!s.settings.batch_invariant);
         let m = &s.measurement;
         assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
+        assert!(m.logit_rows && m.prompt_tiles);
         assert_eq!(m.l2_prefetch, 2 << 20);
         assert_eq!(
             (m.batch_wave, m.batch_gemm, m.decode_cluster),

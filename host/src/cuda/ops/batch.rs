@@ -18,6 +18,35 @@ pub const BATCH_ATT_SPLITS: usize = 4;
 /// more spans, by default ([`BatchAttention::span`]).
 pub const BATCH_ATT_SPAN: usize = 64;
 
+/// Rows of a prompt one block of the batched attention takes together (a tile): few, so that
+/// a tile's block ends about when the decode rows' blocks beside it do.
+pub const BT_Q: u32 = 8;
+
+/// Dynamic shared memory of the bf16 batched attention with tiles: a tile's queries (f32,
+/// rows of 68), two stages of 32 keys (fp16, rows of 72) and values (rows of 64), the tile's
+/// weights (rows of 33) (`static_assert`ed in kernels/batch.cu); a decode block stages its
+/// values there ([`BA_VALUES_SMEM`]).
+pub const BT_SMEM: u32 = BT_Q * 68 * 4 + 2 * (32 * 72 * 2 + 32 * 64 * 2) + BT_Q * 33 * 4;
+
+/// Dynamic shared memory of a bf16 decode block of the batched attention: a chunk of 128
+/// positions' values of a 64-dimension head, fp16.
+pub const BA_VALUES_SMEM: u32 = 128 * 64 * 2;
+
+/// A pass's prompt rows grouped into tiles for the batched attention (bf16; `bt_attend` in
+/// `kernels/batch.cu`): each tile is up to [`BT_Q`] rows of one context at consecutive
+/// positions, whose keys and values one block reads once for all of them.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionTiles {
+    /// Per block index of the grid (`rows` of them): a row, the tile `-2 - work`, or none (-1).
+    pub work: DevPtr<i32>,
+    /// Per tile: its first entry of `tile_rows`, its rows.
+    pub tiles: DevPtr<i32>,
+    /// The tiles' rows, each tile's in position order.
+    pub tile_rows: DevPtr<i32>,
+    /// Per row: 1 in a tile (no block and no combine of its own), else 0.
+    pub tiled: DevPtr<i32>,
+}
+
 /// The rows of a batched step: per row its token, position (-1: a padding row that touches
 /// no cache and no output), the addresses of its layer-0 key and value caches
 /// (`[capacity, C]` per layer, `layer_floats` apart), its logits buffer (V floats) and its
@@ -36,6 +65,8 @@ pub struct RowTable {
     pub keys: DevPtr<u64>,
     /// Floats between two layers of one cache (capacity * C).
     pub layer_floats: usize,
+    /// Prompt rows attend in tiles (a step with prompt rows, bf16).
+    pub tiles: Option<AttentionTiles>,
 }
 
 impl RowTable {
@@ -48,7 +79,13 @@ impl RowTable {
                 && self.k_caches.len() >= n
                 && self.v_caches.len() >= n
                 && self.logits.len() >= n
-                && self.keys.len() >= n,
+                && self.keys.len() >= n
+                && self.tiles.is_none_or(|a| {
+                    a.work.len() >= n
+                        && a.tiles.len() >= n
+                        && a.tile_rows.len() >= n
+                        && a.tiled.len() >= n
+                }),
             what,
         )
     }
@@ -246,10 +283,19 @@ impl Launcher {
                 && hd <= 128,
             "batched attention",
         )?;
+        let bf16 = a.out.is_bf16();
+        ensure(
+            t.tiles.is_none() || (bf16 && hd <= 64 && hd % 32 == 0),
+            "batched attention in tiles",
+        )?;
         let grid = LaunchConfig {
             grid_dim: (heads as u32, a.splits as u32, t.rows as u32),
             block_dim: (super::attention::ATT_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: match (bf16, t.tiles) {
+                (false, _) => 0,
+                (true, None) => BA_VALUES_SMEM,
+                (true, Some(_)) => BT_SMEM.max(BA_VALUES_SMEM),
+            },
         };
         let layer_off = (a.layer * t.layer_floats) as i64;
         let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
@@ -257,12 +303,21 @@ impl Launcher {
         let (append, span) = (i32::from(a.append), a.span as i32);
         let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
         let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
+        let (work, tiles, tile_rows, tiled) = t.tiles.map_or((0, 0, 0, 0), |a| {
+            (
+                a.work.addr(),
+                a.tiles.addr(),
+                a.tile_rows.addr(),
+                a.tiled.addr(),
+            )
+        });
         // SAFETY: each row reads and appends to its own cache of `layer` at positions
-        // 0..=position < capacity (checked by the step; padding rows touch none); tmp, bias,
-        // out and partial are covered (checked above).
+        // 0..=position < capacity (checked by the step; padding rows touch none), a tile's
+        // rows are one context's (the step builds the tiles); tmp, bias, out and partial are
+        // covered (checked above).
         let mut args = kernel_args![
             &out, &part, &tmp, &bias, &split_in, &pos, &kc, &vc, &layer_off, &c32, &hd32, &rows,
-            &split_out, &append, &span
+            &split_out, &append, &span, &work, &tiles, &tile_rows
         ];
         unsafe {
             self.launch(
@@ -284,7 +339,7 @@ impl Launcher {
         let splits = a.splits as i32;
         // SAFETY: as above; out holds the rows' C values (or split rows).
         let mut args =
-            kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out, &span];
+            kernel_args![&out, &part, &pos, &hd32, &c32, &rows, &splits, &split_out, &span, &tiled];
         unsafe {
             self.launch(
                 &self.kernels.batch_att_combine,

@@ -58,6 +58,8 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("TC_THREADS", attention::TC_THREADS),
     ("FA_SMEM", attention::FA_SMEM),
     ("BL_PER", batch::BL_PER),
+    ("BT_Q", batch::BT_Q),
+    ("BT_SMEM", batch::BT_SMEM),
     ("DRAW_THREADS", draw::DRAW_THREADS),
     ("MAX_DRAWS", draw::MAX_DRAWS),
 ];

@@ -6,12 +6,13 @@
 //! session.
 
 mod forward;
+mod tiles;
 
 use crate::cuda::blas::Blas;
 use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
-use crate::cuda::ops::batch::{RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
+use crate::cuda::ops::batch::{AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
 use crate::cuda::ops::draw::rule_words;
 use crate::cuda::ops::Launcher;
 use crate::cuda::session::CudaSession;
@@ -111,8 +112,9 @@ pub(crate) struct StepBuffers {
     /// The LM head's product rows `[2 * MAX_ROWS, head_ld(V)]`.
     head: DevBuf<f32>,
     partial: DevBuf<f32>,
-    /// Tokens `[MAX_ROWS]`, positions `[MAX_ROWS]`, then the rows of the pass before whose
-    /// argmax is a row's token (`[MAX_ROWS]`, -1: none; see [`NextStep::fed`]).
+    /// [`INT_SECTIONS`] of `[MAX_ROWS]`: tokens, positions, the rows of the pass before whose
+    /// argmax is a row's token (-1: none; see [`NextStep::fed`]), then the attention's tiles
+    /// ([`AttentionTiles`]: work, tiles, tile rows, tiled).
     ints: DevBuf<i32>,
     /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
     addrs: DevBuf<u64>,
@@ -150,7 +152,7 @@ impl StepBuffers {
                 MAX_ROWS * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
                 "batched attention scratch",
             )?,
-            ints: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
+            ints: DevBuf::zeros(&stream, INT_SECTIONS * MAX_ROWS, "batched step table")?,
             addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
             keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
             rules: DevBuf::zeros(&stream, 4 * MAX_ROWS, "batched step table")?,
@@ -166,10 +168,18 @@ impl StepBuffers {
         self.launcher.stream()
     }
 
-    /// The table of the first `rows` rows (fixed addresses: every graph reads it).
-    fn table(&self, rows: usize, logit_rows: usize, layer_floats: usize) -> RowTable {
+    /// The table of the first `rows` rows (fixed addresses: every graph reads it), its prompt
+    /// rows in tiles when `tiles`.
+    fn table(&self, rows: usize, logit_rows: usize, layer_floats: usize, tiles: bool) -> RowTable {
         let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
         let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
+        let section = |i: usize| ints.skip(i * MAX_ROWS);
+        let tiles = tiles.then(|| AttentionTiles {
+            work: section(3),
+            tiles: section(4),
+            tile_rows: section(5),
+            tiled: section(6),
+        });
         RowTable {
             rows,
             logit_rows,
@@ -180,9 +190,13 @@ impl StepBuffers {
             logits: part(addrs, 2),
             keys: self.keys.ptr(),
             layer_floats,
+            tiles,
         }
     }
 }
+
+/// Sections of `[MAX_ROWS]` in [`StepBuffers::ints`].
+const INT_SECTIONS: usize = 7;
 
 /// One context's rows in a batched pass: its cache, where its last row's logits go, its
 /// first position and its tokens.
@@ -312,6 +326,20 @@ impl Pass {
         }
     }
 
+    /// Whether a pass's prompt rows attend in tiles: bf16 (the tiles read the fp16 cache with
+    /// cp.async, sm_80+) with heads of 32 or 64 dimensions; not
+    /// batch-invariant, where a prompt's chunks (and so which rows share a tile, or whether a
+    /// last row of one token takes the decode block) depend on the company.
+    pub(crate) fn tiles(&self) -> bool {
+        let (gpu, hd) = (&self.exec.gpu, self.exec.config.head_dim());
+        self.exec.dtype == crate::engine::GpuDtype::Bf16
+            && gpu.tensor_cores()
+            && hd <= 64
+            && hd % 32 == 0
+            && !gpu.batch_invariant()
+            && gpu.measurement().prompt_tiles
+    }
+
     /// `f` with the step's buffers (made at first use) locked.
     pub(crate) fn with_buffers<R>(
         &self,
@@ -336,7 +364,7 @@ impl Pass {
             return;
         }
         let (padded, splits, prompts, logit_rows) = key;
-        let table = b.table(padded, logit_rows, layer_floats);
+        let table = b.table(padded, logit_rows, layer_floats, prompts && self.tiles());
         let stream = b.stream().clone();
         let launches = || self.forward(b, &table, splits, prompts);
         match self.exec.gpu.capture(&stream, launches) {
@@ -370,10 +398,12 @@ impl Pass {
         }
         let padded = bucket(n);
         let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
-        let mut ints = vec![0i32; 3 * MAX_ROWS];
+        let tiles = prompts && self.tiles();
+        let sections = if tiles { INT_SECTIONS } else { 3 };
+        let mut ints = vec![0i32; sections * MAX_ROWS];
         let mut addrs = vec![0u64; 3 * MAX_ROWS];
         ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
-        ints[2 * MAX_ROWS..].fill(-1);
+        ints[2 * MAX_ROWS..3 * MAX_ROWS].fill(-1);
         let mut fed = false;
         let drawn = inputs.iter().any(|i| i.rule.is_some());
         let mut rules = match drawn {
@@ -386,7 +416,10 @@ impl Pass {
         let (mut layer_floats, mut longest) = (0, 0);
         let (mut next_last, mut next_other) = (0, inputs.len());
         let mut last_rows = Vec::with_capacity(inputs.len());
+        // each input's rows in position order, for the attention's tiles
+        let mut input_rows = Vec::with_capacity(if tiles { inputs.len() } else { 0 });
         for input in inputs {
+            let mut rows = Vec::with_capacity(if tiles { input.tokens.len() } else { 0 });
             for (i, &token) in input.tokens.iter().enumerate() {
                 let last = i + 1 == input.tokens.len();
                 let cursor = if last {
@@ -396,6 +429,9 @@ impl Pass {
                 };
                 let r = *cursor;
                 *cursor += 1;
+                if tiles {
+                    rows.push(r);
+                }
                 // a token the host learned from a key is below V, except an undecided draw's
                 // (V): never an embedding row past the table
                 ints[r] = (token as usize).min(vocab - 1) as i32;
@@ -418,6 +454,17 @@ impl Pass {
             }
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
+            input_rows.push(rows);
+        }
+        if tiles {
+            let plan = tiles::plan(&input_rows, padded);
+            let mut put = |section: usize, values: &[i32]| {
+                ints[section * MAX_ROWS..][..values.len()].copy_from_slice(values);
+            };
+            put(3, &plan.work);
+            put(4, &plan.tiles);
+            put(5, &plan.tile_rows);
+            put(6, &plan.tiled);
         }
         let splits = attention_splits(
             longest,
@@ -438,7 +485,7 @@ impl Pass {
             b.rules.write(&stream, 0, &rules)?;
         }
         self.capture(b, key, layer_floats);
-        let table = b.table(padded, logit_rows, layer_floats);
+        let table = b.table(padded, logit_rows, layer_floats, tiles);
         if fed {
             // the pass before has left its keys; this pass's embedding clears them
             b.launcher
