@@ -336,7 +336,7 @@ __device__ __forceinline__ void ba_stage_values(u32 (*vbuf)[BA_HD / 2], const kv
     cp_async_commit();
 }
 // `vbuf` ([BA_CHUNK][BA_HD / 2] words) is in dynamic shared memory, which the tiles of
-// `ba_tile` share.
+// `bt_attend` share.
 __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, float* partial, const float* tmp,
                                     const bf16_t* bias, int split_in, const int* positions,
                                     const unsigned long long* k_caches, const unsigned long long* v_caches,
@@ -436,10 +436,12 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
 #define BT_K 32
 #define BT_HD 64
 #define BT_TPQ (ATT_THREADS / BT_Q)
-#define BT_KPAD 8  // fp16 elements past each staged key row: rows 144 bytes apart, no bank conflicts
+#define BT_KPAD 8  // fp16 elements past each staged key row: rows 144 bytes apart (16-byte aligned for
+                   // cp.async), at most 2-way bank conflicts on the 8-byte key reads
 #define BT_STAGE (BT_K * (BT_HD + BT_KPAD) * 2 + BT_K * BT_HD * 2)
 static_assert(ATT_THREADS % BT_Q == 0 && BT_TPQ <= 32 && (BT_TPQ & (BT_TPQ - 1)) == 0 && BT_K % BT_TPQ == 0,
               "a power of two of threads a query, within a warp");
+static_assert(32 / BT_TPQ >= 2, "a thread sums a pair of dimensions or more of a 32-dimension head");
 static_assert(BT_SMEM == BT_Q * (BT_HD + 4) * 4 + 2 * BT_STAGE + BT_Q * (BT_K + 1) * 4,
               "BT_SMEM (ops/batch.rs) must hold the queries, two stages of keys and values, the weights");
 static_assert(BT_SMEM >= BA_CHUNK * BA_HD * 2, "the h64 decode's values share the tiles' shared memory");

@@ -6,6 +6,7 @@
 use super::{kernel_args, Epilogue, Launcher, Norm};
 use crate::cuda::buffer::{Act, DevPtr, Stored};
 use crate::cuda::error::{ensure, CudaError};
+use crate::engine::GpuDtype;
 use cudarc::driver::LaunchConfig;
 
 use super::batch_gemm::MAX_PARTS;
@@ -283,9 +284,11 @@ impl Launcher {
                 && hd <= 128,
             "batched attention",
         )?;
-        let bf16 = a.out.is_bf16();
+        // the bf16 kernel stages values in dynamic shared memory: the output must be its kind
+        let bf16 = self.dtype == GpuDtype::Bf16;
+        ensure(a.out.is_bf16() == bf16, "batched attention")?;
         ensure(
-            t.tiles.is_none() || (bf16 && hd <= 64 && hd % 32 == 0),
+            t.tiles.is_none() || (bf16 && hd <= 64 && hd % 32 == 0 && !a.append),
             "batched attention in tiles",
         )?;
         let grid = LaunchConfig {

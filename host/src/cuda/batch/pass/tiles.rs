@@ -67,7 +67,10 @@ mod tests {
             .flat_map(|t| [(t * q) as i32, (40 - t * q).min(q) as i32])
             .collect();
         assert_eq!(p.tiles, expected);
-        assert_eq!(p.tile_rows, prompt.iter().map(|&r| r as i32).collect::<Vec<_>>());
+        assert_eq!(
+            p.tile_rows,
+            prompt.iter().map(|&r| r as i32).collect::<Vec<_>>()
+        );
         let mut work: Vec<i32> = (0..tiles as i32).map(|t| -2 - t).collect();
         work.extend([0, 2]);
         work.extend(42..48);
