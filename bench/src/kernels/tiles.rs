@@ -7,7 +7,7 @@ use super::{pack_f16, Bench};
 use wasi_nn_host::cpu;
 use wasi_nn_host::cuda::buffer::{Act, DevBuf, DevPtr, Stored};
 use wasi_nn_host::cuda::ops::batch::{
-    AttentionTiles, BatchAttention, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS, BT_Q,
+    tiles_fit, AttentionTiles, BatchAttention, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS, BT_Q,
 };
 use wasi_nn_host::engine::EngineError;
 
@@ -66,7 +66,7 @@ pub(super) fn check_tiles(
 ) -> Result<(), EngineError> {
     let cfg = b.l.config();
     let (c, t, hd) = (cfg.n_embd, cfg.n_ctx, cfg.head_dim());
-    if !b.kv16 || hd > 64 || hd % 32 != 0 || t < 48 {
+    if !tiles_fit(b.l.dtype(), hd) || t < 48 {
         return Ok(());
     }
     let stream = b.l.stream().clone();

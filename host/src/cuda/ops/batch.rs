@@ -33,6 +33,13 @@ pub const BT_SMEM: u32 = BT_Q * 68 * 4 + 2 * (32 * 72 * 2 + 32 * 64 * 2) + BT_Q 
 /// positions' values of a 64-dimension head, fp16.
 pub const BA_VALUES_SMEM: u32 = 128 * 64 * 2;
 
+/// Whether a model of this weight type and head width can take its prompt rows in tiles:
+/// the tiles read the fp16 cache (bf16 weights), a pair or more of a head's dimensions a
+/// thread and at most 64.
+pub fn tiles_fit(dtype: GpuDtype, head_dim: usize) -> bool {
+    dtype == GpuDtype::Bf16 && head_dim <= 64 && head_dim.is_multiple_of(32)
+}
+
 /// A pass's prompt rows grouped into tiles for the batched attention (bf16; `bt_attend` in
 /// `kernels/batch.cu`): each tile is up to [`BT_Q`] rows of one context at consecutive
 /// positions, whose keys and values one block reads once for all of them.
@@ -288,7 +295,7 @@ impl Launcher {
         let bf16 = self.dtype == GpuDtype::Bf16;
         ensure(a.out.is_bf16() == bf16, "batched attention")?;
         ensure(
-            t.tiles.is_none() || (bf16 && hd <= 64 && hd % 32 == 0 && !a.append),
+            t.tiles.is_none() || (tiles_fit(self.dtype, hd) && !a.append),
             "batched attention in tiles",
         )?;
         let grid = LaunchConfig {

@@ -12,7 +12,9 @@ use crate::cuda::blas::Blas;
 use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
-use crate::cuda::ops::batch::{AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS};
+use crate::cuda::ops::batch::{
+    tiles_fit, AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
+};
 use crate::cuda::ops::draw::rule_words;
 use crate::cuda::ops::Launcher;
 use crate::cuda::session::CudaSession;
@@ -326,16 +328,14 @@ impl Pass {
         }
     }
 
-    /// Whether a pass's prompt rows attend in tiles: bf16 (the tiles read the fp16 cache with
-    /// cp.async, sm_80+) with heads of 32 or 64 dimensions; not
-    /// batch-invariant, where a prompt's chunks (and so which rows share a tile, or whether a
-    /// last row of one token takes the decode block) depend on the company.
+    /// Whether a pass's prompt rows attend in tiles: where the model fits them
+    /// ([`tiles_fit`]) on sm_80+ (cp.async); not batch-invariant, where a prompt's chunks (and
+    /// so which rows share a tile, or whether a last row of one token takes the decode block)
+    /// depend on the company.
     pub(crate) fn tiles(&self) -> bool {
-        let (gpu, hd) = (&self.exec.gpu, self.exec.config.head_dim());
-        self.exec.dtype == crate::engine::GpuDtype::Bf16
+        let gpu = &self.exec.gpu;
+        tiles_fit(self.exec.dtype, self.exec.config.head_dim())
             && gpu.tensor_cores()
-            && hd <= 64
-            && hd % 32 == 0
             && !gpu.batch_invariant()
             && gpu.measurement().prompt_tiles
     }
@@ -416,10 +416,10 @@ impl Pass {
         let (mut layer_floats, mut longest) = (0, 0);
         let (mut next_last, mut next_other) = (0, inputs.len());
         let mut last_rows = Vec::with_capacity(inputs.len());
-        // each input's rows in position order, for the attention's tiles
+        // each input's rows, for the attention's tiles
         let mut input_rows = Vec::with_capacity(if tiles { inputs.len() } else { 0 });
         for input in inputs {
-            let mut rows = Vec::with_capacity(if tiles { input.tokens.len() } else { 0 });
+            let first_other = next_other;
             for (i, &token) in input.tokens.iter().enumerate() {
                 let last = i + 1 == input.tokens.len();
                 let cursor = if last {
@@ -429,9 +429,6 @@ impl Pass {
                 };
                 let r = *cursor;
                 *cursor += 1;
-                if tiles {
-                    rows.push(r);
-                }
                 // a token the host learned from a key is below V, except an undecided draw's
                 // (V): never an embedding row past the table
                 ints[r] = (token as usize).min(vocab - 1) as i32;
@@ -454,7 +451,12 @@ impl Pass {
             }
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
-            input_rows.push(rows);
+            if let (true, Some(&last)) = (tiles, last_rows.last()) {
+                input_rows.push(tiles::InputRows {
+                    others: first_other..next_other,
+                    last,
+                });
+            }
         }
         if tiles {
             let plan = tiles::plan(&input_rows, padded);

@@ -5,6 +5,22 @@
 //! blocks run longest.
 
 use crate::cuda::ops::batch::BT_Q;
+use std::ops::Range;
+
+/// One input's rows in a pass: the rows of the tokens before its last (consecutive), then its
+/// last token's row (among the first rows of the table, whose logits are wanted).
+#[derive(Clone, Debug)]
+pub(super) struct InputRows {
+    pub(super) others: Range<usize>,
+    pub(super) last: usize,
+}
+
+impl InputRows {
+    /// The rows in position order.
+    fn in_order(&self) -> impl Iterator<Item = usize> {
+        self.others.clone().chain([self.last])
+    }
+}
 
 /// The attention's blocks of one pass, as the table holds them (`AttentionTiles`).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -19,33 +35,31 @@ pub(super) struct TilePlan {
     pub(super) tiled: Vec<i32>,
 }
 
-/// The plan for a pass of `padded` rows whose inputs have the rows `inputs` (each input's rows
-/// in position order); rows `n..padded` past them are padding.
-pub(super) fn plan(inputs: &[Vec<usize>], padded: usize) -> TilePlan {
+/// The plan for a pass of `padded` rows holding `inputs`; the rows past theirs are padding.
+pub(super) fn plan(inputs: &[InputRows], padded: usize) -> TilePlan {
     let mut p = TilePlan {
+        work: Vec::with_capacity(padded),
         tiled: vec![0; padded],
         ..TilePlan::default()
     };
-    let mut singles = Vec::new();
-    for rows in inputs {
-        if rows.len() < 2 {
-            singles.extend_from_slice(rows);
-            continue;
-        }
-        for tile in rows.chunks(BT_Q as usize) {
-            let t = p.tiles.len() / 2;
-            p.work.push(-2 - t as i32);
-            p.tiles
-                .extend([p.tile_rows.len() as i32, tile.len() as i32]);
-            for &r in tile {
-                p.tile_rows.push(r as i32);
-                p.tiled[r] = 1;
+    let prompts = inputs.iter().filter(|i| !i.others.is_empty());
+    for input in prompts {
+        for (i, r) in input.in_order().enumerate() {
+            if i % BT_Q as usize == 0 {
+                p.work.push(-2 - (p.tiles.len() / 2) as i32);
+                p.tiles.extend([p.tile_rows.len() as i32, 0]);
             }
+            if let Some(count) = p.tiles.last_mut() {
+                *count += 1;
+            }
+            p.tile_rows.push(r as i32);
+            p.tiled[r] = 1;
         }
     }
-    let n: usize = inputs.iter().map(Vec::len).sum();
-    p.work.extend(singles.iter().map(|&r| r as i32));
+    let decodes = inputs.iter().filter(|i| i.others.is_empty());
+    p.work.extend(decodes.map(|i| i.last as i32));
     // padding rows write the zeros the next product reads
+    let n: usize = inputs.iter().map(|i| i.others.len() + 1).sum();
     p.work.extend((n..padded).map(|r| r as i32));
     p.work.resize(padded, -1);
     p
@@ -59,8 +73,16 @@ mod tests {
     fn prompt_rows_go_in_tiles_first_and_every_other_row_keeps_a_block() {
         // input 0: a decode at row 0; input 1: 40 prompt rows (its last at row 1, the rest
         // at 3..42); input 2: a decode at row 2; rows 42..48 pad the pass
-        let prompt: Vec<usize> = (3..42).chain([1]).collect();
-        let p = plan(&[vec![0], prompt.clone(), vec![2]], 48);
+        let decode = |r| InputRows {
+            others: r..r,
+            last: r,
+        };
+        let input = InputRows {
+            others: 3..42,
+            last: 1,
+        };
+        let prompt: Vec<usize> = input.in_order().collect();
+        let p = plan(&[decode(0), input, decode(2)], 48);
         let q = BT_Q as usize;
         let tiles = 40usize.div_ceil(q);
         let expected: Vec<i32> = (0..tiles)
@@ -83,13 +105,14 @@ mod tests {
 
     #[test]
     fn every_row_is_taken_once_and_the_tables_fit_the_pass() {
+        let input = |others: Range<usize>, last| InputRows { others, last };
         for inputs in [
-            vec![vec![0, 1]],
-            vec![vec![0], vec![1], vec![2]],
-            (0..16).map(|i| vec![2 * i, 2 * i + 1]).collect(),
-            vec![(0..65).collect()],
+            vec![input(1..2, 0)],
+            vec![input(0..0, 0), input(1..1, 1), input(2..2, 2)],
+            (0..16).map(|i| input(16 + i..17 + i, i)).collect(),
+            vec![input(1..65, 0)],
         ] {
-            let n: usize = inputs.iter().map(Vec::len).sum();
+            let n: usize = inputs.iter().map(|i| i.others.len() + 1).sum();
             let padded = crate::cuda::batch::bucket(n);
             let p = plan(&inputs, padded);
             assert_eq!(p.work.len(), padded);
