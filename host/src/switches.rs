@@ -37,6 +37,9 @@ pub struct Settings {
     /// Contexts a lane takes before a new one goes to the next lane (`LANE_FILL=N`; default
     /// 128): below that many streams all share one lane's steps.
     pub lane_fill: usize,
+    /// Most tokens one GPU batched step runs, decodes included (`STEP_TOKENS=N`, 1 to
+    /// 1024; default 256): prompts share what the decodes leave, in chunks.
+    pub step_tokens: usize,
     /// A batched step waits for the last step's contexts to come back until shortly before the
     /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
     /// launch its pass, and this much more), then runs with the contexts that are back
@@ -104,6 +107,9 @@ pub struct Measurement {
     /// The batched step's attention takes a prompt's rows in tiles, their keys read once a
     /// tile (`NO_PROMPT_TILES`: one block a row and head, as a decode row).
     pub prompt_tiles: bool,
+    /// The batched step's cuBLAS products on the cuBLASLt algorithm timed fastest for each
+    /// shape when it beats cuBLAS's default (`NO_GEMM_TUNING`: the default everywhere).
+    pub gemm_tuning: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -146,6 +152,7 @@ impl Switches {
             settings: Settings {
                 batch_lanes: number("BATCH_LANES").unwrap_or(2).clamp(1, 8),
                 lane_fill: number("LANE_FILL").unwrap_or(128).max(1),
+                step_tokens: number("STEP_TOKENS").unwrap_or(256).clamp(1, 1024),
                 gather_margin: match var("GATHER_MARGIN_US") {
                     Some(v) if v == "all" => None,
                     v => Some(Duration::from_micros(
@@ -177,6 +184,7 @@ impl Switches {
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
+                gemm_tuning: !set("NO_GEMM_TUNING"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),
@@ -211,12 +219,13 @@ mod tests {
         let s = read(&[]);
         assert_eq!(s.settings.batch_lanes, 2);
         assert_eq!(s.settings.lane_fill, 128);
+        assert_eq!(s.settings.step_tokens, 256);
         assert_eq!(s.settings.gather_margin, Some(Duration::from_micros(60)));
         assert_eq!(s.settings.ahead_depth, 2);
         assert!(!s.settings.batch_invariant);
         let m = &s.measurement;
         assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
-        assert!(m.logit_rows && m.prompt_tiles);
+        assert!(m.logit_rows && m.prompt_tiles && m.gemm_tuning);
         assert_eq!(m.l2_prefetch, 2 << 20);
         assert_eq!(
             (m.batch_wave, m.batch_gemm, m.decode_cluster),
@@ -235,6 +244,8 @@ mod tests {
             ("DECODE_CLUSTER", "8x256"),
             ("SKIP", "attn,head"),
             ("BATCH_GEMM", "0"),
+            ("STEP_TOKENS", "0"),
+            ("NO_GEMM_TUNING", ""),
         ]);
         assert_eq!(s.settings.batch_lanes, 8);
         assert_eq!(s.settings.ahead_depth, 1);
@@ -243,5 +254,7 @@ mod tests {
         assert_eq!(s.measurement.decode_cluster, Some((8, 256)));
         assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
         assert_eq!(s.measurement.batch_gemm, Some(0));
+        assert_eq!(s.settings.step_tokens, 1);
+        assert!(!s.measurement.gemm_tuning);
     }
 }

@@ -29,12 +29,6 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Most tokens one step runs, decodes included (every queued decode still gets its
-    /// token): prompts share the rest, a longer one in chunks, so the streams decoding beside
-    /// a prompt wait at most one such step. 128 rather than 256 took the p99 gap between
-    /// tokens at 64 streams from 3.7 to 3.0 ms at the same throughput (H200, BENCHMARKS.md).
-    pub const MAX_STEP_TOKENS: usize = 128;
-
     /// Upload `weights` (converted to `options.dtype`) to the GPU. `options.max_kv_bytes`
     /// caps each context's KV cache, `options.kv_pool_bytes` all of them together (by
     /// default three quarters of the memory free once the weights are up).
@@ -89,7 +83,7 @@ impl CudaExecutor {
         for _ in 0..lanes {
             let model = CudaBatch::new(inner.clone(), pool.clone(), max_idle);
             model.warm(warm)?;
-            batchers.push(Batcher::new(model, Self::MAX_STEP_TOKENS));
+            batchers.push(Batcher::new(model, inner.gpu.settings().step_tokens));
         }
         Ok(Self {
             inner,
