@@ -352,7 +352,15 @@ pub fn compare_batched(
         GpuDtype::Bf16 => weights.bf16_rounded(),
     };
     let cpu = CpuExecutor::reference(Arc::new(reference));
-    let gpu = gpu_executor(&weights, dtype)?;
+    // warmed as the service is with `--warm-contexts`: the pass's graphs captured at start,
+    // and its cuBLAS products on the algorithms timed then
+    let options = EngineOptions {
+        dtype,
+        max_kv_bytes: usize::MAX,
+        warm_contexts: streams,
+        ..Default::default()
+    };
+    let gpu = wasi_nn_host::cuda::CudaExecutor::new(&weights, &options)?;
     type Run = (Vec<u32>, Vec<Option<Vec<f32>>>, usize, bool);
     // one context: its prompt, then greedy steps (with `barrier`, in step with the others;
     // after an error it keeps meeting the barrier, so the others never wait for it in vain)

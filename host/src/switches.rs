@@ -38,7 +38,9 @@ pub struct Settings {
     /// 128): below that many streams all share one lane's steps.
     pub lane_fill: usize,
     /// Most tokens one GPU batched step runs, decodes included (`STEP_TOKENS=N`, 1 to
-    /// 1024; default 256): prompts share what the decodes leave, in chunks.
+    /// 1024; default 256): prompts share what the decodes leave, in chunks. 256 rather than
+    /// 128 gave prompts their first token sooner at the same or more tokens/s, the gaps a
+    /// little longer (docs/design/batching.md, "Chunked prompts").
     pub step_tokens: usize,
     /// A batched step waits for the last step's contexts to come back until shortly before the
     /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
@@ -107,9 +109,6 @@ pub struct Measurement {
     /// The batched step's attention takes a prompt's rows in tiles, their keys read once a
     /// tile (`NO_PROMPT_TILES`: one block a row and head, as a decode row).
     pub prompt_tiles: bool,
-    /// The batched step's cuBLAS products on the cuBLASLt algorithm timed fastest for each
-    /// shape when it beats cuBLAS's default (`NO_GEMM_TUNING`: the default everywhere).
-    pub gemm_tuning: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -184,7 +183,6 @@ impl Switches {
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
-                gemm_tuning: !set("NO_GEMM_TUNING"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),
@@ -225,7 +223,7 @@ mod tests {
         assert!(!s.settings.batch_invariant);
         let m = &s.measurement;
         assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
-        assert!(m.logit_rows && m.prompt_tiles && m.gemm_tuning);
+        assert!(m.logit_rows && m.prompt_tiles);
         assert_eq!(m.l2_prefetch, 2 << 20);
         assert_eq!(
             (m.batch_wave, m.batch_gemm, m.decode_cluster),
@@ -245,7 +243,6 @@ mod tests {
             ("SKIP", "attn,head"),
             ("BATCH_GEMM", "0"),
             ("STEP_TOKENS", "0"),
-            ("NO_GEMM_TUNING", ""),
         ]);
         assert_eq!(s.settings.batch_lanes, 8);
         assert_eq!(s.settings.ahead_depth, 1);
@@ -255,6 +252,5 @@ mod tests {
         assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
         assert_eq!(s.measurement.batch_gemm, Some(0));
         assert_eq!(s.settings.step_tokens, 1);
-        assert!(!s.measurement.gemm_tuning);
     }
 }

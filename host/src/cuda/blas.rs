@@ -3,12 +3,9 @@
 //! tensor cores, the FC and QKV products' bf16 results), and cuBLASLt's fused-epilogue
 //! products ([`lt`]).
 
-pub mod cold_timer;
 pub(crate) mod lt;
 
 pub use lt::{Epilogue as LtEpilogue, Shape};
-
-use cold_timer::ColdTimer;
 
 use super::buffer::{Act, Bf16, DevBuf, DevPtr, Stored};
 use super::error::CudaError;
@@ -27,25 +24,6 @@ const LT_WORKSPACE_BYTES: usize = 4 << 20;
 pub enum LtBias {
     Stored(DevPtr<Stored>),
     F32(DevPtr<f32>),
-}
-
-/// What [`Blas::tune_gemm`] measured for a shape, in microseconds a product.
-#[derive(Clone, Copy, Debug)]
-pub struct GemmTuning {
-    /// cuBLAS's `GemmEx` with its default algorithm.
-    pub default_us: f32,
-    /// cuBLASLt's fastest algorithm (None: it had none for the shape).
-    pub best_us: Option<f32>,
-    /// Whether [`Blas::gemm`] now takes cuBLASLt's for the shape.
-    pub lt: bool,
-}
-
-/// A plain product's cuBLASLt shape: bf16 inputs, f32 result, no epilogue.
-fn plain_shape((rows, n, k): (usize, usize, usize), ldc: usize) -> Shape {
-    Shape {
-        ldc,
-        ..Shape::new((rows, n, k), LtEpilogue::None)
-    }
 }
 
 /// A cuBLAS handle on one stream, plus the GEMM scratch for `rows` rows of width C.
@@ -120,43 +98,8 @@ impl Blas {
     }
 
     /// `dst[rows, ldc] (+)= x[rows, k] W[n, k]^T` with f32 results; `x` is in the weights'
-    /// type (bf16 tensor cores in bf16 mode). `accumulate` adds to what `dst` holds. A shape
-    /// [`Blas::tune_gemm`] found faster on cuBLASLt runs there, with the algorithm it chose.
+    /// type (bf16 tensor cores in bf16 mode). `accumulate` adds to what `dst` holds.
     pub fn gemm(
-        &self,
-        l: &Launcher,
-        w: DevPtr<Stored>,
-        x: Act,
-        (rows, n, k): (usize, usize, usize),
-        (dst, ldc): (DevPtr<f32>, usize),
-        accumulate: bool,
-    ) -> Result<(), CudaError> {
-        if l.gpu().measurement().skip.gemm {
-            return Ok(());
-        }
-        super::error::ensure(
-            x.is_bf16() == (l.dtype() == GpuDtype::Bf16)
-                && dst.len() >= rows.saturating_sub(1) * ldc + n,
-            "cuBLAS GEMM",
-        )?;
-        if let (Some(lt), false) = (&self.lt, accumulate) {
-            let shape = plain_shape((rows, n, k), ldc);
-            if let (Act::Bf16(xb), true) = (x, lt.has_plan(&shape)) {
-                super::error::ensure(xb.len() >= rows * k, "cuBLASLt product")?;
-                let ptrs = (w.addr(), x.addr(), 0, dst.addr());
-                // SAFETY: W covers n*k, x rows*k (checked), dst rows*ldc (checked); the
-                // session's buffers and the weights outlive the stream's work.
-                let stream = l.stream().cu_stream() as _;
-                if unsafe { lt.matmul(stream, shape, ptrs) }? {
-                    return Ok(());
-                }
-            }
-        }
-        self.gemm_ex(l, w, x, (rows, n, k), (dst, ldc), accumulate)
-    }
-
-    /// [`Blas::gemm`] through cuBLAS's `GemmEx` and its default algorithm.
-    fn gemm_ex(
         &self,
         l: &Launcher,
         w: DevPtr<Stored>,
@@ -168,14 +111,22 @@ impl Blas {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
         };
+        if l.gpu().measurement().skip.gemm {
+            return Ok(());
+        }
         let dtype = match l.dtype() {
             GpuDtype::F32 => cudaDataType::CUDA_R_32F,
             GpuDtype::Bf16 => cudaDataType::CUDA_R_16BF,
         };
+        super::error::ensure(
+            x.is_bf16() == (l.dtype() == GpuDtype::Bf16)
+                && dst.len() >= rows.saturating_sub(1) * ldc + n,
+            "cuBLAS GEMM",
+        )?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.
-        // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc, checked
-        // by the caller); scalars are host f32 as CUBLAS_COMPUTE_32F expects.
+        // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc, checked);
+        // scalars are host f32 as CUBLAS_COMPUTE_32F expects.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 self.handle,
@@ -200,48 +151,6 @@ impl Blas {
             )
         }?;
         Ok(())
-    }
-
-    /// Choose how [`Blas::gemm`] runs a bf16 product of this shape (not accumulating): time
-    /// cuBLAS's default and every cuBLASLt algorithm the heuristic offers on these operands
-    /// (each on `timer`, weights out of L2), and keep cuBLASLt's fastest when it
-    /// beats the default by 3%. `timer` must be on the launcher's stream, not capturing;
-    /// `dst` is overwritten. None without cuBLASLt or in f32 mode.
-    pub fn tune_gemm(
-        &self,
-        l: &Launcher,
-        timer: &mut ColdTimer,
-        w: DevPtr<Stored>,
-        x: DevPtr<Bf16>,
-        (rows, n, k): (usize, usize, usize),
-        (dst, ldc): (DevPtr<f32>, usize),
-    ) -> Result<Option<GemmTuning>, CudaError> {
-        let Some(lt) = self.lt.as_ref().filter(|_| l.dtype() == GpuDtype::Bf16) else {
-            return Ok(None);
-        };
-        super::error::ensure(
-            w.len() >= n * k
-                && x.len() >= rows * k
-                && dst.len() >= rows.saturating_sub(1) * ldc + n,
-            "cuBLAS tuning",
-        )?;
-        let default = || self.gemm_ex(l, w, Act::Bf16(x), (rows, n, k), (dst, ldc), false);
-        default()?;
-        let default_us = timer.time(default)?;
-        let shape = plain_shape((rows, n, k), ldc);
-        let ptrs = (w.addr(), x.addr(), 0, dst.addr());
-        // SAFETY: W covers n*k, x rows*k, dst rows*ldc (checked); not accumulating.
-        let best_us = unsafe { lt.tune(timer, shape, ptrs) }?;
-        let lt_kept = best_us.is_some_and(|best| best < 0.97 * default_us);
-        if !lt_kept {
-            lt.forget(&shape);
-            default()?;
-        }
-        Ok(Some(GemmTuning {
-            default_us,
-            best_us,
-            lt: lt_kept,
-        }))
     }
 
     /// A bf16 product through cuBLASLt with its epilogue fused: `dst (+)= epilogue(W x +

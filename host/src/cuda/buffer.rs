@@ -190,6 +190,7 @@ impl<T: DeviceRepr> DevBuf<T> {
     }
 
     /// Set every element to zero bits (stream-ordered).
+    #[cfg(feature = "dev")]
     pub fn clear(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError>
     where
         T: ValidAsZeroBits,

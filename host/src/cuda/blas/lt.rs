@@ -1,24 +1,17 @@
-//! cuBLASLt products: with fused epilogues for the bf16 prefill (`D (+)= W x + bias`, optionally
-//! followed by GELU, with a bf16 or f32 result), and plain ones whose algorithm was chosen by
-//! timing ([`Lt::tune`]) for the batched pass. A plan (descriptor, layouts and the algorithm) is
-//! built once per shape and reused; a shape cuBLASLt has no algorithm for is remembered as such
-//! and the caller takes its other path.
+//! cuBLASLt products with fused epilogues, for the bf16 prefill: `D (+)= W x + bias`, optionally
+//! followed by GELU, with a bf16 or f32 result. A plan (descriptor, layouts and the algorithm the
+//! heuristic picks) is built once per shape and reused; a shape cuBLASLt has no algorithm for is
+//! remembered as such and the caller takes its other path.
 
-use super::cold_timer::ColdTimer;
-use crate::cuda::error::{CudaError, DriverContext};
+use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
-/// How many of the heuristic's algorithms [`Lt::tune`] times for a shape.
-const TUNE_CANDIDATES: usize = 16;
-
 /// What follows the product (before it is added to D when accumulating).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Epilogue {
-    /// The product alone (no bias pointer is set).
-    None,
     /// `+ bias`
     Bias,
     /// `gelu(. + bias)`, GELU's tanh form (as GPT-2's).
@@ -104,13 +97,6 @@ fn attr<T>(
 impl Plan {
     /// None when cuBLASLt cannot do this shape (no algorithm, unsupported bias type, ...).
     fn new(handle: sys::cublasLtHandle_t, s: Shape, workspace_bytes: usize) -> Option<Plan> {
-        let mut plan = Plan::describe(s)?;
-        plan.algo = *plan.candidates(handle, workspace_bytes, 1).first()?;
-        Some(plan)
-    }
-
-    /// The descriptor and layouts of `s`, its algorithm still to be chosen.
-    fn describe(s: Shape) -> Option<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
@@ -138,48 +124,30 @@ impl Plan {
                 }
             }
         }
-        let plan = Plan {
+        let mut plan = Plan {
             desc,
             layouts: [layouts[0], layouts[1], layouts[2]],
-            // SAFETY: plain data, filled in from the heuristic's answers before any use.
+            // SAFETY: plain data, filled in by the heuristic below before any use.
             algo: unsafe { std::mem::zeroed() },
         };
         let epilogue = match s.epilogue {
-            Epilogue::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
             Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
         };
         let ok = attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32) // CUBLAS_OP_T
             && attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32) // CUBLAS_OP_N
             && attr(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))
-            && (s.epilogue == Epilogue::None
-                || attr(
-                    desc,
-                    A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                    &(if s.bias_bf16 { CUDA_R_16BF } else { CUDA_R_32F } as i32),
-                ));
-        // (a plan dropped here destroys what was created)
-        ok.then_some(plan)
-    }
-
-    /// Up to `most` algorithms the heuristic offers for the plan's shape within the
-    /// workspace, its best guess first.
-    fn candidates(
-        &self,
-        handle: sys::cublasLtHandle_t,
-        workspace_bytes: usize,
-        most: usize,
-    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
-        let Ok(pref) = lt::create_matmul_pref() else {
-            return Vec::new();
-        };
+            && attr(
+                desc,
+                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                &(if s.bias_bf16 { CUDA_R_16BF } else { CUDA_R_32F } as i32),
+            );
+        if !ok {
+            return None;
+        }
+        let pref = lt::create_matmul_pref().ok()?;
         let ws = workspace_bytes as u64;
-        // SAFETY: plain data, written by the heuristic for the `count` it returns.
-        let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
-            vec![unsafe { std::mem::zeroed() }; most];
-        let mut count = 0i32;
-        // SAFETY: `pref` was just created; `ws` is a u64 as the attribute wants; `results`
-        // holds `most` entries.
+        // SAFETY: `pref` was just created; `ws` is a u64 as the attribute wants.
         let found = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -187,30 +155,24 @@ impl Plan {
                 (&ws as *const u64).cast(),
                 8,
             )
-            .is_ok()
-                && sys::cublasLtMatmulAlgoGetHeuristic(
+            .ok()
+            .and_then(|()| {
+                lt::get_matmul_algo_heuristic(
                     handle,
-                    self.desc,
-                    self.layouts[0],
-                    self.layouts[1],
-                    self.layouts[2],
-                    self.layouts[2],
+                    desc,
+                    plan.layouts[0],
+                    plan.layouts[1],
+                    plan.layouts[2],
+                    plan.layouts[2],
                     pref,
-                    most as i32,
-                    results.as_mut_ptr(),
-                    &mut count,
-                ) == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                )
+                .ok()
+            })
         };
         // SAFETY: created above, destroyed once.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        if !found {
-            return Vec::new();
-        }
-        results.truncate(count.clamp(0, most as i32) as usize);
-        (results.into_iter())
-            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .map(|r| r.algo)
-            .collect()
+        plan.algo = found?.algo;
+        Some(plan)
     }
 }
 
@@ -248,8 +210,7 @@ impl Lt {
     }
 
     /// Enqueue `D (+)= epilogue(W x + bias)` on `stream` (W: bf16 [n, k]; x: bf16 [rows, k];
-    /// bias: [n], unless the epilogue is `None`; D at `dst`). Ok(false): no plan for this
-    /// shape, nothing enqueued.
+    /// bias: [n]; D at `dst`). Ok(false): no plan for this shape, nothing enqueued.
     ///
     /// # Safety
     /// The pointers must address device buffers of the sizes `shape` implies, alive until the
@@ -258,121 +219,29 @@ impl Lt {
         &self,
         stream: sys::cudaStream_t,
         shape: Shape,
-        ptrs: (u64, u64, u64, u64),
+        (w, x, bias, dst): (u64, u64, u64, u64),
     ) -> Result<bool, CudaError> {
-        if output_overlaps_input(&shape, ptrs.1, ptrs.3) {
+        if output_overlaps_input(&shape, x, dst) {
             return Err(CudaError::Bounds(
                 "cuBLASLt product: its output overlaps its input",
             ));
         }
-        let mut plans = self.plans()?;
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))?;
         let plan = plans
             .entry(shape)
             .or_insert_with(|| Plan::new(self.handle, shape, self.workspace.1));
         let Some(plan) = plan.as_ref() else {
             return Ok(false);
         };
-        // SAFETY: the caller vouches for the pointers.
-        unsafe { self.enqueue(plan, &plan.algo, stream, shape, ptrs) }
-    }
-
-    /// Whether `shape` has a plan with an algorithm (for a plain product: one [`Lt::tune`]
-    /// chose).
-    pub(crate) fn has_plan(&self, shape: &Shape) -> bool {
-        self.plans()
-            .is_ok_and(|plans| plans.get(shape).is_some_and(Option::is_some))
-    }
-
-    /// Forget `shape`'s plan: [`Lt::has_plan`] says no until it is tuned again.
-    pub(crate) fn forget(&self, shape: &Shape) {
-        if let Ok(mut plans) = self.plans() {
-            plans.remove(shape);
-        }
-    }
-
-    /// Time each algorithm the heuristic offers for `shape` (up to [`TUNE_CANDIDATES`]) with
-    /// these operands on `timer` (L2 flushed before each run), and keep the
-    /// fastest as the shape's plan. Returns its mean time, in microseconds (None: no algorithm
-    /// ran). The timer's stream must not be capturing; D ends up holding the product.
-    ///
-    /// # Safety
-    /// As [`Lt::matmul`]; `shape` must not accumulate (the runs repeat).
-    pub(crate) unsafe fn tune(
-        &self,
-        timer: &mut ColdTimer,
-        shape: Shape,
-        ptrs: (u64, u64, u64, u64),
-    ) -> Result<Option<f32>, CudaError> {
-        if shape.accumulate || output_overlaps_input(&shape, ptrs.1, ptrs.3) {
-            return Err(CudaError::Bounds(
-                "cuBLASLt tuning: an accumulating product, or its output over its input",
-            ));
-        }
-        let mut plans = self.plans()?;
-        plans.remove(&shape);
-        let Some(mut plan) = Plan::describe(shape) else {
-            plans.insert(shape, None);
-            return Ok(None);
-        };
-        let raw = timer.stream().cu_stream() as sys::cudaStream_t;
-        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
-        for algo in plan.candidates(self.handle, self.workspace.1, TUNE_CANDIDATES) {
-            // an algorithm the library refuses at run time is no candidate
-            // SAFETY: the caller vouches for the pointers.
-            if !matches!(
-                unsafe { self.enqueue(&plan, &algo, raw, shape, ptrs) },
-                Ok(true)
-            ) {
-                continue;
-            }
-            let run = || {
-                // SAFETY: as above.
-                unsafe { self.enqueue(&plan, &algo, raw, shape, ptrs) }.map(|_| ())
-            };
-            let us = timer.time(run)?;
-            if best.is_none_or(|(fastest, _)| us < fastest) {
-                best = Some((us, algo));
-            }
-        }
-        let Some((us, algo)) = best else {
-            plans.insert(shape, None);
-            return Ok(None);
-        };
-        plan.algo = algo;
-        // the last run was another algorithm's: D gets the kept one's product
-        // SAFETY: as above.
-        unsafe { self.enqueue(&plan, &plan.algo, raw, shape, ptrs) }?;
-        timer.stream().synchronize().ctx("timing a product")?;
-        plans.insert(shape, Some(plan));
-        Ok(Some(us))
-    }
-
-    fn plans(&self) -> Result<std::sync::MutexGuard<'_, HashMap<Shape, Option<Plan>>>, CudaError> {
-        self.plans
-            .lock()
-            .map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))
-    }
-
-    /// Enqueue `plan`'s product with `algo`. Ok(false): the bias pointer could not be set.
-    ///
-    /// # Safety
-    /// As [`Lt::matmul`]; the caller holds the plans' lock.
-    unsafe fn enqueue(
-        &self,
-        plan: &Plan,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        stream: sys::cudaStream_t,
-        shape: Shape,
-        (w, x, bias, dst): (u64, u64, u64, u64),
-    ) -> Result<bool, CudaError> {
         let bias_ptr = bias as *const c_void;
-        if shape.epilogue != Epilogue::None
-            && !attr(
-                plan.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                &bias_ptr,
-            )
-        {
+        if !attr(
+            plan.desc,
+            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            &bias_ptr,
+        ) {
             return Ok(false);
         }
         let (alpha, beta) = (1.0f32, if shape.accumulate { 1.0f32 } else { 0.0 });
@@ -391,7 +260,7 @@ impl Lt {
                 plan.layouts[2],
                 dst as *mut c_void,
                 plan.layouts[2],
-                algo,
+                &plan.algo,
                 self.workspace.0 as *mut c_void,
                 self.workspace.1,
                 stream,

@@ -7,7 +7,6 @@
 
 mod forward;
 mod tiles;
-mod tuning;
 
 use crate::cuda::blas::Blas;
 use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
@@ -23,7 +22,7 @@ use crate::cuda::weights::head_rows;
 use crate::engine::draw::DrawRule;
 use crate::engine::{EngineError, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -131,8 +130,6 @@ pub(crate) struct StepBuffers {
     /// Captured steps.
     graphs: FxHashMap<GraphKey, CudaGraph>,
     graphs_failed: bool,
-    /// Product shapes whose cuBLAS algorithm was chosen by timing (see [`tuning`]).
-    tuned: FxHashSet<tuning::ProductShape>,
 }
 
 // SAFETY: the buffers are only touched by the step that holds the mutex around them; the raw
@@ -145,8 +142,7 @@ impl StepBuffers {
         let cfg = exec.config;
         let c = cfg.n_embd;
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
-        let with_lt = gpu.measurement().cublaslt && gpu.measurement().gemm_tuning;
-        let blas = Blas::new(&stream, 2 * MAX_ROWS, c, with_lt)
+        let blas = Blas::new(&stream, 2 * MAX_ROWS, c, false)
             .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
         let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
         let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
@@ -167,7 +163,6 @@ impl StepBuffers {
             blas,
             graphs: FxHashMap::default(),
             graphs_failed: false,
-            tuned: FxHashSet::default(),
         })
     }
 
@@ -369,7 +364,6 @@ impl Pass {
             return;
         }
         let (padded, splits, prompts, logit_rows) = key;
-        self.tune_products(b, padded, logit_rows);
         let table = b.table(padded, logit_rows, layer_floats, prompts && self.tiles());
         let stream = b.stream().clone();
         let launches = || self.forward(b, &table, splits, prompts);
