@@ -396,6 +396,12 @@ impl Pass {
         if inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(EngineError::device("a batched input of no tokens"));
         }
+        // the table and the captured graphs hold MAX_ROWS rows (callers cut steps to fit)
+        if n > MAX_ROWS {
+            return Err(EngineError::device(format!(
+                "a batched pass of {n} rows, more than {MAX_ROWS}"
+            )));
+        }
         let padded = bucket(n);
         let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
         let tiles = prompts && self.tiles();
