@@ -23,9 +23,19 @@ pub fn gpu_executor(
     weights: &Gpt2Weights,
     dtype: GpuDtype,
 ) -> Result<wasi_nn_host::cuda::CudaExecutor, EngineError> {
+    warm_gpu_executor(weights, dtype, 0)
+}
+
+/// [`gpu_executor`] with `warm` contexts made ready at start (`--warm-contexts`).
+fn warm_gpu_executor(
+    weights: &Gpt2Weights,
+    dtype: GpuDtype,
+    warm: usize,
+) -> Result<wasi_nn_host::cuda::CudaExecutor, EngineError> {
     let options = EngineOptions {
         dtype,
         max_kv_bytes: usize::MAX,
+        warm_contexts: warm,
         ..Default::default()
     };
     wasi_nn_host::cuda::CudaExecutor::new(weights, &options)
@@ -352,15 +362,8 @@ pub fn compare_batched(
         GpuDtype::Bf16 => weights.bf16_rounded(),
     };
     let cpu = CpuExecutor::reference(Arc::new(reference));
-    // warmed as the service is with `--warm-contexts`: the pass's graphs captured at start,
-    // and its cuBLAS products on the algorithms timed then
-    let options = EngineOptions {
-        dtype,
-        max_kv_bytes: usize::MAX,
-        warm_contexts: streams,
-        ..Default::default()
-    };
-    let gpu = wasi_nn_host::cuda::CudaExecutor::new(&weights, &options)?;
+    // warmed as the service is with `--warm-contexts`: the pass's graphs captured at start
+    let gpu = warm_gpu_executor(&weights, dtype, streams)?;
     type Run = (Vec<u32>, Vec<Option<Vec<f32>>>, usize, bool);
     // one context: its prompt, then greedy steps (with `barrier`, in step with the others;
     // after an error it keeps meeting the barrier, so the others never wait for it in vain)
