@@ -26,15 +26,16 @@ __device__ __forceinline__ void store_act(void* out, int rows, int r, int col, i
     }
 }
 // A product's result for row r: its row, plus the lo row's when the input was split (cuBLAS's
-// result), or summed over the planes of K slices (`batch_gemm`'s, the hi and lo rows already
-// summed). `split_in` says which: bit 0 the split, the bits above the planes (0: one, at most
-// MAX_PLANES), each `rows` rows (twice that, split) of n. The planes' loads are all issued
-// before the first sum, which is in plane order.
+// result; only the first lo_rows rows have one, the rows past them were multiplied as their hi
+// halves alone), or summed over the planes of K slices (`batch_gemm`'s, the hi and lo rows
+// already summed). `split_in` says which: bit 0 the split, the bits above lo_rows (split) or
+// the planes (0: one, at most MAX_PLANES), each `rows` rows (twice that, split) of n. The
+// planes' loads are all issued before the first sum, which is in plane order.
 #define MAX_PLANES 8
 __device__ __forceinline__ float product_value(const float* tmp, int rows, int r, int col, int n, int split_in) {
     int parts = max(1, split_in >> 1);
     const float* t = tmp + (size_t)r * n + col;
-    if (split_in & 1) return 0.0f + t[0] + t[(size_t)rows * n];
+    if (split_in & 1) return 0.0f + t[0] + (r < (split_in >> 1) ? t[(size_t)rows * n] : 0.0f);
     size_t plane = (size_t)rows * n;
     float part[MAX_PLANES];
 #pragma unroll

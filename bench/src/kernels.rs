@@ -5,6 +5,7 @@
 //! both sides multiply the same numbers.
 
 mod draw;
+mod lo_rows;
 mod tiles;
 
 use crate::checks::scaled_error;
@@ -549,6 +550,8 @@ fn check_one(
         }
     }
 
+    lo_rows::check_lo_rows(b, (lw, dl), report)?;
+
     // matvec: k = 4C, bias + residual epilogue (the MLP projection)
     let (fc_in, x0) = (b.random(4 * c), b.random(c));
     b.put(B::Fc, &fc_in)?;
@@ -1084,6 +1087,7 @@ fn row_table(
     RowTable {
         rows,
         logit_rows: rows,
+        lo_rows: rows,
         tokens: ip,
         positions: ip.skip(rows),
         k_caches: ap,

@@ -109,6 +109,10 @@ pub struct Measurement {
     /// The batched step's attention takes a prompt's rows in tiles, their keys read once a
     /// tile (`NO_PROMPT_TILES`: one block a row and head, as a decode row).
     pub prompt_tiles: bool,
+    /// The batched step's rows of chunks of long prompts keep their lo halves in cuBLAS's
+    /// split products (`SPLIT_PROMPTS`; by default they are multiplied as bf16, as a
+    /// prefill's rows are).
+    pub split_prompts: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -183,6 +187,7 @@ impl Switches {
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
+                split_prompts: set("SPLIT_PROMPTS"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),

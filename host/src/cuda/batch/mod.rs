@@ -194,7 +194,10 @@ impl CudaBatch {
     /// and their argmax.
     fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
         let inputs = (items.iter())
-            .map(|item| Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule())))
+            .map(|item| {
+                let chunk = !(item.first_chunk && item.last_chunk);
+                Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
+            })
             .collect::<Result<Vec<_>, EngineError>>()?;
         let (_, last_rows, keys) = self.pass.run(&inputs)?;
         drop(inputs);

@@ -65,6 +65,11 @@ pub struct RowTable {
     /// The first rows, which hold every row whose logits are wanted: the LM head runs over
     /// these alone (at most `rows`).
     pub logit_rows: usize,
+    /// The first rows, whose split products (cuBLAS over hi and lo rows) include their lo
+    /// rows' (at most `rows`): the rows past them are rows of chunks of prompts longer than a
+    /// pass takes whole (which alone run through the prefill path), before each chunk's last;
+    /// their products take their bf16 hi halves alone, as a prefill's products do.
+    pub lo_rows: usize,
     pub tokens: DevPtr<i32>,
     pub positions: DevPtr<i32>,
     pub k_caches: DevPtr<u64>,
@@ -82,6 +87,7 @@ impl RowTable {
         let n = self.rows;
         ensure(
             self.logit_rows <= n
+                && self.lo_rows <= n
                 && self.tokens.len() >= n
                 && self.positions.len() >= n
                 && self.k_caches.len() >= n
@@ -100,9 +106,13 @@ impl RowTable {
 }
 
 /// How a product's consumer reads its result (`product_value` in `kernels/batch.cu`): bit 0
-/// the split input (hi and lo rows), the bits above the planes of K slices.
-fn split_in(split: bool, parts: usize) -> i32 {
-    i32::from(split) | ((parts as i32) << 1)
+/// the split input (hi and lo rows), the bits above the planes of K slices, or for a split
+/// input the rows with lo rows ([`RowTable::lo_rows`]).
+fn split_in(t: &RowTable, split: bool, parts: usize) -> i32 {
+    match split {
+        true => 1 | ((t.lo_rows as i32) << 1),
+        false => (parts as i32) << 1,
+    }
 }
 
 /// Columns a thread of `batch_logits` takes (its loads all in flight at once).
@@ -224,7 +234,7 @@ impl Launcher {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (split_in, split_out) = (split_in(split, parts), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(t, split, parts), i32::from(a.out.is_bf16()));
         let (rows, c) = (t.rows as i32, c as i32);
         let (x, out, ln_w, ln_b) = (a.x.addr(), a.out.addr(), a.norm.w.addr(), a.norm.b.addr());
         let (tokens, pos, keys) = (t.tokens.addr(), t.positions.addr(), t.keys.addr());
@@ -260,7 +270,7 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let (rows, n, mode) = (t.rows as i32, a.n as i32, a.epilogue as i32);
-        let (split_in, split_out) = (split_in(a.split, a.parts), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(t, a.split, a.parts), i32::from(a.out.is_bf16()));
         let (out, tmp, bias) = (a.out.addr(), a.tmp.addr(), a.bias.addr());
         // SAFETY: tmp holds the product's rows of n floats and out the rows' n values (or
         // split rows), checked above; bias holds n weights.
@@ -309,7 +319,7 @@ impl Launcher {
         };
         let layer_off = (a.layer * t.layer_floats) as i64;
         let (c32, hd32, rows) = (c as i32, hd as i32, t.rows as i32);
-        let (split_in, split_out) = (split_in(a.split, a.parts), i32::from(a.out.is_bf16()));
+        let (split_in, split_out) = (split_in(t, a.split, a.parts), i32::from(a.out.is_bf16()));
         let (append, span) = (i32::from(a.append), a.span as i32);
         let (out, part, tmp, bias) = (a.out.addr(), a.partial.addr(), a.tmp.addr(), a.bias.addr());
         let (pos, kc, vc) = (t.positions.addr(), t.k_caches.addr(), t.v_caches.addr());
@@ -385,7 +395,7 @@ impl Launcher {
             shared_mem_bytes: 0,
         };
         let (split, layer_off, c32, rows) = (
-            split_in(split, parts),
+            split_in(t, split, parts),
             (layer * t.layer_floats) as i64,
             c as i32,
             t.rows as i32,

@@ -64,7 +64,8 @@ impl CudaBatch {
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
             let seq = &items[i].seq;
-            inputs.push(Rows::of(seq.session()?, items[i].tokens, seq.rule()));
+            let chunk = !(items[i].first_chunk && items[i].last_chunk);
+            inputs.push(Rows::of(seq.session()?, items[i].tokens, seq.rule()).chunked(chunk));
         }
         let launched = Instant::now();
         let timing = ahead.clock.events(self.pass.stream());

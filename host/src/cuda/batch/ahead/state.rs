@@ -105,6 +105,7 @@ impl NextStep {
             fed: self.fed,
             layer_floats: self.targets.layer_floats,
             rule: self.rule,
+            chunk: false,
         }
     }
 }

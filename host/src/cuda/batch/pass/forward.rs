@@ -102,7 +102,8 @@ impl<'a> PassKernels<'a> {
                 }
             }
         }
-        let product_rows = if self.split { 2 * n } else { n };
+        // split: the hi rows, then the lo rows of the table's first `lo_rows` rows
+        let product_rows = if self.split { n + self.t.lo_rows } else { n };
         let out = (self.tmp, n_out);
         (self.b.blas)
             .gemm(l, w, self.act, (product_rows, n_out, k), out, false)

@@ -172,7 +172,13 @@ impl StepBuffers {
 
     /// The table of the first `rows` rows (fixed addresses: every graph reads it), its prompt
     /// rows in tiles when `tiles`.
-    fn table(&self, rows: usize, logit_rows: usize, layer_floats: usize, tiles: bool) -> RowTable {
+    fn table(
+        &self,
+        rows: usize,
+        (logit_rows, lo_rows): (usize, usize),
+        layer_floats: usize,
+        tiles: bool,
+    ) -> RowTable {
         let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
         let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
         let section = |i: usize| ints.skip(i * MAX_ROWS);
@@ -185,6 +191,7 @@ impl StepBuffers {
         RowTable {
             rows,
             logit_rows,
+            lo_rows,
             tokens: ints,
             positions: ints.skip(MAX_ROWS),
             k_caches: part(addrs, 0),
@@ -213,6 +220,10 @@ pub(crate) struct Rows<'t> {
     pub(crate) layer_floats: usize,
     /// The context draws its next token by this rule: its last row's key is the draw's.
     pub(crate) rule: Option<DrawRule>,
+    /// The tokens are a chunk of a prompt longer than a pass takes whole, which alone runs
+    /// through the prefill path: the rows before the chunk's last are multiplied as bf16, as
+    /// a prefill's are (see [`RowTable::lo_rows`]).
+    pub(crate) chunk: bool,
 }
 
 impl<'t> Rows<'t> {
@@ -229,7 +240,13 @@ impl<'t> Rows<'t> {
             fed: None,
             layer_floats: session.layer_floats(),
             rule,
+            chunk: false,
         }
+    }
+
+    /// The same rows, marked as a chunk of a longer prompt or not (see [`Rows::chunk`]).
+    pub(crate) fn chunked(self, chunk: bool) -> Self {
+        Self { chunk, ..self }
     }
 }
 
@@ -289,6 +306,17 @@ impl Pass {
         match self.exec.gpu.measurement().logit_rows {
             true => logit_rows(padded, wanted),
             false => padded,
+        }
+    }
+
+    /// The rows of a step of `padded` rows whose split products include their lo rows: the
+    /// LM head's (the rows of chunks of longer prompts, before each chunk's last, come after
+    /// them and are multiplied as bf16, as a prefill's are), or every row with
+    /// `WASI_NN_HOST_SPLIT_PROMPTS`.
+    fn lo_rows(&self, padded: usize, logit_rows: usize) -> usize {
+        match self.exec.gpu.measurement().split_prompts {
+            true => padded,
+            false => logit_rows,
         }
     }
 
@@ -364,7 +392,8 @@ impl Pass {
             return;
         }
         let (padded, splits, prompts, logit_rows) = key;
-        let table = b.table(padded, logit_rows, layer_floats, prompts && self.tiles());
+        let rows = (logit_rows, self.lo_rows(padded, logit_rows));
+        let table = b.table(padded, rows, layer_floats, prompts && self.tiles());
         let stream = b.stream().clone();
         let launches = || self.forward(b, &table, splits, prompts);
         match self.exec.gpu.capture(&stream, launches) {
@@ -419,19 +448,30 @@ impl Pass {
         let vocab = self.exec.config.vocab_size;
         // each input's last row (the rows whose logits are wanted) first, in input order, the
         // rows before a prompt's last after them: the LM head runs over the first rows only
+        // then the other rows of whole prompts, then those of chunks of longer prompts: the
+        // split products take the lo rows of the rows before the chunks' alone (`lo_rows`)
+        let whole_others: usize = (inputs.iter())
+            .filter(|i| !i.chunk)
+            .map(|i| i.tokens.len() - 1)
+            .sum();
         let (mut layer_floats, mut longest) = (0, 0);
-        let (mut next_last, mut next_other) = (0, inputs.len());
+        let (mut next_last, mut next_whole) = (0, inputs.len());
+        let mut next_chunk = inputs.len() + whole_others;
         let mut last_rows = Vec::with_capacity(inputs.len());
         // each input's rows, for the attention's tiles
         let mut input_rows = Vec::with_capacity(if tiles { inputs.len() } else { 0 });
         for input in inputs {
-            let first_other = next_other;
+            let next_other = match input.chunk {
+                true => &mut next_chunk,
+                false => &mut next_whole,
+            };
+            let first_other = *next_other;
             for (i, &token) in input.tokens.iter().enumerate() {
                 let last = i + 1 == input.tokens.len();
                 let cursor = if last {
                     &mut next_last
                 } else {
-                    &mut next_other
+                    &mut *next_other
                 };
                 let r = *cursor;
                 *cursor += 1;
@@ -458,10 +498,8 @@ impl Pass {
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
             if let (true, Some(&last)) = (tiles, last_rows.last()) {
-                input_rows.push(tiles::InputRows {
-                    others: first_other..next_other,
-                    last,
-                });
+                let others = first_other..*next_other;
+                input_rows.push(tiles::InputRows { others, last });
             }
         }
         if tiles {
@@ -480,8 +518,10 @@ impl Pass {
             self.wave(),
             self.span(),
         );
+        // the LM head's rows hold the whole prompts' rows too, and are the split products'
+        // lo rows (one size for both keeps the graphs few)
         let logit_rows = match prompts {
-            true => self.logit_rows(padded, inputs.len()),
+            true => self.logit_rows(padded, inputs.len() + whole_others),
             false => padded,
         };
         let key = (padded, splits, prompts, logit_rows);
@@ -493,7 +533,8 @@ impl Pass {
             b.rules.write(&stream, 0, &rules)?;
         }
         self.capture(b, key, layer_floats);
-        let table = b.table(padded, logit_rows, layer_floats, tiles);
+        let rows = (logit_rows, self.lo_rows(padded, logit_rows));
+        let table = b.table(padded, rows, layer_floats, tiles);
         if fed {
             // the pass before has left its keys; this pass's embedding clears them
             b.launcher
