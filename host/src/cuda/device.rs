@@ -2,7 +2,7 @@
 //! ([`crate::switches`]), the module of our kernels once loaded, and graph capture.
 
 use super::error::{CudaError, DriverContext};
-use crate::switches::{Measurement, Settings, Switches};
+use crate::switches::{GpuWait, Measurement, Settings, Switches};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -88,6 +88,7 @@ impl Gpu {
         let name = ctx.name().unwrap_or_default();
         let switches = crate::switches::get();
         let measurement = &switches.measurement;
+        set_gpu_wait(&ctx, switches.settings.sync);
         let clusters =
             (major >= 9 && measurement.fused_attention).then_some(measurement.decode_cluster);
         let sms = ctx
@@ -232,5 +233,31 @@ impl Gpu {
             free >> 20,
             total >> 20
         ))
+    }
+}
+
+/// The context's way of waiting for the GPU (`WASI_NN_HOST_SYNC`). A driver without
+/// `cuCtxSetFlags` (before CUDA 12.1) keeps its own choice, with a warning.
+fn set_gpu_wait(ctx: &CudaContext, wait: GpuWait) {
+    use cudarc::driver::sys::CUctx_flags as F;
+    let flag = match wait {
+        GpuWait::Yield => F::CU_CTX_SCHED_YIELD,
+        GpuWait::Spin => F::CU_CTX_SCHED_SPIN,
+        GpuWait::Block => F::CU_CTX_SCHED_BLOCKING_SYNC,
+        GpuWait::Auto => F::CU_CTX_SCHED_AUTO,
+    };
+    let set = || -> Result<(), CudaError> {
+        ctx.bind_to_thread().ctx("binding the context")?;
+        // SAFETY: the context is current on this thread (bound above); the call sets its
+        // scheduling flag, which no launch depends on.
+        unsafe { cudarc::driver::sys::cuCtxSetFlags(flag as u32) }
+            .result()
+            .ctx("the context's scheduling")
+    };
+    // a driver library without the symbol panics in cudarc's loader
+    match std::panic::catch_unwind(set) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("waiting for the GPU as the driver chooses: {e}"),
+        Err(_) => tracing::warn!("waiting for the GPU as the driver chooses: no cuCtxSetFlags"),
     }
 }
