@@ -6,6 +6,7 @@
 //! session.
 
 mod forward;
+mod order;
 mod tiles;
 
 use crate::cuda::blas::Blas;
@@ -446,35 +447,16 @@ impl Pass {
             false => Vec::new(),
         };
         let vocab = self.exec.config.vocab_size;
-        // each input's last row (the rows whose logits are wanted) first, in input order, the
-        // rows before a prompt's last after them: the LM head runs over the first rows only
-        // then the other rows of whole prompts, then those of chunks of longer prompts: the
-        // split products take the lo rows of the rows before the chunks' alone (`lo_rows`)
-        let whole_others: usize = (inputs.iter())
-            .filter(|i| !i.chunk)
-            .map(|i| i.tokens.len() - 1)
-            .sum();
+        // each input's last row first, then the rows before it of whole prompts, then of
+        // chunks of longer prompts (`order`)
+        let shapes: Vec<(usize, bool)> =
+            (inputs.iter()).map(|i| (i.tokens.len(), i.chunk)).collect();
+        let order = order::order_rows(&shapes);
         let (mut layer_floats, mut longest) = (0, 0);
-        let (mut next_last, mut next_whole) = (0, inputs.len());
-        let mut next_chunk = inputs.len() + whole_others;
         let mut last_rows = Vec::with_capacity(inputs.len());
-        // each input's rows, for the attention's tiles
-        let mut input_rows = Vec::with_capacity(if tiles { inputs.len() } else { 0 });
-        for input in inputs {
-            let next_other = match input.chunk {
-                true => &mut next_chunk,
-                false => &mut next_whole,
-            };
-            let first_other = *next_other;
+        for (input, rows) in inputs.iter().zip(&order.inputs) {
             for (i, &token) in input.tokens.iter().enumerate() {
-                let last = i + 1 == input.tokens.len();
-                let cursor = if last {
-                    &mut next_last
-                } else {
-                    &mut *next_other
-                };
-                let r = *cursor;
-                *cursor += 1;
+                let r = rows.row(i);
                 // a token the host learned from a key is below V, except an undecided draw's
                 // (V): never an embedding row past the table
                 ints[r] = (token as usize).min(vocab - 1) as i32;
@@ -485,25 +467,20 @@ impl Pass {
                 }
                 addrs[r] = input.k;
                 addrs[MAX_ROWS + r] = input.v;
-                // logits for the input's last row only
-                if last {
-                    addrs[2 * MAX_ROWS + r] = input.logits;
-                    last_rows.push(r);
-                    if let Some(rule) = &input.rule {
-                        let words = rule_words(rule, input.start + i + 1);
-                        rules[4 * r..4 * r + 4].copy_from_slice(&words);
-                    }
-                }
+            }
+            // logits for the input's last row only
+            let (r, last) = (rows.last, input.tokens.len() - 1);
+            addrs[2 * MAX_ROWS + r] = input.logits;
+            last_rows.push(r);
+            if let Some(rule) = &input.rule {
+                let words = rule_words(rule, input.start + last + 1);
+                rules[4 * r..4 * r + 4].copy_from_slice(&words);
             }
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
-            if let (true, Some(&last)) = (tiles, last_rows.last()) {
-                let others = first_other..*next_other;
-                input_rows.push(tiles::InputRows { others, last });
-            }
         }
         if tiles {
-            let plan = tiles::plan(&input_rows, padded);
+            let plan = tiles::plan(&order.inputs, padded);
             let mut put = |section: usize, values: &[i32]| {
                 ints[section * MAX_ROWS..][..values.len()].copy_from_slice(values);
             };
@@ -521,7 +498,7 @@ impl Pass {
         // the LM head's rows hold the whole prompts' rows too, and are the split products'
         // lo rows (one size for both keeps the graphs few)
         let logit_rows = match prompts {
-            true => self.logit_rows(padded, inputs.len() + whole_others),
+            true => self.logit_rows(padded, order.lo_rows),
             false => padded,
         };
         let key = (padded, splits, prompts, logit_rows);

@@ -4,23 +4,8 @@
 //! (a decode, a padding row) keeps a block of its own. Tiles come first in the grid: their
 //! blocks run longest.
 
+use super::order::InputRows;
 use crate::cuda::ops::batch::BT_Q;
-use std::ops::Range;
-
-/// One input's rows in a pass: the rows of the tokens before its last (consecutive), then its
-/// last token's row (among the first rows of the table, whose logits are wanted).
-#[derive(Clone, Debug)]
-pub(super) struct InputRows {
-    pub(super) others: Range<usize>,
-    pub(super) last: usize,
-}
-
-impl InputRows {
-    /// The rows in position order.
-    fn in_order(&self) -> impl Iterator<Item = usize> {
-        self.others.clone().chain([self.last])
-    }
-}
 
 /// The attention's blocks of one pass, as the table holds them (`AttentionTiles`).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -68,6 +53,7 @@ pub(super) fn plan(inputs: &[InputRows], padded: usize) -> TilePlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ops::Range;
 
     #[test]
     fn prompt_rows_go_in_tiles_first_and_every_other_row_keeps_a_block() {
