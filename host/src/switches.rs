@@ -86,10 +86,14 @@ pub enum GpuWait {
 impl GpuWait {
     fn parse(value: Option<&str>) -> Self {
         match value {
+            None | Some("yield") => GpuWait::Yield,
             Some("spin") => GpuWait::Spin,
             Some("block") => GpuWait::Block,
             Some("auto") => GpuWait::Auto,
-            _ => GpuWait::Yield,
+            Some(other) => {
+                tracing::warn!("WASI_NN_HOST_SYNC={other}: not yield, spin, block or auto; yield");
+                GpuWait::Yield
+            }
         }
     }
 }

@@ -44,6 +44,7 @@ fn a_batched_step_equals_each_context_alone() {
             all_positions: i == 2,
             first_chunk: true,
             last_chunk: true,
+            request_tokens: p.len(),
             error: None,
             deferred: false,
         })
@@ -74,6 +75,7 @@ fn a_batched_step_equals_each_context_alone() {
                 all_positions: false,
                 first_chunk: true,
                 last_chunk: true,
+                request_tokens: 1,
                 error: None,
                 deferred: false,
             })

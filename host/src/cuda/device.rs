@@ -248,9 +248,15 @@ fn set_gpu_wait(ctx: &CudaContext, wait: GpuWait) {
     };
     let set = || -> Result<(), CudaError> {
         ctx.bind_to_thread().ctx("binding the context")?;
-        // SAFETY: the context is current on this thread (bound above); the call sets its
-        // scheduling flag, which no launch depends on.
-        unsafe { cudarc::driver::sys::cuCtxSetFlags(flag as u32) }
+        let mut flags = 0u32;
+        // SAFETY: the context is current on this thread (bound above); the calls read its
+        // flags and replace the scheduling bits alone, which no launch depends on.
+        unsafe { cudarc::driver::sys::cuCtxGetFlags(&mut flags) }
+            .result()
+            .ctx("the context's flags")?;
+        let sched = F::CU_CTX_SCHED_MASK as u32;
+        // SAFETY: as above.
+        unsafe { cudarc::driver::sys::cuCtxSetFlags((flags & !sched) | flag as u32) }
             .result()
             .ctx("the context's scheduling")
     };

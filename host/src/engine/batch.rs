@@ -118,6 +118,8 @@ pub struct StepItem<'a, S> {
     pub all_positions: bool,
     pub first_chunk: bool,
     pub last_chunk: bool,
+    /// Tokens of the whole request this item's `tokens` are a chunk of.
+    pub request_tokens: usize,
     pub error: Option<EngineError>,
     /// Set by the model: the step returns before this item's work ran (its results come when
     /// the context reads them), so its context will not be back within a step's time and the
@@ -583,6 +585,7 @@ impl<M: BatchModel> Batcher<M> {
                 StepItem {
                     first_chunk: r.done == 0,
                     last_chunk: r.done + take == r.tokens.len(),
+                    request_tokens: r.tokens.len(),
                     tokens: &r.tokens[r.done..r.done + take],
                     all_positions: r.all_positions,
                     seq: &mut r.seq,

@@ -195,7 +195,7 @@ impl CudaBatch {
     fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
         let inputs = (items.iter())
             .map(|item| {
-                let chunk = !(item.first_chunk && item.last_chunk);
+                let chunk = item.request_tokens > self.pass.batched_prompt();
                 Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
             })
             .collect::<Result<Vec<_>, EngineError>>()?;

@@ -66,9 +66,11 @@ pub struct RowTable {
     /// these alone (at most `rows`).
     pub logit_rows: usize,
     /// The first rows, whose split products (cuBLAS over hi and lo rows) include their lo
-    /// rows' (at most `rows`): the rows past them are rows of chunks of prompts longer than a
-    /// pass takes whole (which alone run through the prefill path), before each chunk's last;
-    /// their products take their bf16 hi halves alone, as a prefill's products do.
+    /// rows' (at most `rows`): every row whose logits are read and every row of a whole short
+    /// prompt is among them. The rows past them are rows of chunks of prompts longer than a
+    /// pass takes whole (which alone run through the prefill path) and padding; their
+    /// products take their bf16 hi halves alone, as a prefill's products do. (`lo_rows` is a
+    /// bucketed size, so a chunk's first rows may fall below it and keep both halves.)
     pub lo_rows: usize,
     pub tokens: DevPtr<i32>,
     pub positions: DevPtr<i32>,
@@ -140,7 +142,8 @@ fn act_fits(a: Act, len: usize) -> bool {
 }
 
 /// What updates the residual stream before a LayerNorm: the embedding of the rows' tokens,
-/// or a product's result (f32 rows, or twice as many from a split input) and its bias.
+/// or a product's result (f32 rows; from a split input, the hi rows' and then, `rows` rows
+/// on, the lo rows' of the table's first `lo_rows`) and its bias.
 #[derive(Clone, Copy, Debug)]
 pub enum Update {
     Embed {
@@ -175,7 +178,8 @@ pub struct BatchEpilogue {
     pub n: usize,
     /// [`Epilogue::Gelu`] or [`Epilogue::Store`].
     pub epilogue: Epilogue,
-    /// The product's input was split (its result has 2 * rows rows).
+    /// The product's input was split (its result: the hi rows, then `rows` rows on the lo
+    /// rows of the table's first `lo_rows`).
     pub split: bool,
     /// Planes of K slices the product left ([`Launcher::batch_gemm`]; 1 from cuBLAS).
     pub parts: usize,

@@ -64,7 +64,7 @@ impl CudaBatch {
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
             let seq = &items[i].seq;
-            let chunk = !(items[i].first_chunk && items[i].last_chunk);
+            let chunk = items[i].request_tokens > self.pass.batched_prompt();
             inputs.push(Rows::of(seq.session()?, items[i].tokens, seq.rule()).chunked(chunk));
         }
         let launched = Instant::now();

@@ -4,7 +4,8 @@
 //! each context's last row's logits with their argmax.
 //!
 //! bf16 product inputs are split into hi and lo halves, so that the rows see their activations
-//! to ~16 bits as the one-row kernels do. Steps of up to [`crate::cuda::Gpu::batch_gemm_rows`]
+//! to ~16 bits as the one-row kernels do (in cuBLAS's products, the rows of long prompts'
+//! chunks past the table's `lo_rows` take their hi halves alone, as a prefill's rows). Steps of up to [`crate::cuda::Gpu::batch_gemm_rows`]
 //! rows (64 on sm_90+; every step when batch-invariant) run the products on our tensor-core
 //! kernel where it fits and suits the shape, cuBLAS elsewhere and for the LM head.
 

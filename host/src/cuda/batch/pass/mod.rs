@@ -221,9 +221,10 @@ pub(crate) struct Rows<'t> {
     pub(crate) layer_floats: usize,
     /// The context draws its next token by this rule: its last row's key is the draw's.
     pub(crate) rule: Option<DrawRule>,
-    /// The tokens are a chunk of a prompt longer than a pass takes whole, which alone runs
-    /// through the prefill path: the rows before the chunk's last are multiplied as bf16, as
-    /// a prefill's are (see [`RowTable::lo_rows`]).
+    /// The tokens are (a chunk of) a prompt longer than a pass takes whole
+    /// ([`Pass::batched_prompt`]), which alone runs through the prefill path: the rows before
+    /// the last are multiplied as bf16, as a prefill's are (see [`RowTable::lo_rows`]). A
+    /// short prompt cut by a step's budget is not one.
     pub(crate) chunk: bool,
 }
 
