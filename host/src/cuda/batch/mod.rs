@@ -189,15 +189,19 @@ impl CudaBatch {
         }
     }
 
+    /// An item's rows for a pass: its tokens at its session's next positions, marked as a
+    /// chunk when its request is a prompt longer than a pass takes whole ([`Rows::chunk`]).
+    fn rows_of<'t>(&self, item: &StepItem<'t, CudaSeq>) -> Result<Rows<'t>, EngineError> {
+        let chunk = item.request_tokens > self.pass.batched_prompt();
+        Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
+    }
+
     /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
     /// batched step; on success each session has its new positions, its last row's logits
     /// and their argmax.
     fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
         let inputs = (items.iter())
-            .map(|item| {
-                let chunk = item.request_tokens > self.pass.batched_prompt();
-                Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
-            })
+            .map(|item| self.rows_of(item))
             .collect::<Result<Vec<_>, EngineError>>()?;
         let (_, last_rows, keys) = self.pass.run(&inputs)?;
         drop(inputs);

@@ -63,9 +63,7 @@ impl CudaBatch {
         let begun = Instant::now();
         let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
         for &i in late {
-            let seq = &items[i].seq;
-            let chunk = items[i].request_tokens > self.pass.batched_prompt();
-            inputs.push(Rows::of(seq.session()?, items[i].tokens, seq.rule()).chunked(chunk));
+            inputs.push(self.rows_of(&items[i])?);
         }
         let launched = Instant::now();
         let timing = ahead.clock.events(self.pass.stream());
