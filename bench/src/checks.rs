@@ -118,6 +118,19 @@ pub fn compare(
     steps: usize,
     tolerance: f32,
 ) -> Result<CheckReport, EngineError> {
+    compare_on(name, weights, dtype, prompt, steps, tolerance, None)
+}
+
+/// [`compare`] with the decode path chosen (`EngineOptions::persistent_decode`).
+fn compare_on(
+    name: &str,
+    weights: Gpt2Weights,
+    dtype: GpuDtype,
+    prompt: &[u32],
+    steps: usize,
+    tolerance: f32,
+    persistent_decode: Option<bool>,
+) -> Result<CheckReport, EngineError> {
     let room = weights.config.n_ctx.saturating_sub(steps).max(1);
     let prompt = &prompt[..prompt.len().min(room)];
     let steps = steps.min(weights.config.n_ctx - prompt.len());
@@ -134,6 +147,7 @@ pub fn compare(
     let options = EngineOptions {
         dtype,
         max_kv_bytes: usize::MAX,
+        persistent_decode,
         ..Default::default()
     };
     let gpu = executor_for(weights, Device::Cuda, &options)?;
@@ -248,17 +262,69 @@ pub fn prompt(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
+/// `(n_layer, n_head, n_embd, n_ctx, vocab_size)` of the sweeps' small random models.
+const SWEEP_SHAPES: [(usize, usize, usize, usize, usize); 4] = [
+    (1, 1, 64, 64, 517),
+    (2, 3, 96, 130, 1000),
+    (1, 4, 256, 300, 2111),
+    (2, 2, 128, 96, 50257),
+];
+
+/// The persistent decode kernel (sm_90) against the CPU: the sweep's small shapes to the end
+/// of their contexts, and each of `models` from contexts of 1, 100 and n_ctx - `steps`
+/// positions on, bf16 (and f32 from 100), greedy steps fed the GPU's ids.
+pub fn persistent_sweep(
+    seed: u64,
+    models: &[(String, Gpt2Weights)],
+    steps: usize,
+) -> Result<Vec<CheckReport>, EngineError> {
+    let on = Some(true);
+    let mut reports = Vec::new();
+    for (i, &shape) in SWEEP_SHAPES.iter().enumerate() {
+        let (name, weights) = random_model(shape, seed + 100 + i as u64);
+        let (n_ctx, vocab_size) = (shape.3, shape.4);
+        let p = prompt(n_ctx - 20, vocab_size, i as u32);
+        let name = format!("{name} persistent");
+        reports.push(compare_on(
+            &name,
+            weights.clone(),
+            GpuDtype::F32,
+            &p,
+            20,
+            1e-3,
+            on,
+        )?);
+        reports.push(compare_on(
+            &name,
+            weights,
+            GpuDtype::Bf16,
+            &p,
+            20,
+            5e-2,
+            on,
+        )?);
+    }
+    for (spec, weights) in models {
+        let (n_ctx, vocab) = (weights.config.n_ctx, weights.config.vocab_size);
+        let name = format!("{spec} persistent");
+        for len in [1, 100, n_ctx.saturating_sub(steps)] {
+            let p = prompt(len.max(1), vocab, 3);
+            let bf16 = compare_on(&name, weights.clone(), GpuDtype::Bf16, &p, steps, 5e-2, on)?;
+            reports.push(bf16);
+            if len == 100 {
+                let f32 = compare_on(&name, weights.clone(), GpuDtype::F32, &p, steps, 1e-3, on)?;
+                reports.push(f32);
+            }
+        }
+    }
+    Ok(reports)
+}
+
 /// Small random models that exercise every kernel at awkward sizes: several head counts and
 /// widths, vocabularies that are no multiple of the block sizes, contexts up to n_ctx.
 pub fn kernel_sweep(seed: u64) -> Result<Vec<CheckReport>, EngineError> {
-    let configs = [
-        (1, 1, 64, 64, 517),
-        (2, 3, 96, 130, 1000),
-        (1, 4, 256, 300, 2111),
-        (2, 2, 128, 96, 50257),
-    ];
     let mut reports = Vec::new();
-    for (i, &shape) in configs.iter().enumerate() {
+    for (i, &shape) in SWEEP_SHAPES.iter().enumerate() {
         let (name, weights) = random_model(shape, seed + i as u64);
         let (n_ctx, vocab_size) = (shape.3, shape.4);
         // prompt fills most of the context, then decode to the very end

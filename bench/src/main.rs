@@ -294,6 +294,20 @@ fn bench_cuda(
         }
     }
     let graph_ms = median(samples);
+    // where the persistent kernel's last step went (WASI_NN_HOST_PERSISTENT_TRACE), us
+    let phases = session.persistent_trace()?.map(|trace| {
+        use wasi_nn_host::cuda::ops::persistent::phase_times;
+        let (kinds, total) = phase_times(&trace);
+        let names = ["qkv", "attention", "projection", "fc", "fc_projection", "head"];
+        let mut by_kind = serde_json::Map::new();
+        for (name, [work, straggle, wait]) in names.iter().zip(kinds) {
+            by_kind.insert(
+                name.to_string(),
+                serde_json::json!({"block0_us": work, "last_block_us": straggle, "counter_wait_us": wait}),
+            );
+        }
+        serde_json::json!({"total_us": total, "mean_per_phase": by_kind})
+    });
     session.truncate(context);
     let mut samples = Vec::new();
     for i in 0..steps + 2 {
@@ -364,6 +378,7 @@ fn bench_cuda(
         "params": config.num_params(), "weight_MB": wasi_nn_host::cuda::weight_bytes(&config, dtype) as f64 / 1e6,
         "context": context, "graph_ms_per_token": graph_ms, "backend_ms_per_token": step_ms, "backend_greedy_ms_per_token": greedy_ms,
         "prefill_tokens": prefill, "prefill_ms": prefill_ms, "prefill_repeat_ms": prefill_graph_ms, "prefill_enqueue_ms": prefill_enqueue_ms, "prefill_gpu_ms": prefill_gpu_ms,
+        "persistent_phases": phases,
     });
     println!("{line}");
     Ok(())
@@ -514,6 +529,15 @@ fn one_context_checks(
     }
     println!("all {} kernel checks passed", kernel_reports.len());
     let mut reports = checks::kernel_sweep(seed)?;
+    // the persistent decode kernel, where the GPU has it
+    if wasi_nn_host::cuda::Gpu::get(0)?.has_persistent_decode() {
+        let loaded = (models.iter())
+            .map(|spec| Ok((spec.clone(), model::load_spec(spec)?)))
+            .collect::<Result<Vec<_>>>()?;
+        reports.extend(checks::persistent_sweep(seed, &loaded, steps)?);
+    } else {
+        println!("no persistent decode kernel on this GPU (before sm_90): its checks skipped");
+    }
     for spec in models {
         let weights = model::load_spec(spec)?;
         let p = checks::prompt(prompt_len, weights.config.vocab_size, 1);

@@ -148,6 +148,16 @@ pub struct Measurement {
     /// split products (`SPLIT_PROMPTS`; by default they are multiplied as bf16, as a
     /// prefill's rows are).
     pub split_prompts: bool,
+    /// A lone sequence's decode step as one persistent kernel on sm_90
+    /// (`PERSISTENT_DECODE=1`, or `0` for the graph of per-layer kernels; unset: the GPU's
+    /// default, see `cuda::ops::persistent`).
+    pub persistent_decode: Option<bool>,
+    /// Bytes of a slot of the persistent kernel's weight ring (`PERSISTENT_SLOT=BYTES`;
+    /// raised to the longest weight row where smaller).
+    pub persistent_slot: Option<usize>,
+    /// The persistent kernel records when each phase starts and ends (`PERSISTENT_TRACE`;
+    /// `wasi-nn-bench bench` prints where the step's time went).
+    pub persistent_trace: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
     pub skip: Skip,
@@ -224,6 +234,9 @@ impl Switches {
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
                 split_prompts: set("SPLIT_PROMPTS"),
+                persistent_decode: var("PERSISTENT_DECODE").map(|v| v != "0"),
+                persistent_slot: number("PERSISTENT_SLOT"),
+                persistent_trace: set("PERSISTENT_TRACE"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
                 skip: Skip {
                     attn: has("attn"),

@@ -29,6 +29,9 @@ pub struct Gpu {
     pub(crate) clusters: Option<Option<(u32, u32)>>,
     /// Streaming multiprocessors.
     sms: usize,
+    /// Dynamic shared memory a block may opt into, on sm_90+ (the persistent decode kernel's
+    /// GPUs); None before sm_90.
+    shared_optin: Option<usize>,
     /// Held while a session is created or destroyed and while a graph is captured:
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
@@ -96,7 +99,16 @@ impl Gpu {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .ctx("multiprocessor count")?;
+        let shared_optin = if major >= 9 {
+            let bytes = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+                .ctx("shared memory a block")?;
+            usize::try_from(bytes).ok()
+        } else {
+            None
+        };
         Ok(Gpu {
+            shared_optin,
             ctx,
             ordinal,
             arch: format!("compute_{major}{minor}"),
@@ -163,6 +175,16 @@ impl Gpu {
     }
 
     /// Streaming multiprocessors.
+    /// Whether sessions may decode through the persistent kernel here (sm_90+).
+    pub fn has_persistent_decode(&self) -> bool {
+        self.shared_optin.is_some()
+    }
+
+    /// Dynamic shared memory a block may opt into on sm_90+ (None before).
+    pub(crate) fn shared_optin(&self) -> Option<usize> {
+        self.shared_optin
+    }
+
     pub fn sms(&self) -> usize {
         self.sms
     }

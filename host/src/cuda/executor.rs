@@ -70,6 +70,9 @@ impl CudaExecutor {
             Some(bytes) => bytes,
             None => error::DriverContext::ctx(gpu.ctx.mem_get_info(), "memory info")?.0 / 4 * 3,
         };
+        let persistent_decode = (options.persistent_decode)
+            .or(gpu.measurement().persistent_decode)
+            .unwrap_or(false);
         let inner = Arc::new(LoadedModel {
             gpu,
             config,
@@ -77,6 +80,7 @@ impl CudaExecutor {
             kernels,
             weights,
             max_kv_bytes,
+            persistent_decode,
         });
         let pool = KvPool::new(pool_bytes);
         let mut batchers = Vec::with_capacity(lanes);

@@ -16,4 +16,6 @@ pub(crate) struct LoadedModel {
     pub(crate) kernels: Arc<Kernels>,
     pub(crate) weights: DevWeights,
     pub(crate) max_kv_bytes: usize,
+    /// Sessions decode through the persistent kernel where the GPU has it.
+    pub(crate) persistent_decode: bool,
 }

@@ -9,7 +9,7 @@ use std::path::Path;
 /// Constants handed to the kernels as `-D NAME=value`.
 pub type Defines = [(&'static str, u32)];
 
-const KERNEL_SOURCES: [(&str, &str); 7] = [
+const KERNEL_SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     (
         "embed_norm.cu",
@@ -23,6 +23,10 @@ const KERNEL_SOURCES: [(&str, &str); 7] = [
     ),
     ("batch.cu", include_str!("../../../kernels/batch.cu")),
     ("draw.cu", include_str!("../../../kernels/draw.cu")),
+    (
+        "persistent.cu",
+        include_str!("../../../kernels/persistent.cu"),
+    ),
 ];
 
 /// One translation unit of every kernel file: the header pasted in place of its includes.

@@ -114,6 +114,10 @@ pub struct EngineOptions {
     pub warm_contexts: usize,
     /// Which GPU [`Device::Cuda`] is: N of `cuda:N` ([`DeviceSpec`]).
     pub gpu: u32,
+    /// A lone sequence's decode step as one persistent kernel (sm_90): `Some(true)` or
+    /// `Some(false)` to choose; `None`: `WASI_NN_HOST_PERSISTENT_DECODE` if set, else the
+    /// graph of per-layer kernels (measured faster today; docs/design/persistent-decode.md).
+    pub persistent_decode: Option<bool>,
 }
 
 impl EngineOptions {
@@ -131,6 +135,7 @@ impl Default for EngineOptions {
             kv_pool_bytes: None,
             warm_contexts: 0,
             gpu: 0,
+            persistent_decode: None,
         }
     }
 }

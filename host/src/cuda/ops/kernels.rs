@@ -2,7 +2,7 @@
 //! compiled for the GPU.
 
 use super::attention::{self, valid_cluster};
-use super::{batch_gemm, DEFINES};
+use super::{batch_gemm, persistent, DEFINES};
 use crate::cuda::device::Gpu;
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::nvrtc::cached_ptx;
@@ -38,6 +38,8 @@ pub struct Kernels {
     /// forms (several K slices a block), where the GPU gives their blocks the shared memory
     /// they take.
     pub(crate) batch_gemm: Option<[CudaFunction; 4]>,
+    /// The persistent decode kernel and the dynamic shared memory it may take (sm_90).
+    pub(crate) persistent: Option<(CudaFunction, usize)>,
 }
 
 impl Kernels {
@@ -107,6 +109,14 @@ impl Kernels {
                         batch_gemm::allow_gemm_shared_memory(func, i % 2 == 0).is_ok()
                     });
                 fits.then_some(funcs)
+            },
+            persistent: match gpu.shared_optin() {
+                Some(optin) => {
+                    let func = f(&format!("persistent_decode_{suffix}"))?;
+                    let limit = persistent::allow_persistent_shared_memory(&func, optin)?;
+                    Some((func, limit))
+                }
+                None => None,
             },
         })
     }

@@ -14,6 +14,7 @@ pub mod embed_norm;
 mod kernels;
 pub mod matmul;
 pub mod matvec;
+pub mod persistent;
 
 use super::buffer::{Cached, DevPtr, Stored};
 use super::device::Gpu;
@@ -62,6 +63,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("BT_SMEM", batch::BT_SMEM),
     ("DRAW_THREADS", draw::DRAW_THREADS),
     ("MAX_DRAWS", draw::MAX_DRAWS),
+    ("PD_WARPS", persistent::PD_WARPS),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).
@@ -158,12 +160,48 @@ impl Launcher {
         args: &mut [*mut std::ffi::c_void],
         what: &'static str,
     ) -> Result<(), CudaError> {
+        // SAFETY: as this function's.
+        unsafe { self.launch_with(func, cfg, cluster, false, args, what) }
+    }
+
+    /// Launch `func` as a cooperative grid: every block resident at once (the grid must fit
+    /// the GPU at the kernel's occupancy), without programmatic dependent launch (the kernel
+    /// reads what the work before it wrote from its first instruction).
+    ///
+    /// # Safety
+    /// As [`Self::launch`]'s.
+    pub(crate) unsafe fn launch_cooperative(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+        what: &'static str,
+    ) -> Result<(), CudaError> {
+        // SAFETY: as this function's.
+        unsafe { self.launch_with(func, cfg, 1, true, args, what) }
+    }
+
+    /// # Safety
+    /// As [`Self::launch`]'s.
+    unsafe fn launch_with(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: u32,
+        cooperative: bool,
+        args: &mut [*mut std::ffi::c_void],
+        what: &'static str,
+    ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
         self.gpu.ctx.bind_to_thread().ctx(what)?;
         // SAFETY: an all-zero launch attribute is valid (id 0 = ignored); we fill in up to two.
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0;
-        if self.gpu.pdl {
+        if cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
+            n += 1;
+        } else if self.gpu.pdl {
             attrs[n].id =
                 sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;

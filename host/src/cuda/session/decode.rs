@@ -5,7 +5,9 @@
 //! token and the position from device memory (`ids`), so a step is one small upload and one
 //! graph launch. Its kernels: the embedding, then per layer either the fused LayerNorm +
 //! QKV + attention kernel (sm_90 clusters) or a QKV product and the attention, then the
-//! attention projection and the MLP, and last the LM head with its argmax key.
+//! attention projection and the MLP, and last the LM head with its argmax key. Where the
+//! session has the persistent kernel (`persistent.rs`), the graph is the embedding and that
+//! one kernel.
 
 use super::CudaSession;
 use crate::cuda::buffer::{DevPtr, Stored};
@@ -49,6 +51,10 @@ impl CudaSession {
         // after the last layer: the LM head's first rows (its first blocks')
         let head_start = w.wte.ptr();
         self.embed(1, None, feed)?;
+        let skips = skip.attn || skip.qkv || skip.proj || skip.mlp || skip.head;
+        if !skips && self.persistent_layers(logits)? {
+            return Ok(());
+        }
         for (i, lw) in w.layers.iter().enumerate() {
             let kv = self.kv_layer(i);
             let after_mlp = w

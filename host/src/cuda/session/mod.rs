@@ -18,12 +18,14 @@
 //!   logits buffer read, the argmax when known, the decode run ahead), one type whose named
 //!   transitions every step goes through;
 //! - `decode.rs`: the decode step and its captured graph;
+//! - `persistent.rs`: the decode step's layers as one persistent kernel, where chosen;
 //! - `ahead.rs`: the decode step run ahead on the session's own stream;
 //! - `prefill.rs`: the prefill plan, the prefill and its captured graphs;
 //!   `prefill_layers.rs`: the layers of a prefill on the plan's path.
 
 mod ahead;
 mod decode;
+mod persistent;
 mod prefill;
 mod prefill_layers;
 mod read_out;
@@ -97,6 +99,8 @@ pub struct CudaSession {
     max_chunks: usize,
     /// The decode step captured as a graph (see [`decode`]).
     decode_graph: Option<CudaGraph>,
+    /// The decode step's layers as one persistent kernel (sm_90, where chosen).
+    persistent: Option<persistent::Persistent>,
     /// A capture failed in this session: its steps run kernel by kernel from then on.
     capture_failed: bool,
     /// Page-locked landing of the argmax key a decode run ahead is fed from.
@@ -129,9 +133,11 @@ impl CudaSession {
         let f32s = capacity * c * (1 + 1 + 3 + 4) // x, h, qkv, fc
             + cfg.n_head * chunks * (cfg.head_dim() + 2) // attention partials
             + LOGITS_BUFFERS * v // logits
-            + capacity * 4 * c; // cuBLAS's f32 scratch
+            + capacity * 4 * c // cuBLAS's f32 scratch
+            + cfg.n_head * 16 * (cfg.head_dim() + 2); // the persistent decode's partials
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
-        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + (4 << 20)
+        let table = 8 * 14 * l + 4; // the persistent decode's layer table and counter
+        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + table + (4 << 20)
     }
 
     pub(crate) fn new(model: Arc<LoadedModel>) -> Result<Self, CudaError> {
@@ -163,7 +169,7 @@ impl CudaSession {
             cfg,
             model.dtype,
         );
-        Ok(Self {
+        let mut session = Self {
             k_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
             v_cache: DevBuf::zeros(&stream, kv, "KV cache")?,
             x: DevBuf::zeros(&stream, capacity * c, "activations")?,
@@ -202,7 +208,12 @@ impl CudaSession {
             blas,
             launcher,
             model,
-        })
+            persistent: None,
+        };
+        session.persistent = persistent::Persistent::new(&session.model, &stream, capacity, |l| {
+            session.kv_layer(l)
+        })?;
+        Ok(session)
     }
 
     /// The prefill plan this session chose.
