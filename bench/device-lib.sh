@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Helpers for scripts run on the GPU machine over a copy of the tree (the device tool), sourced:
+#   source bench/device-lib.sh
+#   unpack .device/bin /tmp/b          # binaries built elsewhere, xz-compressed or not
+#   step WASI_NN_HOST_X=1 -- --dtype bf16 --model random:124M --context 128
+#   serve /tmp/b random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...
+# Each prints one line a measurement; what it ran comes first, so a log reads on its own.
+
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+: "${OUT:=/tmp/out}"
+mkdir -p "$OUT"
+
+# The GPU and its driver, and the build (`.device/COMMIT` where the caller wrote one).
+describe() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  [ -f .device/COMMIT ] && echo "build: $(cat .device/COMMIT)"
+  return 0
+}
+
+# Copy the binaries of folder $1 into folder $2, decompressing `.xz` ones; BIN is then $2.
+unpack() {
+  local from=$1 to=$2 f
+  mkdir -p "$to"
+  for f in "$from"/*; do
+    case "$f" in
+      *.xz) xz -dc "$f" > "$to/$(basename "${f%.xz}")" ;;
+      *) cp "$f" "$to/" ;;
+    esac
+  done
+  chmod +x "$to"/* 2>/dev/null
+  BIN=$to
+}
+
+# One `wasi-nn-bench bench` run: NAME=VALUE switches, `--`, then bench's arguments (after
+# `--device cuda --steps ${STEPS:-40}`). Prints the switches, the arguments, the graph step
+# and the greedy backend step in ms, and the persistent kernel's phases where traced.
+step() {
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done
+  [ "${1:-}" = -- ] && shift
+  local line
+  line=$(env "${envs[@]}" timeout "${STEP_TIMEOUT:-100}" "$BIN/wasi-nn-bench" bench --device cuda \
+    --steps "${STEPS:-40}" "$@" 2>&1 | python3 -c "
+import json, sys
+text = sys.stdin.read()
+try:
+    r = json.loads(text.strip().splitlines()[-1])
+except (ValueError, IndexError):
+    print('failed:', (text.strip().splitlines() or [''])[0][:300]); sys.exit()
+p = r.get('persistent_phases')
+phases = ''
+if p:
+    phases = ' '.join(f\"{k}={v['block0_us']:.1f}/{v['last_block_us']:.1f}/{v['counter_wait_us']:.1f}\"
+                      for k, v in p['mean_per_phase'].items()) + f\" total={p['total_us']:.0f}\"
+print(r['graph_ms_per_token'], r['backend_greedy_ms_per_token'], phases)")
+  echo "${envs[*]} $*: $line"
+}
+
+# The GPU checks (`check-cuda` with the models named, 16-token prompts, 32 steps), into
+# $OUT/checks-$1.log; prints the count passed and failed and the failures' first lines.
+checks() {
+  local name=$1 s rc
+  shift
+  s=$(date +%s)
+  timeout "${CHECK_TIMEOUT:-200}" "$BIN/wasi-nn-bench" check-cuda --model models/gpt2-shakespeare \
+    --model random:124M --prompt 16 --steps 32 "$@" > "$OUT/checks-$name.log" 2>&1
+  rc=$?
+  echo "checks $name rc=$rc $(( $(date +%s) - s ))s $(grep -c '"passed":true' "$OUT/checks-$name.log") passed," \
+    "$(grep -c '"passed":false' "$OUT/checks-$name.log") failed"
+  grep -h '"passed":false' "$OUT/checks-$name.log" | cut -c1-300 | head
+}
+
+# The service on port ${PORT:-18125} with model $1 (random:SIZE or a path) and $2 warm
+# contexts, the switches after them set; waits until it answers. `stop` ends it.
+serve() {
+  local model=$1 warm=$2
+  shift 2
+  URL=http://127.0.0.1:${PORT:-18125}
+  env "$@" "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}" \
+    --device cuda --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 \
+    --warm-contexts "$warm" 2>>"$OUT/serve.log" &
+  SERVER=$!
+  for _ in $(seq 1500); do curl -sf "$URL/health" >/dev/null && return 0; sleep 0.2; done
+  echo "the service did not answer"
+  return 1
+}
+stop() {
+  kill "$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  return 0
+}
+
+# One loadgen run against the service, labelled $1, loadgen's arguments after it (128 tokens,
+# prompts cut from TinyShakespeare); its JSON line into $OUT/traffic.jsonl, a summary printed.
+load() {
+  local name=$1
+  shift
+  timeout "${LOAD_TIMEOUT:-150}" "$BIN/loadgen" --url "$URL" --max-tokens 128 \
+    --prompt-file tests/data/tinyshakespeare.txt "$@" --label "$name" \
+    --json-out "$OUT/traffic.jsonl" 2>>"$OUT/traffic.err" | python3 -c "
+import json, sys
+r = json.loads(sys.stdin.read())
+others = (r.get('other_prompts') or {}).get('gap_ms_p99')
+print('$name', round(r['tokens_per_s']), 'ttft p50/p99', round(r['ttft_ms_p50'], 2), round(r['ttft_ms_p99'], 2),
+      'gap p50/p99', round(r['gap_ms_p50'], 3), round(r['gap_ms_p99'], 3), r['texts_equal_single_stream'],
+      'others gap p99', others)"
+}
