@@ -139,10 +139,10 @@ __device__ __forceinline__ float pd_max(float v, float* red) {
 }
 
 // The grid's phases: a block's outputs of a phase are written before it counts the phase done
-// (release); a block starts the next phase once the count has every block's (acquire). One
-// counter polled by one thread a block measured faster than a flag a block polled by one
-// thread a flag (0.375 against 0.425 ms a 124M step on an H100). A wait past two seconds
-// traps (an error for the host) rather than hang the GPU.
+// (release); a block starts the next phase once the count has every block's (acquire), one
+// thread a block polling. (A flag a block, each polled by its own thread, was slower.) A wait
+// past two seconds traps rather than hang the GPU: a trap ends the whole CUDA context, every
+// session on this GPU with it, so it is there for a bug, not as flow control.
 __device__ __forceinline__ void grid_arrive(unsigned int* counter) {
     pd_sync();
     if (threadIdx.x == 0) {

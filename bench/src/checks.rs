@@ -279,9 +279,28 @@ pub fn persistent_sweep(
     steps: usize,
 ) -> Result<Vec<CheckReport>, EngineError> {
     let on = Some(true);
+    // a model the kernel does not take runs the graph: that must fail here, not pass as it
+    let runs_persistent = |name: &str, weights: &Gpt2Weights| {
+        for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
+            let options = EngineOptions {
+                dtype,
+                max_kv_bytes: usize::MAX,
+                persistent_decode: on,
+                ..Default::default()
+            };
+            let executor = wasi_nn_host::cuda::CudaExecutor::new(weights, &options)?;
+            if !executor.open()?.uses_persistent_decode() {
+                return Err(EngineError::device(format!(
+                    "{name} ({dtype:?}): the persistent decode kernel was asked for and not used"
+                )));
+            }
+        }
+        Ok(())
+    };
     let mut reports = Vec::new();
     for (i, &shape) in SWEEP_SHAPES.iter().enumerate() {
         let (name, weights) = random_model(shape, seed + 100 + i as u64);
+        runs_persistent(&name, &weights)?;
         let (n_ctx, vocab_size) = (shape.3, shape.4);
         let p = prompt(n_ctx - 20, vocab_size, i as u32);
         let name = format!("{name} persistent");
@@ -305,6 +324,7 @@ pub fn persistent_sweep(
         )?);
     }
     for (spec, weights) in models {
+        runs_persistent(spec, weights)?;
         let (n_ctx, vocab) = (weights.config.n_ctx, weights.config.vocab_size);
         let name = format!("{spec} persistent");
         for len in [1, 100, n_ctx.saturating_sub(steps)] {

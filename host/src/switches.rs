@@ -149,8 +149,8 @@ pub struct Measurement {
     /// prefill's rows are).
     pub split_prompts: bool,
     /// A lone sequence's decode step as one persistent kernel on sm_90
-    /// (`PERSISTENT_DECODE=1`, or `0` for the graph of per-layer kernels; unset: the GPU's
-    /// default, see `cuda::ops::persistent`).
+    /// (`PERSISTENT_DECODE=1`, or `0` for the graph of per-layer kernels; unset: the graph,
+    /// measured faster today, docs/design/persistent-decode.md). `EngineOptions` overrides it.
     pub persistent_decode: Option<bool>,
     /// Bytes of a slot of the persistent kernel's weight ring (`PERSISTENT_SLOT=BYTES`;
     /// raised to the longest weight row where smaller).

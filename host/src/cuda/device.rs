@@ -174,7 +174,6 @@ impl Gpu {
             .map_err(|e| CudaError::unavailable(format!("kernel {name}: {e:?}")))
     }
 
-    /// Streaming multiprocessors.
     /// Whether sessions may decode through the persistent kernel here (sm_90+).
     pub fn has_persistent_decode(&self) -> bool {
         self.shared_optin.is_some()
@@ -185,6 +184,7 @@ impl Gpu {
         self.shared_optin
     }
 
+    /// Streaming multiprocessors.
     pub fn sms(&self) -> usize {
         self.sms
     }

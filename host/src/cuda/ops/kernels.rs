@@ -110,14 +110,17 @@ impl Kernels {
                     });
                 fits.then_some(funcs)
             },
-            persistent: match gpu.shared_optin() {
-                Some(optin) => {
-                    let func = f(&format!("persistent_decode_{suffix}"))?;
+            // opt-in: a GPU that will not set it up still loads the model (the graph runs)
+            persistent: gpu.shared_optin().and_then(|optin| {
+                let func = f(&format!("persistent_decode_{suffix}"));
+                let set_up = func.and_then(|func| {
                     let limit = persistent::allow_persistent_shared_memory(&func, optin)?;
-                    Some((func, limit))
-                }
-                None => None,
-            },
+                    Ok((func, limit))
+                });
+                set_up
+                    .inspect_err(|e| tracing::warn!("no persistent decode kernel: {e}"))
+                    .ok()
+            }),
         })
     }
 }

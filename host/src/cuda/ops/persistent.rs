@@ -18,24 +18,27 @@ const MAX_SLOTS: usize = 32;
 /// Bytes of a ring slot unless `WASI_NN_HOST_PERSISTENT_SLOT` says otherwise.
 const DEFAULT_SLOT: usize = 16 << 10;
 /// Position splits of a head's attention at most (the phase's items are at most the blocks).
-const MAX_SPLITS: usize = 16;
+pub(crate) const MAX_SPLITS: usize = 16;
 /// Pointers a layer's entry in the kernel's table holds (`PdLayer`).
 pub const LAYER_POINTERS: usize = 14;
 
-/// How the kernel is laid out for one model, dtype, context capacity and GPU.
+/// How the kernel is laid out for one model, dtype, context capacity and GPU; made only by
+/// [`PersistentShape::new`], which keeps what the kernel assumes of it (see `fits`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PersistentShape {
     /// Blocks: one an SM.
-    pub blocks: u32,
+    blocks: u32,
     /// Bytes of a weight slot (a multiple of 16, at least the longest weight row).
-    pub slot_bytes: usize,
-    pub slots: usize,
+    slot_bytes: usize,
+    slots: usize,
     /// Floats of the staged input vector and the attention's scratch.
-    pub xs_floats: usize,
+    xs_floats: usize,
     /// Splits of a head's positions in the attention phase at most.
-    pub max_splits: usize,
+    max_splits: usize,
     /// Floats of a block's (row, segment) sums of one product, the most any product takes.
-    pub vals_floats: usize,
+    vals_floats: usize,
+    /// Positions the scratch holds scores for (the sessions' KV capacity).
+    capacity: usize,
 }
 
 impl PersistentShape {
@@ -55,14 +58,12 @@ impl PersistentShape {
         let hd = c / heads;
         // 16-byte rows and vectors, 8 elements a lane, hd/4 a quarter-warp's share in steps
         // of 8, one float4 a thread in the LayerNorm
-        // (and one waiting thread a block's flag)
         if c == 0
             || !c.is_multiple_of(8)
             || hd * heads != c
             || !hd.is_multiple_of(32)
             || hd > 128
             || c > 4 * PD_THREADS
-            || sms > PD_THREADS
         {
             return None;
         }
@@ -100,7 +101,32 @@ impl PersistentShape {
             xs_floats,
             max_splits,
             vals_floats,
+            capacity,
         })
+    }
+
+    /// Blocks the grid takes (one an SM).
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// Threads a block takes: the compute warps and the loader warp.
+    pub fn threads(&self) -> u32 {
+        PD_THREADS as u32 + 32
+    }
+
+    /// What the kernel assumes of its shape for `cfg` in `dtype`, checked again at each
+    /// launch: two slots or more, each holding the longest row; scratch for q, the scores of
+    /// `capacity` positions and the groups' sums, and for the FC projection's input.
+    fn fits(&self, cfg: &Gpt2Config, dtype: GpuDtype) -> bool {
+        let c = cfg.n_embd;
+        let hd = cfg.head_dim();
+        (2..=MAX_SLOTS).contains(&self.slots)
+            && self.slot_bytes >= 4 * c * dtype.bytes()
+            && self.slot_bytes.is_multiple_of(16)
+            && self.xs_floats
+                >= (4 * c).max(hd + self.capacity.next_multiple_of(4) + 4 * PD_THREADS)
+            && self.blocks > 0
     }
 
     /// Dynamic shared memory a block takes.
@@ -177,6 +203,8 @@ pub struct PersistentDecode {
     pub position: DevPtr<i32>,
     /// The phase counter, zeroed here before the launch.
     pub counter: DevPtr<u32>,
+    /// Positions the KV cache holds (the position is below it, as the session keeps it).
+    pub capacity: usize,
     /// `[phases * 3]`: when phases started and ended (`PERSISTENT_TRACE`, see
     /// [`phase_times`]).
     pub trace: Option<DevPtr<u64>>,
@@ -239,7 +267,8 @@ impl Launcher {
                 && a.logits.len() >= cfg.vocab_size
                 && a.wte.len() >= cfg.vocab_size * c
                 && shape.shared_bytes() <= func.1
-                && shape.slots <= MAX_SLOTS
+                && shape.fits(&cfg, self.dtype)
+                && a.capacity <= shape.capacity
                 && a.trace.is_none_or(|t| t.len() >= 3 * phases(&cfg)),
             "persistent decode",
         )?;
@@ -268,6 +297,7 @@ impl Launcher {
             xs_floats: int(shape.xs_floats)?,
             vals_floats: int(shape.vals_floats)?,
         };
+        self.gpu.ctx.bind_to_thread().ctx("persistent decode")?;
         // SAFETY: the counter is one u32 of device memory, zeroed on this stream before the
         // kernel that counts on it.
         unsafe {
@@ -277,7 +307,7 @@ impl Launcher {
         .ctx("persistent decode counter")?;
         let cfg = LaunchConfig {
             grid_dim: (shape.blocks, 1, 1),
-            block_dim: (PD_THREADS as u32 + 32, 1, 1),
+            block_dim: (shape.threads(), 1, 1),
             shared_mem_bytes: shape.shared_bytes() as u32,
         };
         // SAFETY: the table holds each layer's weights ([3C, C], [C, C], [4C, C], [C, 4C] with
@@ -289,8 +319,8 @@ impl Launcher {
     }
 }
 
-/// Let the kernel take `wanted` bytes of dynamic shared memory where the GPU allows it;
-/// returns the bytes it may take.
+/// Let the kernel take as much dynamic shared memory as the GPU allows a block (`optin_limit`
+/// less its static shared memory); returns the bytes it may take.
 pub(crate) fn allow_persistent_shared_memory(
     func: &cudarc::driver::CudaFunction,
     optin_limit: usize,
@@ -362,6 +392,41 @@ mod tests {
             assert_eq!(*times, [6.0, 2.0, wait], "kind {kind}");
         }
         assert_eq!(total, 108.0);
+    }
+
+    /// `product_values` against every block's own rows and segments, as the kernel's
+    /// `pd_rows`, `pd_per_slot` and `pd_seg_len` split them, over many shapes.
+    #[test]
+    fn product_values_cover_every_block_of_many_shapes() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % m as u64) as usize
+        };
+        for _ in 0..2000 {
+            let n = 1 + next(60_000);
+            let k = 8 * (1 + next(800));
+            let w = [2, 4][next(2)];
+            let blocks = 1 + next(200);
+            let slot = (k * w).max(16 << next(3) << 10).next_multiple_of(16);
+            let per = (slot / (k * w)).max(1);
+            let most = (0..blocks)
+                .map(|b| {
+                    let rows = (b + 1) * n / blocks - b * n / blocks;
+                    let segs = (PD_WARPS as usize / rows.min(per).max(1)).max(1);
+                    let seg_len = k.div_ceil(segs).next_multiple_of(256);
+                    rows * k.div_ceil(seg_len)
+                })
+                .max()
+                .unwrap_or(0);
+            assert_eq!(
+                product_values(n, k * w, k, blocks, slot),
+                most,
+                "n {n} k {k} blocks {blocks}"
+            );
+        }
     }
 
     #[test]

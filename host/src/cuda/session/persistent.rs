@@ -4,7 +4,7 @@
 
 use super::CudaSession;
 use crate::cuda::buffer::{DevBuf, DevPtr};
-use crate::cuda::error::CudaError;
+use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::persistent::{phases, PersistentDecode, PersistentShape, LAYER_POINTERS};
 use crate::cuda::ops::KvLayer;
@@ -44,8 +44,29 @@ impl Persistent {
         let Some(shape) =
             PersistentShape::new(&cfg, model.dtype, capacity, sms, *shared_limit, slot)
         else {
+            tracing::warn!(
+                "the persistent decode kernel does not take this model here: the graph runs"
+            );
             return Ok(None);
         };
+        // a cooperative grid must fit the GPU at once (an MPS client may get fewer SMs)
+        let (func, _) =
+            model.kernels.persistent.as_ref().ok_or_else(|| {
+                CudaError::unavailable("the persistent decode kernel was not loaded")
+            })?;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(
+                shape.threads(),
+                shape.shared_bytes(),
+                None,
+            )
+            .ctx("persistent decode occupancy")?;
+        if (per_sm as usize) * sms < shape.blocks() as usize {
+            tracing::warn!(
+                "the persistent decode kernel's grid does not fit this GPU at once: the graph runs"
+            );
+            return Ok(None);
+        }
         let mut table = Vec::with_capacity(cfg.n_layer * LAYER_POINTERS);
         for (l, w) in model.weights.layers.iter().enumerate() {
             let cache = kv(l);
@@ -103,8 +124,14 @@ impl CudaSession {
             position: self.position(),
             counter: p.counter.ptr(),
             trace: p.trace.as_ref().map(DevBuf::ptr),
+            capacity: self.capacity,
         })?;
         Ok(true)
+    }
+
+    /// Whether this session's decode steps run as the persistent kernel.
+    pub fn uses_persistent_decode(&self) -> bool {
+        self.persistent.is_some()
     }
 
     /// The last persistent step's phase times (`WASI_NN_HOST_PERSISTENT_TRACE`; see
