@@ -270,8 +270,9 @@ const SWEEP_SHAPES: [(usize, usize, usize, usize, usize); 4] = [
     (2, 2, 128, 96, 50257),
 ];
 
-/// The persistent decode kernel (sm_90) against the CPU: the sweep's small shapes to the end
-/// of their contexts, and each of `models` from contexts of 1, 100 and n_ctx - `steps`
+/// The persistent decode kernel (sm_90) against the CPU: the sweep's small shapes and three
+/// more (head sizes 96 and 128, a width of 2048) to the end of their contexts, and each of
+/// `models` from contexts of 1, 100 and n_ctx - `steps`
 /// positions on, bf16 (and f32 from 100), greedy steps fed the GPU's ids.
 pub fn persistent_sweep(
     seed: u64,
@@ -298,7 +299,13 @@ pub fn persistent_sweep(
         Ok(())
     };
     let mut reports = Vec::new();
-    for (i, &shape) in SWEEP_SHAPES.iter().enumerate() {
+    // and head sizes 96 and 128, and the widest model the kernel takes
+    let shapes = SWEEP_SHAPES.iter().chain(&[
+        (1, 2, 192, 80, 700),
+        (1, 2, 256, 80, 700),
+        (1, 16, 2048, 40, 300),
+    ]);
+    for (i, &shape) in shapes.enumerate() {
         let (name, weights) = random_model(shape, seed + 100 + i as u64);
         runs_persistent(&name, &weights)?;
         let (n_ctx, vocab_size) = (shape.3, shape.4);
