@@ -33,7 +33,8 @@ unpack() {
 
 # One `wasi-nn-bench bench` run: NAME=VALUE switches, `--`, then bench's arguments (after
 # `--device cuda --steps ${STEPS:-40}`). Prints the switches, the arguments, the graph step
-# and the greedy backend step in ms, and the persistent kernel's phases where traced.
+# and the greedy backend step in ms, and the persistent kernel's phases where traced (each
+# kind: stage / products / epilogue / until the last block / the counter's wait, us).
 step() {
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done
@@ -50,7 +51,8 @@ except (ValueError, IndexError):
 p = r.get('persistent_phases')
 phases = ''
 if p:
-    phases = ' '.join(f\"{k}={v['block0_us']:.1f}/{v['last_block_us']:.1f}/{v['counter_wait_us']:.1f}\"
+    parts = ['stage_us', 'products_us', 'epilogue_us', 'last_block_us', 'counter_wait_us']
+    phases = ' '.join(k + '=' + '/'.join(f'{v[part]:.1f}' for part in parts)
                       for k, v in p['mean_per_phase'].items()) + f\" total={p['total_us']:.0f}\"
 print(r['graph_ms_per_token'], r['backend_greedy_ms_per_token'], phases)")
   echo "${envs[*]} $*: $line"

@@ -54,7 +54,7 @@ struct PdArgs {
     unsigned long long* best;  // the argmax key, cleared by the embedding kernel
     const int* pos_ptr;   // the position (ids[0])
     unsigned int* counter;  // phases done times blocks; zeroed before the launch
-    unsigned long long* trace;  // null, or [phases][3] (see `pd_trace`)
+    unsigned long long* trace;  // null, or [phases][PD_TRACE] (see `pd_trace`)
     int n_layer, c, n_head, vocab;
     int slot_bytes, slots, max_splits, xs_floats, vals_floats;
 };
@@ -169,13 +169,16 @@ __device__ __forceinline__ unsigned long long pd_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-// With a trace buffer, for each phase: when block 0 started it (its wait over), when block 0
-// finished it, and when the last block finished it (ns, the GPU's global timer).
+// With a trace buffer, for each phase (ns, the GPU's global timer): when block 0 started it
+// (its wait over), had its input staged (the attention: its scores), had its products done
+// (the attention: its weighted values), finished it; and when the last block finished it.
+#define PD_TRACE 5
+enum { PD_START, PD_STAGED, PD_COMPUTED, PD_DONE, PD_LAST };
 __device__ __forceinline__ void pd_trace(const PdArgs& a, unsigned int phase, int what) {
     if (a.trace == nullptr || threadIdx.x != 0) return;
     unsigned long long t = pd_now();
-    if (what == 2) atomicMax(a.trace + phase * 3 + 2, t);
-    else if (blockIdx.x == 0) a.trace[phase * 3 + what] = t;
+    if (what == PD_LAST) atomicMax(a.trace + phase * PD_TRACE + PD_LAST, t);
+    else if (blockIdx.x == 0) a.trace[phase * PD_TRACE + what] = t;
 }
 
 // This block's share [r0, r1) of n rows.
@@ -232,7 +235,7 @@ __device__ __forceinline__ int pd_seg_len(int rows, int k) {
 template <typename W, typename Epi>
 __device__ void pd_product(const PdArgs& a, int n, int k, int& seq, const float* xs, const unsigned char* ring,
                            unsigned long long* full, unsigned long long* empty, float* vals, const W* bias,
-                           const float* resid, Epi epi) {
+                           const float* resid, unsigned int phase, Epi epi) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int2 r = pd_rows(n);
     // the epilogue's inputs, asked for now: they are there when the last slot is done
@@ -267,6 +270,7 @@ __device__ void pd_product(const PdArgs& a, int n, int k, int& seq, const float*
         if (lane == 0) mbar_arrive(&empty[slot]);
     }
     pd_sync();
+    pd_trace(a, phase, PD_COMPUTED);
     for (int t = threadIdx.x; t < r.y - r.x; t += PD_THREADS) {
         float v = 0.0f;
         for (int s = 0; s < segs; s++) v += vals[t * segs + s];
@@ -313,7 +317,8 @@ __device__ __forceinline__ int pd_splits(int len, int max_splits) { return max(1
 // Attention items (head, span of positions), one block an item: the scores' max, their
 // exponentials' sum, and the unnormalised weighted values into the item's partial row.
 template <typename KV>
-__device__ void pd_attention(const PdArgs& a, const KV* k_cache, const KV* v_cache, int pos, float* xs, float* red) {
+__device__ void pd_attention(const PdArgs& a, const KV* k_cache, const KV* v_cache, int pos, float* xs, float* red,
+                             unsigned int phase) {
     int c = a.c, hd = c / a.n_head, len = pos + 1;
     int splits = pd_splits(len, a.max_splits), span = (len + splits - 1) / splits;
     // xs: q [hd], the scores [span], then the groups' weighted values [4 * PD_THREADS]
@@ -357,6 +362,7 @@ __device__ void pd_attention(const PdArgs& a, const KV* k_cache, const KV* v_cac
             sum += e;
         }
         sum = pd_sum(sum, red);  // (its barriers order the scores for every thread)
+        pd_trace(a, phase, PD_STAGED);
         // weighted values: thread (d4, grp) takes dimensions 4*d4.. of positions grp, grp + groups, ...
         int quads = hd / 4, groups = PD_THREADS / quads;
         int d4 = threadIdx.x % quads, grp = threadIdx.x / quads;
@@ -369,6 +375,7 @@ __device__ void pd_attention(const PdArgs& a, const KV* k_cache, const KV* v_cac
         }
         *reinterpret_cast<float4*>(accs + grp * hd + 4 * d4) = acc;
         pd_sync();
+        pd_trace(a, phase, PD_COMPUTED);
         float* part = a.partials + (size_t)item * (hd + 2);
         for (int d = threadIdx.x; d < hd; d += PD_THREADS) {
             float t = 0.0f;
@@ -429,15 +436,16 @@ __device__ void pd_compute(const PdArgs& a, unsigned char* ring, float* xs, unsi
     typedef typename KvOf<W>::T KV;
     int c = a.c, pos = *a.pos_ptr, seq = 0;
     unsigned int phase = 0;
-    pd_trace(a, phase, 0);
+    pd_trace(a, phase, PD_START);
     auto next_phase = [&] {
-        pd_trace(a, phase, 1);
+        pd_trace(a, phase, PD_DONE);
         grid_arrive(a.counter);
-        pd_trace(a, phase, 2);
+        pd_trace(a, phase, PD_LAST);
         phase++;
         grid_wait(a.counter, phase * gridDim.x);
-        pd_trace(a, phase, 0);
+        pd_trace(a, phase, PD_START);
     };
+    auto staged = [&] { pd_trace(a, phase, PD_STAGED); };
     for (int l = 0; l < a.n_layer; l++) {
         const PdLayer& L = a.layers[l];
         const W* qkv_b = static_cast<const W*>(L.qkv_b);
@@ -446,45 +454,52 @@ __device__ void pd_compute(const PdArgs& a, unsigned char* ring, float* xs, unsi
         // QKV: q out, the new key and value into the cache (as the cache keeps them)
         pd_attention_prefetch<KV>(a, k_cache, v_cache, pos);
         pd_stage(xs, a.x, c, static_cast<const W*>(L.ln1_w), static_cast<const W*>(L.ln1_b), red);
-        pd_product<W>(a, 3 * c, c, seq, xs, ring, full, empty, vals, qkv_b, nullptr, [&](int o, float v) {
+        staged();
+        pd_product<W>(a, 3 * c, c, seq, xs, ring, full, empty, vals, qkv_b, nullptr, phase, [&](int o, float v) {
             if (o < c) a.q[o] = v;
             else if (o < 2 * c) kv_put(k_cache + (size_t)pos * c + (o - c), v);
             else kv_put(v_cache + (size_t)pos * c + (o - 2 * c), v);
         });
         next_phase();
-        pd_attention<KV>(a, k_cache, v_cache, pos, xs, red);
+        pd_attention<KV>(a, k_cache, v_cache, pos, xs, red, phase);
         next_phase();
         // projection: x += W h + b
         pd_combine(a, pos, xs);
+        staged();
         const W* proj_b = static_cast<const W*>(L.proj_b);
-        pd_product<W>(a, c, c, seq, xs, ring, full, empty, vals, proj_b, a.x, [&](int o, float v) { a.x[o] = v; });
+        pd_product<W>(a, c, c, seq, xs, ring, full, empty, vals, proj_b, a.x, phase,
+                      [&](int o, float v) { a.x[o] = v; });
         next_phase();
         // FC: gelu(W LN(x) + b)
         pd_stage(xs, a.x, c, static_cast<const W*>(L.ln2_w), static_cast<const W*>(L.ln2_b), red);
+        staged();
         const W* fc_b = static_cast<const W*>(L.fc_b);
-        pd_product<W>(a, 4 * c, c, seq, xs, ring, full, empty, vals, fc_b, nullptr,
+        pd_product<W>(a, 4 * c, c, seq, xs, ring, full, empty, vals, fc_b, nullptr, phase,
                       [&](int o, float v) { a.fc[o] = gelu_tanh(v); });
         next_phase();
         // FC projection: x += W fc + b
         pd_stage<W>(xs, a.fc, 4 * c, nullptr, nullptr, red);
+        staged();
         const W* fcp_b = static_cast<const W*>(L.fcp_b);
-        pd_product<W>(a, c, 4 * c, seq, xs, ring, full, empty, vals, fcp_b, a.x, [&](int o, float v) { a.x[o] = v; });
+        pd_product<W>(a, c, 4 * c, seq, xs, ring, full, empty, vals, fcp_b, a.x, phase,
+                      [&](int o, float v) { a.x[o] = v; });
         next_phase();
     }
     // the LM head and its argmax key
     pd_stage(xs, a.x, c, static_cast<const W*>(a.lnf_w), static_cast<const W*>(a.lnf_b), red);
+    staged();
     if (threadIdx.x == 0) *block_best = 0ull;
     pd_sync();
     unsigned long long key = 0ull;
-    pd_product<W>(a, a.vocab, c, seq, xs, ring, full, empty, vals, static_cast<const W*>(nullptr), nullptr,
+    pd_product<W>(a, a.vocab, c, seq, xs, ring, full, empty, vals, static_cast<const W*>(nullptr), nullptr, phase,
                   [&](int o, float v) {
         a.logits[o] = v;
         key = max(key, argmax_key(v, o));
     });
     if (key != 0ull) atomicMax(block_best, key);
     pd_sync();
-    pd_trace(a, phase, 1);
-    pd_trace(a, phase, 2);
+    pd_trace(a, phase, PD_DONE);
+    pd_trace(a, phase, PD_LAST);
     if (threadIdx.x == 0 && *block_best > *reinterpret_cast<volatile unsigned long long*>(a.best))
         atomicMax(a.best, *block_best);
 }

@@ -300,10 +300,11 @@ fn bench_cuda(
         let (kinds, total) = phase_times(&trace);
         let names = ["qkv", "attention", "projection", "fc", "fc_projection", "head"];
         let mut by_kind = serde_json::Map::new();
-        for (name, [work, straggle, wait]) in names.iter().zip(kinds) {
+        for (name, [stage, products, epilogue, straggle, wait]) in names.iter().zip(kinds) {
             by_kind.insert(
                 name.to_string(),
-                serde_json::json!({"block0_us": work, "last_block_us": straggle, "counter_wait_us": wait}),
+                serde_json::json!({"stage_us": stage, "products_us": products, "epilogue_us": epilogue,
+                    "last_block_us": straggle, "counter_wait_us": wait}),
             );
         }
         serde_json::json!({"total_us": total, "mean_per_phase": by_kind})

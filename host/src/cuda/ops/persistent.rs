@@ -205,7 +205,7 @@ pub struct PersistentDecode {
     pub counter: DevPtr<u32>,
     /// Positions the KV cache holds (the position is below it, as the session keeps it).
     pub capacity: usize,
-    /// `[phases * 3]`: when phases started and ended (`PERSISTENT_TRACE`, see
+    /// `[phases * TRACE_SLOTS]`: when phases started and ended (`PERSISTENT_TRACE`, see
     /// [`phase_times`]).
     pub trace: Option<DevPtr<u64>>,
 }
@@ -215,26 +215,33 @@ pub fn phases(cfg: &Gpt2Config) -> usize {
     5 * cfg.n_layer + 1
 }
 
+/// Times a trace keeps of each phase (`PD_TRACE`): block 0's start, input staged, products
+/// done, end; the last block's end.
+pub const TRACE_SLOTS: usize = 5;
+
 /// Where a step's time went, from its trace: for each kind of phase (QKV, attention,
-/// projection, FC, FC projection, LM head) the mean of block 0's time in it, of the time until
-/// the last block was done with it, and of the time from then until block 0 started the next
-/// (the wait at the counter), in microseconds; and the whole step's.
+/// projection, FC, FC projection, LM head) the means, in microseconds, of block 0's time
+/// staging its input (the attention: its scores), in its products (the attention: the
+/// weighted values), in the epilogue, then until the last block was done, then until block 0
+/// started the next phase (the wait at the counter); and the whole step's.
 #[cfg(any(test, feature = "dev"))]
-pub fn phase_times(trace: &[u64]) -> ([[f64; 3]; 6], f64) {
-    let mut sums = [[0.0; 3]; 6];
+pub fn phase_times(trace: &[u64]) -> ([[f64; TRACE_SLOTS]; 6], f64) {
+    let mut sums = [[0.0; TRACE_SLOTS]; 6];
     let mut counts = [0usize; 6];
-    let phases = trace.len() / 3;
-    let at = |p: usize, what: usize| trace[p * 3 + what] as f64 / 1e3;
+    let phases = trace.len() / TRACE_SLOTS;
+    let at = |p: usize, what: usize| trace[p * TRACE_SLOTS + what] as f64 / 1e3;
+    let last = TRACE_SLOTS - 1;
     for p in 0..phases {
         let kind = if p + 1 == phases { 5 } else { p % 5 };
         let next = if p + 1 < phases {
             at(p + 1, 0)
         } else {
-            at(p, 2)
+            at(p, last)
         };
-        sums[kind][0] += at(p, 1) - at(p, 0);
-        sums[kind][1] += at(p, 2) - at(p, 1);
-        sums[kind][2] += next - at(p, 2);
+        for (what, sum) in sums[kind][..last].iter_mut().enumerate() {
+            *sum += at(p, what + 1) - at(p, what);
+        }
+        sums[kind][last] += next - at(p, last);
         counts[kind] += 1;
     }
     for (sum, n) in sums.iter_mut().zip(counts) {
@@ -243,7 +250,7 @@ pub fn phase_times(trace: &[u64]) -> ([[f64; 3]; 6], f64) {
         }
     }
     let total = if phases > 0 {
-        at(phases - 1, 2) - at(0, 0)
+        at(phases - 1, last) - at(0, 0)
     } else {
         0.0
     };
@@ -269,7 +276,8 @@ impl Launcher {
                 && shape.shared_bytes() <= func.1
                 && shape.fits(&cfg, self.dtype)
                 && a.capacity <= shape.capacity
-                && a.trace.is_none_or(|t| t.len() >= 3 * phases(&cfg)),
+                && a.trace
+                    .is_none_or(|t| t.len() >= TRACE_SLOTS * phases(&cfg)),
             "persistent decode",
         )?;
         let int = |v: usize| i32::try_from(v).map_err(|_| CudaError::unavailable("shape"));
@@ -380,22 +388,21 @@ mod tests {
     }
 
     #[test]
-    fn phase_times_split_each_phase_into_work_straggling_and_waiting() {
-        // two layers and the head: 11 phases of 10 us each, block 0 done after 6, the last
-        // block after 8, the next phase starting 2 later
+    fn phase_times_split_each_phase_into_its_parts() {
+        // two layers and the head: 11 phases of 10 us each; block 0 staged after 1, done with
+        // its products after 4, finished after 6, the last block after 8, the next phase
+        // starting 2 later
         let trace: Vec<u64> = (0..11u64)
-            .flat_map(|p| [p * 10_000, p * 10_000 + 6_000, p * 10_000 + 8_000])
+            .flat_map(|p| [0, 1_000, 4_000, 6_000, 8_000].map(|t| p * 10_000 + t))
             .collect();
         let (kinds, total) = phase_times(&trace);
         for (kind, times) in kinds.iter().enumerate() {
             let wait = if kind == 5 { 0.0 } else { 2.0 };
-            assert_eq!(*times, [6.0, 2.0, wait], "kind {kind}");
+            assert_eq!(*times, [1.0, 3.0, 2.0, 2.0, wait], "kind {kind}");
         }
         assert_eq!(total, 108.0);
     }
 
-    /// `product_values` against every block's own rows and segments, as the kernel's
-    /// `pd_rows`, `pd_per_slot` and `pd_seg_len` split them, over many shapes.
     #[test]
     fn product_values_cover_every_block_of_many_shapes() {
         let mut seed = 0x2545_f491_4f6c_dd1du64;

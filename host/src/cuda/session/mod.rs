@@ -39,7 +39,7 @@ use super::error::{CudaError, DriverContext};
 use super::loaded::LoadedModel;
 use super::ops::attention::ATT_CHUNK;
 use super::ops::embed_norm::Embed;
-use super::ops::persistent::{phases, LAYER_POINTERS, MAX_SPLITS};
+use super::ops::persistent::{phases, LAYER_POINTERS, MAX_SPLITS, TRACE_SLOTS};
 use super::ops::{KvLayer, Launcher};
 use crate::engine::{EngineError, GpuDtype};
 use crate::model::Gpt2Config;
@@ -138,7 +138,7 @@ impl CudaSession {
             + cfg.n_head * MAX_SPLITS * (cfg.head_dim() + 2); // the persistent decode's partials
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
                                                 // the persistent decode's layer table, counter and trace
-        let table = 8 * LAYER_POINTERS * l + 4 + 8 * 3 * phases(cfg);
+        let table = 8 * LAYER_POINTERS * l + 4 + 8 * TRACE_SLOTS * phases(cfg);
         kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + table + (4 << 20)
     }
 

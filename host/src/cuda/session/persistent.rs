@@ -6,7 +6,9 @@ use super::CudaSession;
 use crate::cuda::buffer::{DevBuf, DevPtr};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
-use crate::cuda::ops::persistent::{phases, PersistentDecode, PersistentShape, LAYER_POINTERS};
+use crate::cuda::ops::persistent::{
+    phases, PersistentDecode, PersistentShape, LAYER_POINTERS, TRACE_SLOTS,
+};
 use crate::cuda::ops::KvLayer;
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
@@ -93,7 +95,11 @@ impl Persistent {
             partials: DevBuf::zeros(stream, shape.partial_floats(&cfg), "attention scratch")?,
             counter: DevBuf::zeros(stream, 1, "persistent decode counter")?,
             trace: match model.gpu.measurement().persistent_trace {
-                true => Some(DevBuf::zeros(stream, 3 * phases(&cfg), "persistent trace")?),
+                true => Some(DevBuf::zeros(
+                    stream,
+                    TRACE_SLOTS * phases(&cfg),
+                    "persistent trace",
+                )?),
                 false => None,
             },
         }))
