@@ -294,21 +294,8 @@ fn bench_cuda(
         }
     }
     let graph_ms = median(samples);
-    // where the persistent kernel's last step went (WASI_NN_HOST_PERSISTENT_TRACE), us
-    let phases = session.persistent_trace()?.map(|trace| {
-        use wasi_nn_host::cuda::ops::persistent::phase_times;
-        let (kinds, total) = phase_times(&trace);
-        let names = ["qkv", "attention", "projection", "fc", "fc_projection", "head"];
-        let mut by_kind = serde_json::Map::new();
-        for (name, [stage, products, epilogue, straggle, wait]) in names.iter().zip(kinds) {
-            by_kind.insert(
-                name.to_string(),
-                serde_json::json!({"stage_us": stage, "products_us": products, "epilogue_us": epilogue,
-                    "last_block_us": straggle, "counter_wait_us": wait}),
-            );
-        }
-        serde_json::json!({"total_us": total, "mean_per_phase": by_kind})
-    });
+    // where the persistent kernel's last step went (WASI_NN_HOST_PERSISTENT_TRACE)
+    let phases = session.persistent_trace()?.map(|trace| phases_json(&trace));
     session.truncate(context);
     let mut samples = Vec::new();
     for i in 0..steps + 2 {
@@ -383,6 +370,28 @@ fn bench_cuda(
     });
     println!("{line}");
     Ok(())
+}
+
+/// A persistent decode step's trace as JSON: the whole step and each kind of phase's mean
+/// parts, in microseconds (see `phase_times`).
+fn phases_json(trace: &[u64]) -> serde_json::Value {
+    let (kinds, total) = wasi_nn_host::cuda::ops::persistent::phase_times(trace);
+    let names = [
+        "qkv",
+        "attention",
+        "projection",
+        "fc",
+        "fc_projection",
+        "head",
+    ];
+    let by_kind: serde_json::Map<_, _> = (names.iter().zip(kinds))
+        .map(|(name, [stage, products, epilogue, straggle, wait])| {
+            let parts = serde_json::json!({"stage_us": stage, "products_us": products,
+                "epilogue_us": epilogue, "last_block_us": straggle, "counter_wait_us": wait});
+            (name.to_string(), parts)
+        })
+        .collect();
+    serde_json::json!({"total_us": total, "mean_per_phase": by_kind})
 }
 
 fn startup(
@@ -530,34 +539,21 @@ fn one_context_checks(
     }
     println!("all {} kernel checks passed", kernel_reports.len());
     let mut reports = checks::kernel_sweep(seed)?;
+    let loaded = (models.iter())
+        .map(|spec| Ok((spec.clone(), model::load_spec(spec)?)))
+        .collect::<Result<Vec<_>>>()?;
+    for (spec, weights) in &loaded {
+        let p = checks::prompt(prompt_len, weights.config.vocab_size, 1);
+        for (dtype, tolerance) in [(GpuDtype::F32, 1e-3), (GpuDtype::Bf16, 5e-2)] {
+            let r = checks::compare(spec, weights.clone(), dtype, &p, steps, tolerance)?;
+            reports.push(r);
+        }
+    }
     // the persistent decode kernel, where the GPU has it
     if wasi_nn_host::cuda::Gpu::get(0)?.has_persistent_decode() {
-        let loaded = (models.iter())
-            .map(|spec| Ok((spec.clone(), model::load_spec(spec)?)))
-            .collect::<Result<Vec<_>>>()?;
         reports.extend(checks::persistent_sweep(seed, &loaded, steps)?);
     } else {
         println!("no persistent decode kernel on this GPU (before sm_90): its checks skipped");
-    }
-    for spec in models {
-        let weights = model::load_spec(spec)?;
-        let p = checks::prompt(prompt_len, weights.config.vocab_size, 1);
-        reports.push(checks::compare(
-            spec,
-            weights.clone(),
-            GpuDtype::F32,
-            &p,
-            steps,
-            1e-3,
-        )?);
-        reports.push(checks::compare(
-            spec,
-            weights,
-            GpuDtype::Bf16,
-            &p,
-            steps,
-            5e-2,
-        )?);
     }
     let mut failed = 0;
     for r in &reports {

@@ -179,6 +179,13 @@ pub struct Skip {
     pub epi: bool,
 }
 
+impl Skip {
+    /// Whether any part of the decode step is left out.
+    pub fn decode_any(&self) -> bool {
+        self.attn || self.qkv || self.proj || self.mlp || self.head
+    }
+}
+
 impl Switches {
     /// The switches from `var(NAME)`, the value of `WASI_NN_HOST_NAME` if set.
     pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Self {

@@ -51,8 +51,7 @@ impl CudaSession {
         // after the last layer: the LM head's first rows (its first blocks')
         let head_start = w.wte.ptr();
         self.embed(1, None, feed)?;
-        let skips = skip.attn || skip.qkv || skip.proj || skip.mlp || skip.head;
-        if !skips && self.persistent_layers(logits)? {
+        if !skip.decode_any() && self.persistent_layers(logits)? {
             return Ok(());
         }
         for (i, lw) in w.layers.iter().enumerate() {

@@ -137,9 +137,8 @@ impl CudaSession {
             + capacity * 4 * c // cuBLAS's f32 scratch
             + cfg.n_head * MAX_SPLITS * (cfg.head_dim() + 2); // the persistent decode's partials
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
-                                                // the persistent decode's layer table, counter and trace
-        let table = 8 * LAYER_POINTERS * l + 4 + 8 * TRACE_SLOTS * phases(cfg);
-        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + table + (4 << 20)
+        let persistent = 8 * LAYER_POINTERS * l + 4 + 8 * TRACE_SLOTS * phases(cfg); // table, counter, trace
+        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + persistent + (4 << 20)
     }
 
     pub(crate) fn new(model: Arc<LoadedModel>) -> Result<Self, CudaError> {
