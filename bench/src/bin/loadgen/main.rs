@@ -29,11 +29,13 @@
 //!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
 //!        [--no-check] [--keep-going] [--request-timeout SECONDS]
 
+mod chunk;
 mod cycle;
 mod failures;
 mod prompts;
 
 use anyhow::{bail, Context, Result};
+use chunk::Event;
 use clap::Parser;
 use prompts::{Lengths, Prompt, Prompts};
 use std::io::{BufRead, Write};
@@ -145,13 +147,18 @@ fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &Prompt, k: usize) -> Re
         let text = response.into_body().read_to_string().unwrap_or_default();
         bail!("HTTP {status}: {text}");
     }
-    let reader = std::io::BufReader::new(response.into_body().into_reader());
+    let mut reader = std::io::BufReader::new(response.into_body().into_reader());
     let (mut ttft, mut last, mut gaps_ms) = (None, None::<Instant>, Vec::new());
     let mut text = String::new();
     let mut tokens = None;
-    for line in reader.lines() {
-        let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else {
+    // one buffer for every line (see `chunk.rs` for why it matters)
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line)? == 0 {
+            break;
+        }
+        let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data: ") else {
             continue;
         };
         let now = Instant::now();
@@ -164,23 +171,18 @@ fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &Prompt, k: usize) -> Re
                 text,
             });
         }
-        let chunk: serde_json::Value = serde_json::from_str(data)?;
-        if chunk["error"].is_object() || chunk["choices"].is_null() {
-            bail!("server error: {data}");
-        }
-        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
-            // The usage chunk after the last (`stream_options.include_usage`): the counts.
-            tokens = Some(n as usize);
-            if ttft.is_none() && n > 0 {
-                ttft = Some(now - sent);
+        let piece = match chunk::parse(data)? {
+            Event::Usage(n) => {
+                tokens = Some(n as usize);
+                if ttft.is_none() && n > 0 {
+                    ttft = Some(now - sent);
+                }
+                continue;
             }
-            continue;
-        }
-        let piece = chunk["choices"][0]["text"].as_str().unwrap_or_default();
-        if piece.is_empty() {
-            continue;
-        }
-        text.push_str(piece);
+            Event::Nothing => continue,
+            Event::Text(piece) => piece,
+        };
+        text.push_str(&piece);
         if let Some(last) = last {
             gaps_ms.push((now - last).as_secs_f64() * 1e3);
         } else {
