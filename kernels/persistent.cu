@@ -16,8 +16,9 @@
 // add), FC (LayerNorm 2, the product, GELU), FC projection (residual add). Then the LM head
 // (final LayerNorm) with its argmax key, as `matvec.cu`'s.
 //
-// PD_WARPS (compute warps a block; one loader warp more) comes from the host
-// (host/src/cuda/ops/persistent.rs) as a -D define, as do the argument layout's users there.
+// PD_WARPS (compute warps a block; one loader warp more) and PD_MAX_SPLITS (a head's
+// attention items at most, <= 32) come from the host (host/src/cuda/ops/persistent.rs) as -D
+// defines, as do the argument layout's users there.
 
 #define PD_THREADS (PD_WARPS * 32)
 #define PD_MAX_SLOTS 32
@@ -408,23 +409,37 @@ __device__ void pd_attention_prefetch(const PdArgs& a, const KV* k_cache, const 
     }
 }
 
-// The attention output: each head's items' partials combined, into xs[0..c).
+// The attention output: each head's items' partials combined, into xs[0..c). A warp a head:
+// its lanes read the items' max and sum at once, then each lane its dimensions of every
+// item's values, all loaded before the sums, which run in item order (the same sums as one
+// thread an element taking the items in turn).
 __device__ void pd_combine(const PdArgs& a, int pos, float* xs) {
-    int c = a.c, hd = c / a.n_head;
+    int c = a.c, hd = c / a.n_head, lane = threadIdx.x & 31;
     int splits = pd_splits(pos + 1, a.max_splits);
-    for (int e = threadIdx.x; e < c; e += PD_THREADS) {
-        int h = e / hd, d = e % hd;
+    for (int h = threadIdx.x >> 5; h < a.n_head; h += PD_WARPS) {
         const float* part = a.partials + (size_t)h * splits * (hd + 2);
-        float mx = -INFINITY;
-        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ldcg1(part + (size_t)s * (hd + 2)));
-        float num = 0.0f, den = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float* p = part + (size_t)s * (hd + 2);
-            float f = __expf(ldcg1(p) - mx);  // 0 for an item without positions
-            den += f * ldcg1(p + 1);
-            num += f * ldcg1(p + 2 + d);
+        const float* mine = part + (size_t)lane * (hd + 2);
+        float m = lane < splits ? ldcg1(mine) : -INFINITY;
+        float l = lane < splits ? ldcg1(mine + 1) : 0.0f;
+        float mx = m;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float f = __expf(m - mx);  // 0 for an item without positions, and past the items
+        for (int d = lane; d < hd; d += 32) {  // (hd a multiple of 32)
+            float v[PD_MAX_SPLITS];
+#pragma unroll
+            for (int s = 0; s < PD_MAX_SPLITS; s++) v[s] = s < splits ? ldcg1(part + (size_t)s * (hd + 2) + 2 + d) : 0.0f;
+            float num = 0.0f, den = 0.0f;
+#pragma unroll
+            for (int s = 0; s < PD_MAX_SPLITS; s++) {
+                float fs = __shfl_sync(0xffffffffu, f, s), ls = __shfl_sync(0xffffffffu, l, s);
+                if (s < splits) {
+                    den += fs * ls;
+                    num += fs * v[s];
+                }
+            }
+            xs[h * hd + d] = num / den;
         }
-        xs[e] = num / den;
     }
     pd_sync();
 }

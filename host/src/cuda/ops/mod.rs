@@ -64,6 +64,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("DRAW_THREADS", draw::DRAW_THREADS),
     ("MAX_DRAWS", draw::MAX_DRAWS),
     ("PD_WARPS", persistent::PD_WARPS),
+    ("PD_MAX_SPLITS", persistent::MAX_SPLITS as u32),
 ];
 
 /// One layer's KV cache, `[capacity, C]` each (f32, or fp16 with bf16 weights).

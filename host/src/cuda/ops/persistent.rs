@@ -17,8 +17,10 @@ const PD_THREADS: usize = PD_WARPS as usize * 32;
 const MAX_SLOTS: usize = 32;
 /// Bytes of a ring slot unless `WASI_NN_HOST_PERSISTENT_SLOT` says otherwise.
 const DEFAULT_SLOT: usize = 16 << 10;
-/// Position splits of a head's attention at most (the phase's items are at most the blocks).
+/// Position splits of a head's attention at most (the phase's items are at most the blocks;
+/// the projection's combine reads one a lane).
 pub(crate) const MAX_SPLITS: usize = 16;
+const _: () = assert!(MAX_SPLITS <= 32);
 /// Pointers a layer's entry in the kernel's table holds (`PdLayer`).
 pub const LAYER_POINTERS: usize = 14;
 
