@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Where the host's CPU goes under a load: the service (`wasi-nn-host serve`) under loadgen at
+# one concurrency, with a system-wide `perf record` over the middle of the load. Writes, into
+# the run's results folder (bench/results/<date>-<gpu>-<commit>/, with its manifest; see
+# bench/manifest.sh), the load's JSON line and the profile three ways: by thread name, by
+# thread and object (the service's code, the kernel, the guests' compiled code, libc, the
+# CUDA driver, the load generator) and by thread and function (the first 150).
+# Usage: bench/host-profile.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options] [-- LOADGEN_ARGS...]
+#   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
+#   checkout's release builds (target/), the component pre-initialised as
+#   bench/concurrency.sh does (otherwise every request would build its tokenizer). GRAPH is a path or random:SIZE, served as `gpt2`;
+#   `embedded` serves the built-in shakespeare model. Defaults: carry cuda bf16 random:124M.
+#   LOADGEN_ARGS go to loadgen after `--no-check` (e.g. `--prompt-file
+#   tests/data/tinyshakespeare.txt --prompt-tokens 4-6`, or `--temperature 1 --top-p 0.95`).
+# Options:
+#   --concurrency N   streams (default 256)
+#   --max-tokens N    tokens a request (default 128)
+#   --record S        seconds recorded, from 3 s into the load (default 5); the load lasts S + 6
+#   --frequency HZ    samples a second a CPU (default 999)
+#   --port N          the service's port (default 18124)
+# PERF names the perf command (default `perf`); the machine must allow system-wide sampling
+# (perf_event_paranoid <= 0, or root). A build without debug information still has its
+# function names; call graphs are not recorded (the release build keeps no frame pointers).
+set -uo pipefail
+command="bench/host-profile.sh${*:+$(printf ' %q' "$@")}"
+positional=() concurrency=256 max_tokens=128 record=5 frequency=999 port=18124 load_args=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --concurrency) concurrency=$2; shift ;;
+    --max-tokens) max_tokens=$2; shift ;;
+    --record) record=$2; shift ;;
+    --frequency) frequency=$2; shift ;;
+    --port) port=$2; shift ;;
+    --) shift; load_args=("$@"); break ;;
+    --*) echo "unknown option $1 (see the usage at the top of $0)" >&2; exit 2 ;;
+    *) positional+=("$1") ;;
+  esac
+  shift
+done
+dir=${positional[0]:-carry}; device=${positional[1]:-cuda}; dtype=${positional[2]:-bf16}
+graph=${positional[3]:-random:124M}
+perf=${PERF:-perf}
+if ! $perf --version >/dev/null 2>&1; then
+  echo "host-profile: no perf (\`$perf --version\` failed); set PERF to a perf command" >&2
+  exit 2
+fi
+here=$(dirname "$0")
+if [ "$dir" = local ]; then
+  host=$here/../target/release/wasi-nn-host loadgen=$here/../target/release/loadgen
+  plain=$here/../target/wasm32-wasip2/release-wasm/gpt2_component.wasm
+  component=${plain%.wasm}.preinit.wasm
+  if [ ! -f "$component" ] || [ "$plain" -nt "$component" ]; then
+    "$host" preinit "$plain" "$component" || exit 1
+  fi
+else
+  host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
+fi
+. "$here/manifest.sh"
+bench_run_dir "$device" || exit 1
+name=host-profile-$device-$concurrency
+graph_args=(--graph "gpt2=$graph")
+[ "$graph" = embedded ] && graph_args=()
+warm=0
+[ "$device" = cuda ] && warm=$concurrency
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" \
+  --max-instances $(( concurrency + 64 )) --warm-contexts "$warm" "${graph_args[@]}" \
+  2>"/tmp/server-$port.log" &
+server=$!
+scratch=$(mktemp -d)
+trap 'kill $server 2>/dev/null; rm -rf "$scratch"' EXIT
+url=http://127.0.0.1:$port
+for _ in $(seq 300); do
+  curl -sf "$url/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || break
+  sleep 0.2
+done
+if ! curl -sf "$url/health" >/dev/null; then
+  echo "the service did not come up; its log:" >&2
+  tail -20 "/tmp/server-$port.log" >&2
+  exit 1
+fi
+load() {
+  "$loadgen" --url "$url" --concurrency "$concurrency" --max-tokens "$max_tokens" --no-check "${load_args[@]}" "$@"
+}
+# the first requests compile and allocate; the profile is of the load after them
+load --duration 3 >/dev/null || exit 1
+load --duration $(( record + 6 )) --label "$name" --json-out "$bench_dir/$name.jsonl" >/dev/null &
+loader=$!
+sleep 3
+$perf record -a -F "$frequency" -o "$scratch/perf.data" -- sleep "$record" 2>"$scratch/record.log" ||
+  { echo "perf record failed:" >&2; cat "$scratch/record.log" >&2; exit 1; }
+wait $loader || { echo "loadgen failed" >&2; exit 1; }
+report() {
+  $perf report -i "$scratch/perf.data" --no-children --stdio --sort "$1" 2>/dev/null |
+    grep -v '^#' | grep -v '^$' | head -"$2"
+}
+{
+  echo "# $command"
+  echo "# samples by thread name"
+  report comm 20
+  echo "# by thread name and object"
+  report comm,dso 30
+  echo "# by thread name and function"
+  report comm,sym 150
+} > "$bench_dir/$name.txt"
+bench_record "$bench_dir" "$command" "" "$bench_dir/$name.jsonl" "$bench_dir/$name.txt"
+head -30 "$bench_dir/$name.txt"
+echo "profile: $bench_dir/$name.txt"
