@@ -52,18 +52,8 @@ done
 dir=${positional[0]:-carry}; device=${positional[1]:-cuda}; dtype=${positional[2]:-bf16}
 graph=${positional[3]:-random:124M}
 here=$(dirname "$0")
-if [ "$dir" = local ]; then
-  root=$here/..
-  host=$root/target/release/wasi-nn-host
-  plain=$root/target/wasm32-wasip2/release-wasm/gpt2_component.wasm
-  component=$root/target/wasm32-wasip2/release-wasm/gpt2_component.preinit.wasm
-  loadgen=$root/target/release/loadgen
-  if [ ! -f "$component" ] || [ "$plain" -nt "$component" ]; then
-    "$host" preinit "$plain" "$component" || exit 1
-  fi
-else
-  host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
-fi
+. "$here/service.sh"
+bench_binaries "$dir" || exit 1
 run=""
 if [ -z "$out" ]; then
   . "$here/manifest.sh"
@@ -86,22 +76,11 @@ most=0
 for c in $levels $extra; do [ "$c" -gt "$most" ] && most=$c; done
 warm=0
 [ "$device" = cuda ] && warm=$most
-"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" --max-instances 320 \
-  --warm-contexts "$warm" \
-  "${graph_args[@]}" 2>/tmp/server-$port.log &
-server=$!
+bench_serve "$port" --device "$device" --dtype "$dtype" --max-instances 320 --warm-contexts "$warm" \
+  "${graph_args[@]}"
+ok=$?
 trap 'kill $server 2>/dev/null' EXIT
-url=http://127.0.0.1:$port
-for _ in $(seq 300); do
-  curl -sf "$url/health" >/dev/null && break
-  kill -0 $server 2>/dev/null || break
-  sleep 0.2
-done
-if ! curl -sf "$url/health" >/dev/null; then
-  echo "the service did not come up; its log:" >&2
-  tail -20 /tmp/server-$port.log >&2
-  exit 1
-fi
+[ $ok = 0 ] || exit 1
 
 failed=0
 for c in $levels $extra; do

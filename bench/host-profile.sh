@@ -7,8 +7,7 @@
 # CUDA driver, the load generator) and by thread and function (the first 150).
 # Usage: bench/host-profile.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options] [-- LOADGEN_ARGS...]
 #   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
-#   checkout's release builds (target/), the component pre-initialised as
-#   bench/concurrency.sh does (otherwise every request would build its tokenizer). GRAPH is a path or random:SIZE, served as `gpt2`;
+#   checkout's release builds (target/), the component pre-initialised (bench/service.sh). GRAPH is a path or random:SIZE, served as `gpt2`;
 #   `embedded` serves the built-in shakespeare model. Defaults: carry cuda bf16 random:124M.
 #   LOADGEN_ARGS go to loadgen after `--no-check` (e.g. `--prompt-file
 #   tests/data/tinyshakespeare.txt --prompt-tokens 4-6`, or `--temperature 1 --top-p 0.95`).
@@ -45,16 +44,8 @@ if ! $perf --version >/dev/null 2>&1; then
   exit 2
 fi
 here=$(dirname "$0")
-if [ "$dir" = local ]; then
-  host=$here/../target/release/wasi-nn-host loadgen=$here/../target/release/loadgen
-  plain=$here/../target/wasm32-wasip2/release-wasm/gpt2_component.wasm
-  component=${plain%.wasm}.preinit.wasm
-  if [ ! -f "$component" ] || [ "$plain" -nt "$component" ]; then
-    "$host" preinit "$plain" "$component" || exit 1
-  fi
-else
-  host=$dir/wasi-nn-host component=$dir/gpt2_component.wasm loadgen=$dir/loadgen
-fi
+. "$here/service.sh"
+bench_binaries "$dir" || exit 1
 . "$here/manifest.sh"
 bench_run_dir "$device" || exit 1
 name=host-profile-$device-$concurrency
@@ -63,23 +54,12 @@ graph_args=(--graph "gpt2=$graph")
 warm=0
 [ "$device" = cuda ] && warm=$concurrency
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-"$host" serve --component "$component" --port "$port" --device "$device" --dtype "$dtype" \
-  --max-instances $(( concurrency + 64 )) --warm-contexts "$warm" "${graph_args[@]}" \
-  2>"/tmp/server-$port.log" &
-server=$!
 scratch=$(mktemp -d)
+bench_serve "$port" --device "$device" --dtype "$dtype" --max-instances $(( concurrency + 64 )) \
+  --warm-contexts "$warm" "${graph_args[@]}"
+ok=$?
 trap 'kill $server 2>/dev/null; rm -rf "$scratch"' EXIT
-url=http://127.0.0.1:$port
-for _ in $(seq 300); do
-  curl -sf "$url/health" >/dev/null && break
-  kill -0 $server 2>/dev/null || break
-  sleep 0.2
-done
-if ! curl -sf "$url/health" >/dev/null; then
-  echo "the service did not come up; its log:" >&2
-  tail -20 "/tmp/server-$port.log" >&2
-  exit 1
-fi
+[ $ok = 0 ] || exit 1
 load() {
   "$loadgen" --url "$url" --concurrency "$concurrency" --max-tokens "$max_tokens" --no-check "${load_args[@]}" "$@"
 }
