@@ -43,18 +43,70 @@ __device__ __forceinline__ T draw_block_reduce(T v, T* scratch, T identity, Op o
     return all;
 }
 
+// f32's estimate of `draw_weight`, for deciding where its error cannot matter: the exponent
+// formed in f64 and rounded (relative error 2^-24 of at most ~104 where the weight is not
+// below f32's range), expf within 2 ulp. Each weight is then within 7e-6 of the f64 one
+// relatively, or 1.2e-38 absolutely where it underflows.
+__device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t) {
+    return l != l ? 0.0f : expf((float)(((double)l - (double)m) * inv_t));
+}
+// How far an f32 estimate of a sum of weights may be from the f64 sum, as a share of the total
+// (which is at least 1: the largest logit weighs exactly 1): the weights' 7e-6 plus a thread's
+// f32 sum of up to DRAW_WALK terms, with margin to spare.
+#define DRAW_FILTER_MARGIN 1e-4
+// Tokens a thread's chunk may hold for its walk to go through shared memory (GPT-2: 50).
+#define DRAW_WALK 128
+static_assert(DRAW_WALK * 6e-8 < DRAW_FILTER_MARGIN / 4, "the estimate's f32 sums stay well inside the margin");
+
+// Step 2 within the chunk [lo, hi) whose weights are `w`, from the cumulative weight `before`
+// at its start: the first id whose cumulative weight passes `target` into `picked`, or the
+// chunk's last weighted id when rounding leaves the target past them all (the CPU's `pick`
+// takes the overall last; a target this close to a chunk's end is a rounding apart anyway).
+__device__ __forceinline__ void draw_walk(const double* w, int lo, int hi, double before, double target,
+                                          int& picked) {
+    double cumulative = before;
+    int pick = -1;
+    for (int i = lo; i < hi; i++) {
+        double wi = w[i - lo];
+        if (wi > 0.0) {
+            pick = i;
+            cumulative += wi;
+            if (cumulative > target) break;
+        }
+    }
+    if (pick >= 0) picked = pick;
+}
+// The same walk by one thread weighing its own chunk as it goes, for chunks past DRAW_WALK.
+__device__ __noinline__ void draw_walk_alone(const float* l, float m, double inv_t, int lo, int hi, double before,
+                                             double target, int& picked) {
+    double cumulative = before;
+    int pick = -1;
+    for (int i = lo; i < hi; i++) {
+        double wi = draw_weight(l[i], m, inv_t);
+        if (wi > 0.0) {
+            pick = i;
+            cumulative += wi;
+            if (cumulative > target) break;
+        }
+    }
+    if (pick >= 0) picked = pick;
+}
+
 // The token `rule` (4 words: 1 / temperature and top_p as f64 bits, the seed, the position
 // drawn for) draws from the `v` logits at `l`, for every thread of the block (which must all
 // call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread weighs a contiguous
 // chunk of ids, so the cumulative weight in id order is a scan over the threads' chunks:
 // thread t's range of it is [incl[t - 1], incl[t]), and exactly one thread's range holds a
-// draw's target.
+// draw's target. That chunk is weighed by warp 0 into shared memory and walked in order by one
+// lane (the sums and order of its own thread's walk, in a few loads' time instead of a chain of
+// them).
 __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     __shared__ double incl[DRAW_THREADS];
     __shared__ double dscratch[DRAW_THREADS / 32];
     __shared__ float fscratch[DRAW_THREADS / 32];
     __shared__ int iscratch[DRAW_THREADS / 32];
-    __shared__ int picked;
+    __shared__ int picked, holder;
+    __shared__ double walk[DRAW_WALK];
     int t = threadIdx.x;
     float m = -INFINITY;
     for (int i = t; i < v; i += DRAW_THREADS) m = fmaxf(m, l[i]);  // fmaxf skips NaN
@@ -101,34 +153,51 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     last = -draw_block_reduce(-last, iscratch, 0x7fffffff, DrawMin());
     for (int k = 0; k < MAX_DRAWS; k++) {
         double target = draw_uniform(seed, position, k) * total;
-        if (t == 0) picked = last;
+        if (t == 0) {
+            picked = last;
+            holder = -1;
+        }
         __syncthreads();
-        if (before_chunk <= target && target < after_chunk) {
-            double cumulative = before_chunk;
-            int pick = -1;
-            for (int i = lo; i < hi; i++) {
-                double w = draw_weight(l[i], m, it);
-                if (w > 0.0) {
-                    pick = i;
-                    cumulative += w;
-                    if (cumulative > target) break;
-                }
+        if (before_chunk <= target && target < after_chunk) holder = t;
+        __syncthreads();
+        int h = holder;
+        if (h >= 0) {
+            int h_lo = min(h * per, v), h_hi = min(h_lo + per, v);
+            bool shared_walk = h_hi - h_lo <= DRAW_WALK;
+            if (shared_walk && warp == 0) {
+                for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it);
+                __syncwarp();
+                if (lane == 0) draw_walk(walk, h_lo, h_hi, h == 0 ? 0.0 : incl[h - 1], target, picked);
+            } else if (!shared_walk && t == h) {
+                draw_walk_alone(l, m, it, lo, hi, before_chunk, target, picked);
             }
-            // the walk ran out by rounding: its last weighted id (the CPU's `pick` takes the
-            // overall last; a target this close to a chunk's end is a rounding apart anyway)
-            if (pick >= 0) picked = pick;
         }
         __syncthreads();
         int x = picked;
         if (p >= 1.0) return x;
         float lx = l[x];
+        // Whether the tokens more likely than x weigh less than p of the total, decided from
+        // f32 weights where their error bound leaves no doubt, else from the f64 weights: the
+        // same answer either way, without an f64 exponential a token in the usual case.
+        double bound = p * total;
+        if (per <= DRAW_WALK) {  // a thread's f32 sum of at most DRAW_WALK weights
+            float rough = 0.0f;
+            for (int j = t; j < v; j += DRAW_THREADS) {
+                float lj = l[j];
+                if (lj > lx || (lj == lx && j < x)) rough += draw_weight_f32(lj, m, it);
+            }
+            double approx = draw_block_reduce((double)rough, dscratch, 0.0, DrawAdd());
+            double margin = DRAW_FILTER_MARGIN * total;
+            if (approx < bound - margin) return x;
+            if (approx > bound + margin) continue;
+        }
         double before = 0.0;
         for (int j = t; j < v; j += DRAW_THREADS) {
             float lj = l[j];
             if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it);
         }
         before = draw_block_reduce(before, dscratch, 0.0, DrawAdd());
-        if (before < p * total) return x;
+        if (before < bound) return x;
     }
     return -1;
 }

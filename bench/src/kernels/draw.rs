@@ -2,7 +2,9 @@
 //! random logits (peaked, flat, with NaN, -inf and +inf, ties), each with its own rule, seed
 //! and position, in one launch. The kernel's token must be the reference's (or both leave the
 //! row undecided, -1): both sum the same f64 weights in another order, so they could only part
-//! where a draw's target falls within about 1e-13 of a token's edge.
+//! where a draw's target falls within about 1e-13 of a token's edge. Rows where the nucleus
+//! check's f32 estimate cannot decide, and a vocabulary whose threads' chunks are too long
+//! for the walk through shared memory, take the kernel's other paths.
 
 use rand::{Rng, SeedableRng};
 use wasi_nn_host::cuda::buffer::DevBuf;
@@ -57,6 +59,19 @@ fn rows(vocab: usize, seed: u64) -> Result<Vec<Row>, EngineError> {
             logits,
             rule,
             position: rng.random_range(0..100_000),
+        });
+    }
+    // Two tokens alike and nothing else, top-p 0.5: a draw of the higher id has exactly half
+    // the total before it, where the kernel's f32 estimate cannot decide and the f64 sum must.
+    let mut logits = vec![f32::NEG_INFINITY; vocab];
+    logits[vocab / 3] = 0.25;
+    logits[vocab - 2] = 0.25;
+    for k in 0..4 {
+        rows.push(Row {
+            logits: logits.clone(),
+            rule: DrawRule::new(1.0, 0.5, rng.random())
+                .map_err(|e| EngineError::device(e.to_string()))?,
+            position: k,
         });
     }
     Ok(rows)
