@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every row of BENCHMARKS.md's real-traffic table (issue 32), on the GPU machine, with its
+# right-sized PyTorch peer in the same call:
+#   bash bench/real-traffic.sh [BIN_DIR]   (default .device/bin: wasi-nn-host, loadgen and
+#                                          gpt2_component.wasm, pre-initialised; xz or not)
+# The peer: bench/torch_gpt2.py's captured step with its static cache sized to the workload
+# (384 positions for 180-220-token prompts and 128 tokens; 136 for the 4-6-token prompts),
+# the token drawn on the GPU (argmax or top-p). Ours: the service (124M, then 1558M, bf16)
+# under loadgen, 128-token completions of prompts cut from TinyShakespeare. Lines as `peer`
+# and `load` print them; the JSON lines go to $OUT (peer*.jsonl, traffic.jsonl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/device-lib.sh
+describe
+nproc
+unpack "${1:-.device/bin}" /tmp/real-traffic-bin
+
+# PyTorch's step (`graph`), its lines into $OUT/$1.jsonl, a line each printed.
+peer() {
+  local name=$1
+  shift
+  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" > "$OUT/$name.jsonl" \
+    2>>"$OUT/peer.err"
+  grep bfloat16 "$OUT/$name.jsonl" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print('peer', r.get('size', ''), 'batch', r['batch'], 'cache', r['cache'], r['sampler'],
+          round(r['graph_tok_per_s']), 'tokens/s', r['graph_ms_per_step'], 'ms a step')"
+}
+peer peer sizes=124M cache=384 sampler=argmax,top_p
+peer peer-136 sizes=124M cache=136 sampler=argmax
+peer peer-1558M sizes=1558M cache=384 sampler=argmax,top_p
+
+SAMPLED=(--temperature 1 --top-p 0.95)
+MIXED=(--long-prompts 0.25:800)
+serve random:124M 256
+load greedy-1 --concurrency 1 --duration 5 --no-check
+load sampled-1 --concurrency 1 --duration 5 "${SAMPLED[@]}" --no-check
+load greedy-64 --concurrency 64 --duration 8 --no-check
+load sampled-64 --concurrency 64 --duration 8 "${SAMPLED[@]}" --no-check
+load sampled-256 --concurrency 256 --duration 8 "${SAMPLED[@]}" --no-check
+load mixed-64 --concurrency 64 --duration 8 "${MIXED[@]}" --no-check
+load mixed-sampled-64 --concurrency 64 --duration 8 "${MIXED[@]}" "${SAMPLED[@]}" --no-check
+load greedy-64-short --concurrency 64 --duration 8 --prompt-tokens 4-6 --no-check
+load greedy-256-short --concurrency 256 --duration 8 --prompt-tokens 4-6 --no-check
+# the texts of 64 greedy streams against their prompts alone
+load greedy-64-check --concurrency 64 --requests 1
+stop
+serve random:1558M 64
+load 1558M-greedy-64 --concurrency 64 --duration 8 --no-check
+load 1558M-sampled-64 --concurrency 64 --duration 8 "${SAMPLED[@]}" --no-check
+stop
+echo "end $(date +%T)"
