@@ -46,7 +46,8 @@ __device__ __forceinline__ T draw_block_reduce(T v, T* scratch, T identity, Op o
 // f32's estimate of `draw_weight`, for deciding where its error cannot matter: the exponent
 // formed in f64 and rounded (relative error 2^-24 of at most ~104 where the weight is not
 // below f32's range), expf within 2 ulp. Each weight is then within 7e-6 of the f64 one
-// relatively, or 1.2e-38 absolutely where it underflows.
+// relatively, or 1.2e-38 absolutely where it underflows. (expf's 2 ulp is NVIDIA's tested bound;
+// the margin below leaves room for ten times more.)
 __device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t) {
     return l != l ? 0.0f : expf((float)(((double)l - (double)m) * inv_t));
 }
@@ -56,7 +57,7 @@ __device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t)
 #define DRAW_FILTER_MARGIN 1e-4
 // Tokens a thread's chunk may hold for its walk to go through shared memory (GPT-2: 50).
 #define DRAW_WALK 128
-static_assert(DRAW_WALK * 6e-8 < DRAW_FILTER_MARGIN / 4, "the estimate's f32 sums stay well inside the margin");
+static_assert(7e-6 + DRAW_WALK * 6e-8 < DRAW_FILTER_MARGIN / 4, "the estimate stays well inside the margin");
 
 // Step 2 within the chunk [lo, hi) whose weights are `w`, from the cumulative weight `before`
 // at its start: the first id whose cumulative weight passes `target` into `picked`, or the
@@ -96,8 +97,8 @@ __device__ __noinline__ void draw_walk_alone(const float* l, float m, double inv
 // drawn for) draws from the `v` logits at `l`, for every thread of the block (which must all
 // call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread weighs a contiguous
 // chunk of ids, so the cumulative weight in id order is a scan over the threads' chunks:
-// thread t's range of it is [incl[t - 1], incl[t]), and exactly one thread's range holds a
-// draw's target. That chunk is weighed by warp 0 into shared memory and walked in order by one
+// thread t's range of it is [incl[t - 1], incl[t]), and one weighted thread's range holds a
+// draw's target (or, past every range by rounding, none: then the last weighted id). That chunk is weighed by warp 0 into shared memory and walked in order by one
 // lane (the sums and order of its own thread's walk, in a few loads' time instead of a chain of
 // them).
 __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
@@ -158,7 +159,9 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             holder = -1;
         }
         __syncthreads();
-        if (before_chunk <= target && target < after_chunk) holder = t;
+        // (a chunk weighing nothing can hold the target only by the scan's rounding; its walk
+        // would pick nothing)
+        if (before_chunk <= target && target < after_chunk && chunk > 0.0) holder = t;
         __syncthreads();
         int h = holder;
         if (h >= 0) {

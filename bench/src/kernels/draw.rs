@@ -61,15 +61,23 @@ fn rows(vocab: usize, seed: u64) -> Result<Vec<Row>, EngineError> {
             position: rng.random_range(0..100_000),
         });
     }
-    // Two tokens alike and nothing else, top-p 0.5: a draw of the higher id has exactly half
-    // the total before it, where the kernel's f32 estimate cannot decide and the f64 sum must.
+    // Two tokens alike and nothing else: a draw of the higher id has exactly half the total
+    // before it, where the kernel's f32 estimate cannot decide and the f64 sum must: with
+    // top-p 0.5 it is rejected, with the next f32 above 0.5 kept. Each row's first draw takes
+    // the higher id with odds 1/2, so over the rows and vocabularies both outcomes come up.
     let mut logits = vec![f32::NEG_INFINITY; vocab];
     logits[vocab / 3] = 0.25;
     logits[vocab - 2] = 0.25;
-    for k in 0..4 {
+    let just_above_half = f32::from_bits(0.5f32.to_bits() + 1);
+    for (k, top_p) in [0.5, just_above_half]
+        .into_iter()
+        .cycle()
+        .take(8)
+        .enumerate()
+    {
         rows.push(Row {
             logits: logits.clone(),
-            rule: DrawRule::new(1.0, 0.5, rng.random())
+            rule: DrawRule::new(1.0, top_p, rng.random())
                 .map_err(|e| EngineError::device(e.to_string()))?,
             position: k,
         });
