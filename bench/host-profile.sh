@@ -4,7 +4,9 @@
 # the run's results folder (bench/results/<date>-<gpu>-<commit>/, with its manifest; see
 # bench/manifest.sh), the load's JSON line and the profile three ways: by thread name, by
 # thread and object (the service's code, the kernel, the guests' compiled code, libc, the
-# CUDA driver, the load generator) and by thread and function (the first 150).
+# CUDA driver, the load generator) and by thread and function (the first 150). With
+# --callers, the service's own call graph instead: each function with the share of the
+# service's samples spent in it and below it, and the callers that share comes through.
 # Usage: bench/host-profile.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options] [-- LOADGEN_ARGS...]
 #   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
 #   checkout's release builds (target/), the component pre-initialised (bench/service.sh). GRAPH is a path or random:SIZE, served as `gpt2`;
@@ -17,12 +19,17 @@
 #   --record S        seconds recorded, from 3 s into the load (default 5); the load lasts S + 6
 #   --frequency HZ    samples a second a CPU (default 999)
 #   --port N          the service's port (default 18124)
+#   --callers         record the service alone with call graphs (`perf record -g -p`); its
+#                     binary must keep frame pointers, e.g. built with
+#                     RUSTFLAGS="-C force-frame-pointers=yes" into another target folder
+#                     (without them a chain stops at the first frame of the service's code)
 # PERF names the perf command (default `perf`); the machine must allow system-wide sampling
 # (perf_event_paranoid <= 0, or root). A build without debug information still has its
-# function names; call graphs are not recorded (the release build keeps no frame pointers).
+# function names.
 set -uo pipefail
 command="bench/host-profile.sh${*:+$(printf ' %q' "$@")}"
 positional=() concurrency=256 max_tokens=128 record=5 frequency=999 port=18124 load_args=()
+callers=0
 while [ $# -gt 0 ]; do
   case $1 in
     --concurrency) concurrency=$2; shift ;;
@@ -30,6 +37,7 @@ while [ $# -gt 0 ]; do
     --record) record=$2; shift ;;
     --frequency) frequency=$2; shift ;;
     --port) port=$2; shift ;;
+    --callers) callers=1 ;;
     --) shift; load_args=("$@"); break ;;
     --*) echo "unknown option $1 (see the usage at the top of $0)" >&2; exit 2 ;;
     *) positional+=("$1") ;;
@@ -49,6 +57,7 @@ bench_binaries "$dir" || exit 1
 . "$here/manifest.sh"
 bench_run_dir "$device" || exit 1
 name=host-profile-$device-$concurrency
+[ $callers = 1 ] && name=$name-callers
 graph_args=(--graph "gpt2=$graph")
 [ "$graph" = embedded ] && graph_args=()
 warm=0
@@ -68,22 +77,38 @@ load --duration 3 >/dev/null || exit 1
 load --duration $(( record + 6 )) --label "$name" --json-out "$bench_dir/$name.jsonl" >/dev/null &
 loader=$!
 sleep 3
-$perf record -a -F "$frequency" -o "$scratch/perf.data" -- sleep "$record" 2>"$scratch/record.log" ||
+scope=(-a)
+[ $callers = 1 ] && scope=(-g -p "$server")
+$perf record "${scope[@]}" -F "$frequency" -o "$scratch/perf.data" -- sleep "$record" \
+  2>"$scratch/record.log" ||
   { echo "perf record failed:" >&2; cat "$scratch/record.log" >&2; exit 1; }
 wait $loader || { echo "loadgen failed" >&2; exit 1; }
 report() {
   $perf report -i "$scratch/perf.data" --no-children --stdio --sort "$1" 2>/dev/null |
     grep -v '^#' | grep -v '^$' | head -"$2"
 }
-{
-  echo "# $command"
-  echo "# samples by thread name"
-  report comm 20
-  echo "# by thread name and object"
-  report comm,dso 30
-  echo "# by thread name and function"
-  report comm,sym 150
-} > "$bench_dir/$name.txt"
+if [ $callers = 1 ]; then
+  # the caller chains of a per-process record (a system-wide one with chains took too long to
+  # report), bounded in time all the same
+  {
+    echo "# $command"
+    echo "# the service's functions: share of its samples in and below each (children), then"
+    echo "# the callers that share came through, 1.5% and up"
+    timeout 300 $perf report -i "$scratch/perf.data" --children --stdio --sort sym \
+      --percent-limit 1.5 -g caller,0.5,callee,function,percent 2>/dev/null |
+      grep -v '^#' | grep -v '^$' | head -600
+  } > "$bench_dir/$name.txt"
+else
+  {
+    echo "# $command"
+    echo "# samples by thread name"
+    report comm 20
+    echo "# by thread name and object"
+    report comm,dso 30
+    echo "# by thread name and function"
+    report comm,sym 150
+  } > "$bench_dir/$name.txt"
+fi
 bench_record "$bench_dir" "$command" "" "$bench_dir/$name.jsonl" "$bench_dir/$name.txt"
 head -30 "$bench_dir/$name.txt"
 echo "profile: $bench_dir/$name.txt"
