@@ -98,9 +98,9 @@ __device__ __noinline__ void draw_walk_alone(const float* l, float m, double inv
 // call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread weighs a contiguous
 // chunk of ids, so the cumulative weight in id order is a scan over the threads' chunks:
 // thread t's range of it is [incl[t - 1], incl[t]), and one weighted thread's range holds a
-// draw's target (or, past every range by rounding, none: then the last weighted id). That chunk is weighed by warp 0 into shared memory and walked in order by one
-// lane (the sums and order of its own thread's walk, in a few loads' time instead of a chain of
-// them).
+// draw's target (or, past every range by rounding, none: then the last weighted id). That
+// chunk is weighed by warp 0 into shared memory and walked in order by one lane (the sums and
+// order of its own thread's walk, in a few loads' time instead of a chain of them).
 __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     __shared__ double incl[DRAW_THREADS];
     __shared__ double dscratch[DRAW_THREADS / 32];
