@@ -59,31 +59,17 @@ __device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t)
 #define DRAW_WALK 128
 static_assert(7e-6 + DRAW_WALK * 6e-8 < DRAW_FILTER_MARGIN / 4, "the estimate stays well inside the margin");
 
-// Step 2 within the chunk [lo, hi) whose weights are `w`, from the cumulative weight `before`
-// at its start: the first id whose cumulative weight passes `target` into `picked`, or the
-// chunk's last weighted id when rounding leaves the target past them all (the CPU's `pick`
-// takes the overall last; a target this close to a chunk's end is a rounding apart anyway).
-__device__ __forceinline__ void draw_walk(const double* w, int lo, int hi, double before, double target,
-                                          int& picked) {
+// Step 2 within the chunk [lo, hi), `weight(i)` giving id i's weight, from the cumulative
+// weight `before` at its start: the first id whose cumulative weight passes `target` into
+// `picked`, or the chunk's last weighted id when rounding leaves the target past them all (the
+// CPU's `pick` takes the overall last; a target this close to a chunk's end is a rounding apart
+// anyway). Out of line: it runs once a draw, by one thread.
+template <typename Weight>
+__device__ __noinline__ void draw_walk(Weight weight, int lo, int hi, double before, double target, int& picked) {
     double cumulative = before;
     int pick = -1;
     for (int i = lo; i < hi; i++) {
-        double wi = w[i - lo];
-        if (wi > 0.0) {
-            pick = i;
-            cumulative += wi;
-            if (cumulative > target) break;
-        }
-    }
-    if (pick >= 0) picked = pick;
-}
-// The same walk by one thread weighing its own chunk as it goes, for chunks past DRAW_WALK.
-__device__ __noinline__ void draw_walk_alone(const float* l, float m, double inv_t, int lo, int hi, double before,
-                                             double target, int& picked) {
-    double cumulative = before;
-    int pick = -1;
-    for (int i = lo; i < hi; i++) {
-        double wi = draw_weight(l[i], m, inv_t);
+        double wi = weight(i);
         if (wi > 0.0) {
             pick = i;
             cumulative += wi;
@@ -170,9 +156,14 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             if (shared_walk && warp == 0) {
                 for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it);
                 __syncwarp();
-                if (lane == 0) draw_walk(walk, h_lo, h_hi, h == 0 ? 0.0 : incl[h - 1], target, picked);
+                if (lane == 0) {
+                    auto staged = [&](int i) { return walk[i - h_lo]; };
+                    draw_walk(staged, h_lo, h_hi, h == 0 ? 0.0 : incl[h - 1], target, picked);
+                }
             } else if (!shared_walk && t == h) {
-                draw_walk_alone(l, m, it, lo, hi, before_chunk, target, picked);
+                // a chunk past DRAW_WALK: its own thread weighs it as it walks
+                auto weighed = [&](int i) { return draw_weight(l[i], m, it); };
+                draw_walk(weighed, lo, hi, before_chunk, target, picked);
             }
         }
         __syncthreads();
