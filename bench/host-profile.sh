@@ -5,8 +5,10 @@
 # bench/manifest.sh), the load's JSON line and the profile three ways: by thread name, by
 # thread and object (the service's code, the kernel, the guests' compiled code, libc, the
 # CUDA driver, the load generator) and by thread and function (the first 150). With
-# --callers, the service's own call graph instead: each function with the share of the
-# service's samples spent in it and below it, and the callers that share comes through.
+# --callers, the service's own call graph instead: its functions by the share of its
+# samples spent in and below each, then by their own share, then the callers each share
+# comes through; and every sampled stack folded (NAME.folded.xz, bench/fold-stacks.py), the
+# guests' functions named through wasmtime's perf map (WASI_NN_HOST_PERF_MAP).
 # Usage: bench/host-profile.sh [DIR [DEVICE [DTYPE [GRAPH]]]] [options] [-- LOADGEN_ARGS...]
 #   DIR holds wasi-nn-host, gpt2_component.wasm and loadgen; `local` takes them from this
 #   checkout's release builds (target/), the component pre-initialised (bench/service.sh). GRAPH is a path or random:SIZE, served as `gpt2`;
@@ -58,6 +60,8 @@ bench_binaries "$dir" || exit 1
 bench_run_dir "$device" || exit 1
 name=host-profile-$device-$concurrency
 [ $callers = 1 ] && name=$name-callers
+# the guests' compiled functions named for perf (wasmtime's perf map)
+[ $callers = 1 ] && export WASI_NN_HOST_PERF_MAP=1
 graph_args=(--graph "gpt2=$graph")
 [ "$graph" = embedded ] && graph_args=()
 warm=0
@@ -92,12 +96,20 @@ if [ $callers = 1 ]; then
   # report), bounded in time all the same
   {
     echo "# $command"
-    echo "# the service's functions: share of its samples in and below each (children), then"
-    echo "# the callers that share came through, 1.5% and up"
+    echo "# the service's functions by their share of its samples in and below each (children)"
+    timeout 300 $perf report -i "$scratch/perf.data" --children --stdio --sort sym -g none \
+      --percent-limit 0.3 2>/dev/null | grep -v '^#' | grep -v '^$' | head -250
+    echo "# by their own share (self)"
+    $perf report -i "$scratch/perf.data" --no-children --stdio --sort sym -g none 2>/dev/null |
+      grep -v '^#' | grep -v '^$' | head -100
+    echo "# the callers each share came through, 1.5% and up"
     timeout 300 $perf report -i "$scratch/perf.data" --children --stdio --sort sym \
       --percent-limit 1.5 -g caller,0.5,callee,function,percent 2>/dev/null |
-      grep -v '^#' | grep -v '^$' | head -600
+      grep -v '^#' | grep -v '^$' | head -1500
   } > "$bench_dir/$name.txt"
+  # every sampled stack, folded (bench/fold-stacks.py), for any other cut of the profile
+  timeout 300 $perf script -i "$scratch/perf.data" -F comm,ip,sym 2>/dev/null |
+    python3 "$here/fold-stacks.py" | xz -T0 > "$bench_dir/$name.folded.xz"
 else
   {
     echo "# $command"
@@ -109,6 +121,8 @@ else
     report comm,sym 150
   } > "$bench_dir/$name.txt"
 fi
-bench_record "$bench_dir" "$command" "" "$bench_dir/$name.jsonl" "$bench_dir/$name.txt"
+files=("$bench_dir/$name.jsonl" "$bench_dir/$name.txt")
+[ $callers = 1 ] && files+=("$bench_dir/$name.folded.xz")
+bench_record "$bench_dir" "$command" "" "${files[@]}"
 head -30 "$bench_dir/$name.txt"
 echo "profile: $bench_dir/$name.txt"

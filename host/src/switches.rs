@@ -160,6 +160,9 @@ pub struct Measurement {
     pub persistent_trace: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
+    /// wasmtime writes `/tmp/perf-PID.map`, naming the guests' compiled functions for `perf`
+    /// (`PERF_MAP`; `bench/host-profile.sh` sets it).
+    pub perf_map: bool,
     pub skip: Skip,
 }
 
@@ -245,6 +248,7 @@ impl Switches {
                 persistent_slot: number("PERSISTENT_SLOT"),
                 persistent_trace: set("PERSISTENT_TRACE"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
+                perf_map: set("PERF_MAP"),
                 skip: Skip {
                     attn: has("attn"),
                     qkv: has("qkv"),

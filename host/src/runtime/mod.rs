@@ -34,8 +34,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, Linker, PoolingAllocationConfig, Store,
-    StoreLimits, StoreLimitsBuilder, UpdateDeadline,
+    Config, Engine, InstanceAllocationStrategy, Linker, PoolingAllocationConfig, ProfilingStrategy,
+    Store, StoreLimits, StoreLimitsBuilder, UpdateDeadline,
 };
 
 /// Errors of the host library.
@@ -330,6 +330,9 @@ impl HostBuilder {
         config.consume_fuel(self.metered);
         // a guest's memory starts as a copy-on-write mapping of its module's initial image
         config.memory_init_cow(true);
+        if crate::switches::get().measurement.perf_map {
+            config.profiler(ProfilingStrategy::PerfMap);
+        }
         if let Some(pool) = &self.pool {
             config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool.wasmtime_config()));
         }
