@@ -14,6 +14,7 @@ use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -43,6 +44,16 @@ pub fn router(service: Arc<Service>) -> Router {
         .with_state(service)
 }
 
+/// Each streamed token is a small write of its own: without TCP_NODELAY, Nagle's algorithm
+/// holds it until the client acknowledges the one before, which a client's delayed
+/// acknowledgement can put off by tens of milliseconds (40 ms stalls in the gaps of a client
+/// reading many streams on two threads).
+fn prepare_connection(tcp: &mut tokio::net::TcpStream) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!("cannot set TCP_NODELAY on a connection: {e}");
+    }
+}
+
 /// Serve `service` on `listener` until `shutdown` completes; then drain: answer `/health`
 /// with 503 while still accepting for
 /// [`ServiceConfig::shutdown_delay`](super::ServiceConfig::shutdown_delay), stop accepting,
@@ -57,6 +68,7 @@ pub async fn serve(
     let signalled = Arc::new(tokio::sync::Notify::new());
     let notify = signalled.clone();
     let draining = service.clone();
+    let listener = listener.tap_io(prepare_connection);
     let server =
         axum::serve(listener, router(service.clone())).with_graceful_shutdown(async move {
             shutdown.await;
@@ -134,4 +146,24 @@ async fn check_api_key(
 /// Equal, in time that does not depend on where they differ.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prepare_connection;
+
+    #[tokio::test]
+    async fn accepted_connections_send_small_writes_at_once() -> std::io::Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let client = tokio::net::TcpStream::connect(listener.local_addr()?).await?;
+        let (mut accepted, _) = listener.accept().await?;
+        assert!(
+            !accepted.nodelay()?,
+            "a socket starts with Nagle's algorithm on"
+        );
+        prepare_connection(&mut accepted);
+        assert!(accepted.nodelay()?);
+        drop(client);
+        Ok(())
+    }
 }
