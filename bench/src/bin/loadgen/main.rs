@@ -24,22 +24,27 @@
 //! (`failed`, the first `errors` with when each was sent and how long it took to fail) and
 //! its client goes on with the next; `--request-timeout` bounds every request.
 //!
+//! The clients' streams share `--client-threads` threads (default 2; `stream.rs`), so that
+//! on the machine it measures the load generator takes little of the service's cores.
+//!
 //! Usage: loadgen --url URL --concurrency N (--requests M | --duration S) --max-tokens T
 //!        [--temperature T --top-p P --seed S] [--prompt-file FILE --prompt-tokens MIN-MAX
 //!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
-//!        [--no-check] [--keep-going] [--request-timeout SECONDS]
+//!        [--no-check] [--keep-going] [--request-timeout SECONDS] [--client-threads N]
 
 mod chunk;
 mod cycle;
 mod failures;
 mod prompts;
+mod stream;
 
 use anyhow::{bail, Context, Result};
-use chunk::Event;
 use clap::Parser;
 use prompts::{Lengths, Prompt, Prompts};
-use std::io::{BufRead, Write};
+use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stream::{Client, Stream, Target};
 
 #[derive(Parser)]
 struct Args {
@@ -97,25 +102,17 @@ struct Args {
     /// (texts are checked on the requests that succeeded).
     #[arg(long)]
     keep_going: bool,
+    /// Threads the clients' streams share (each thread reads whichever of its connections
+    /// have data).
+    #[arg(long, default_value_t = 2)]
+    client_threads: usize,
     /// Give up on a request (its whole stream) after this many seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
     request_timeout: f64,
 }
 
-/// What one streamed completion looked like from the client.
-struct Stream {
-    /// From sending the request to the first piece with text (or, with none, to the final
-    /// chunk of a completion that has tokens).
-    ttft_ms: Option<f64>,
-    /// Between successive pieces, in ms.
-    gaps_ms: Vec<f64>,
-    /// `usage.completion_tokens` of the final chunk.
-    tokens: usize,
-    text: String,
-}
-
-/// An HTTP client whose error answers reach [`stream_one`] (which shows their bodies), each
-/// call bounded by `timeout`.
+/// A blocking HTTP client for the one-shot calls (cutting the prompts, the service's
+/// counters), whose error answers come back as answers, each call bounded by `timeout`.
 fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -124,8 +121,8 @@ fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
-/// Stream one completion of prompt `k`.
-fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &Prompt, k: usize) -> Result<Stream> {
+/// The request of prompt `k`: a streamed completion with its usage.
+fn request_body(args: &Args, prompt: &Prompt, k: usize) -> serde_json::Value {
     let mut body = serde_json::json!({ "prompt": prompt.json(), "max_tokens": args.max_tokens,
                                        "temperature": args.temperature, "stream": true,
                                        "stream_options": { "include_usage": true } });
@@ -138,59 +135,7 @@ fn stream_one(agent: &ureq::Agent, args: &Args, prompt: &Prompt, k: usize) -> Re
     if let Some(model) = &args.model {
         body["model"] = model.as_str().into();
     }
-    let sent = Instant::now();
-    let response = agent
-        .post(format!("{}/v1/completions", args.url))
-        .send_json(&body)?;
-    let status = response.status();
-    if !status.is_success() {
-        let text = response.into_body().read_to_string().unwrap_or_default();
-        bail!("HTTP {status}: {text}");
-    }
-    let mut reader = std::io::BufReader::new(response.into_body().into_reader());
-    let (mut ttft, mut last, mut gaps_ms) = (None, None::<Instant>, Vec::new());
-    let mut text = String::new();
-    let mut tokens = None;
-    // one buffer for every line (see `chunk.rs` for why it matters)
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if reader.read_line(&mut line)? == 0 {
-            break;
-        }
-        let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data: ") else {
-            continue;
-        };
-        let now = Instant::now();
-        if data == "[DONE]" {
-            let tokens = tokens.context("stream ended without usage")?;
-            return Ok(Stream {
-                ttft_ms: ttft.map(|t: Duration| t.as_secs_f64() * 1e3),
-                gaps_ms,
-                tokens,
-                text,
-            });
-        }
-        let piece = match chunk::parse(data)? {
-            Event::Usage(n) => {
-                tokens = Some(n as usize);
-                if ttft.is_none() && n > 0 {
-                    ttft = Some(now - sent);
-                }
-                continue;
-            }
-            Event::Nothing => continue,
-            Event::Text(piece) => piece,
-        };
-        text.push_str(&piece);
-        if let Some(last) = last {
-            gaps_ms.push((now - last).as_secs_f64() * 1e3);
-        } else {
-            ttft = Some(now - sent);
-        }
-        last = Some(now);
-    }
-    bail!("stream ended without [DONE]")
+    body
 }
 
 /// Time to first token and gaps of some of the streams.
@@ -257,16 +202,75 @@ fn first_difference(a: &str, b: &str) -> String {
     )
 }
 
+/// Each done request of a client, or its failure.
+type Outcomes = Vec<Result<Done, failures::Failure>>;
+
+/// Client `client`'s requests, back to back: `--requests` of them, or with a `duration`
+/// until that much time has passed since `start`; it stops at its first failure unless
+/// `--keep-going`.
+async fn run_client(
+    client: usize,
+    args: &Args,
+    all: &[Prompt],
+    mut http: Client,
+    start: Instant,
+    duration: Option<Duration>,
+) -> Outcomes {
+    let rounds = match duration {
+        Some(_) => usize::MAX,
+        None => args.requests,
+    };
+    let prompts = all.len();
+    let mut outcomes = Vec::new();
+    for round in 0..rounds {
+        if duration.is_some_and(|d| start.elapsed() >= d) {
+            break;
+        }
+        let k = (round * args.concurrency + client) % prompts;
+        let sent_s = start.elapsed().as_secs_f64();
+        let outcome = http
+            .stream(&request_body(args, &all[k], k))
+            .await
+            .map(|stream| Done {
+                client,
+                round,
+                prompt: k,
+                sent_s,
+                stream,
+            })
+            .map_err(|e| failures::Failure {
+                sent_s,
+                failed_after_s: start.elapsed().as_secs_f64() - sent_s,
+                error: format!("client {client}, request {round}, prompt {k}: {e:#}"),
+            });
+        let failed = outcome.is_err();
+        outcomes.push(outcome);
+        if failed && !args.keep_going {
+            break;
+        }
+    }
+    outcomes
+}
+
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let args = Arc::new(Args::parse());
     if args.concurrency == 0 || args.requests == 0 {
         bail!("--concurrency and --requests must be at least 1");
     }
     if !(args.request_timeout.is_finite() && args.request_timeout > 0.0) {
         bail!("--request-timeout must be a positive number of seconds");
     }
+    if args.client_threads == 0 {
+        bail!("--client-threads must be at least 1");
+    }
     let timeout = Duration::from_secs_f64(args.request_timeout);
     let agent = || agent(timeout);
+    let target = Target::parse(&args.url)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.client_threads)
+        .enable_all()
+        .build()
+        .context("starting the clients' threads")?;
     let duration = match args.duration {
         Some(d) if !(d.is_finite() && d > 0.0) => {
             bail!("--duration must be a positive number of seconds")
@@ -284,8 +288,7 @@ fn main() -> Result<()> {
         }
     };
     let prompts = args.prompts.unwrap_or(args.concurrency).max(1);
-    let all: Vec<Prompt> = (0..prompts).map(|k| source.get(k)).collect();
-    let prompt_of = |client: usize, round: usize| (round * args.concurrency + client) % prompts;
+    let all: Arc<Vec<Prompt>> = Arc::new((0..prompts).map(|k| source.get(k)).collect());
     // a timed run may come round to every prompt
     let used = match duration {
         Some(_) => prompts,
@@ -297,9 +300,10 @@ fn main() -> Result<()> {
     let mut single_tokens = 0;
     let single_start = Instant::now();
     if !args.no_check {
-        let agent = agent();
+        let mut client = Client::new(target.clone(), timeout);
         for (k, prompt) in all.iter().enumerate().take(used) {
-            let s = stream_one(&agent, &args, prompt, k)
+            let s = runtime
+                .block_on(client.stream(&request_body(&args, prompt, k)))
                 .with_context(|| format!("single stream of prompt {k}"))?;
             single_tokens += s.tokens;
             reference.push(s.text);
@@ -311,56 +315,38 @@ fn main() -> Result<()> {
     let start = Instant::now();
     // each client's requests in order, each done or failed; a client stops at its first
     // failure unless --keep-going
-    type Outcomes = Vec<Result<Done, failures::Failure>>;
-    let results: Vec<std::thread::Result<Outcomes>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..args.concurrency)
-            .map(|client| {
-                let (args, all) = (&args, &all);
-                scope.spawn(move || {
-                    let agent = agent();
-                    let rounds = match duration {
-                        Some(_) => usize::MAX,
-                        None => args.requests,
-                    };
-                    let mut outcomes = Vec::new();
-                    for round in 0..rounds {
-                        if duration.is_some_and(|d| start.elapsed() >= d) {
-                            break;
-                        }
-                        let k = prompt_of(client, round);
-                        let sent_s = start.elapsed().as_secs_f64();
-                        let outcome = stream_one(&agent, args, &all[k], k)
-                            .map(|stream| Done {
-                                client,
-                                round,
-                                prompt: k,
-                                sent_s,
-                                stream,
-                            })
-                            .map_err(|e| failures::Failure {
-                                sent_s,
-                                failed_after_s: start.elapsed().as_secs_f64() - sent_s,
-                                error: format!(
-                                    "client {client}, request {round}, prompt {k}: {e:#}"
-                                ),
-                            });
-                        let failed = outcome.is_err();
-                        outcomes.push(outcome);
-                        if failed && !args.keep_going {
-                            break;
-                        }
-                    }
-                    outcomes
+    let results: Vec<Outcomes> = runtime
+        .block_on(async {
+            let clients: Vec<_> = (0..args.concurrency)
+                .map(|client| {
+                    let (args, all) = (args.clone(), all.clone());
+                    let target = target.clone();
+                    tokio::spawn(async move {
+                        run_client(
+                            client,
+                            &args,
+                            &all,
+                            Client::new(target, timeout),
+                            start,
+                            duration,
+                        )
+                        .await
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join()).collect()
-    });
+                .collect();
+            let mut results = Vec::new();
+            for handle in clients {
+                results.push(handle.await);
+            }
+            results
+        })
+        .into_iter()
+        .map(|joined| joined.map_err(|_| anyhow::anyhow!("a client panicked")))
+        .collect::<Result<_>>()?;
     let seconds = start.elapsed().as_secs_f64();
     let cycle = cycle::Totals::fetch(&agent(), &args.url).since(&cycle_before);
     let (mut done, mut failed) = (Vec::new(), failures::Failures::default());
     for outcomes in results {
-        let outcomes = outcomes.map_err(|_| anyhow::anyhow!("a client panicked"))?;
         for outcome in outcomes {
             match outcome {
                 Ok(d) => done.push(d),
