@@ -100,7 +100,7 @@ if [ $callers = 1 ]; then
     timeout 300 $perf report -i "$scratch/perf.data" --children --stdio --sort sym -g none \
       --percent-limit 0.3 2>/dev/null | grep -v '^#' | grep -v '^$' | head -250
     echo "# by their own share (self)"
-    $perf report -i "$scratch/perf.data" --no-children --stdio --sort sym -g none 2>/dev/null |
+    timeout 300 $perf report -i "$scratch/perf.data" --no-children --stdio --sort sym -g none 2>/dev/null |
       grep -v '^#' | grep -v '^$' | head -100
     echo "# the callers each share came through, 1.5% and up"
     timeout 300 $perf report -i "$scratch/perf.data" --children --stdio --sort sym \

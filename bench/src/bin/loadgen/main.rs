@@ -102,8 +102,8 @@ struct Args {
     /// (texts are checked on the requests that succeeded).
     #[arg(long)]
     keep_going: bool,
-    /// Threads the clients' streams share (each thread reads whichever of its connections
-    /// have data).
+    /// Threads the clients' streams share (the threads read whichever connections have
+    /// data).
     #[arg(long, default_value_t = 2)]
     client_threads: usize,
     /// Give up on a request (its whole stream) after this many seconds.

@@ -40,6 +40,9 @@ impl Target {
         if uri.scheme_str() != Some("http") {
             bail!("--url {url}: only http:// URLs are supported");
         }
+        if !matches!(uri.path(), "" | "/") {
+            bail!("--url {url}: a path is not supported (the routes are the service's own)");
+        }
         let authority = uri.authority().context("--url has no host")?;
         let port = authority.port_u16().unwrap_or(80);
         Ok(Self {
@@ -48,7 +51,9 @@ impl Target {
     }
 }
 
-/// One client: its connection, kept open across its requests (as a pooled client keeps it).
+/// One client: its connection, kept open across its requests (the thread-a-stream client before
+/// it opened one a request: it returned at `[DONE]`, before its body's end, so its pool never
+/// got the connection back).
 pub struct Client {
     target: Target,
     sender: Option<SendRequest<Full<Bytes>>>,
@@ -65,11 +70,13 @@ impl Client {
         }
     }
 
-    /// The open connection, or a new one if there is none or the last one closed.
-    async fn ready(&mut self) -> Result<&mut SendRequest<Full<Bytes>>> {
+    /// The open connection (and `true`: it served a request before), or a new one if there
+    /// is none or the last one closed.
+    async fn ready(&mut self) -> Result<(&mut SendRequest<Full<Bytes>>, bool)> {
         if let Some(sender) = self.sender.as_mut() {
             if sender.ready().await.is_ok() {
-                return self.sender.as_mut().context("the connection went away");
+                let sender = self.sender.as_mut().context("the connection went away")?;
+                return Ok((sender, true));
             }
         }
         let tcp = TcpStream::connect(&self.target.authority)
@@ -82,7 +89,7 @@ impl Client {
             // the connection's errors reach the request that was using it
             let _ = connection.await;
         });
-        Ok(self.sender.insert(sender))
+        Ok((self.sender.insert(sender), false))
     }
 
     /// Stream one completion: POST `body` (JSON) to `/v1/completions` and read its events
@@ -100,12 +107,28 @@ impl Client {
     }
 
     async fn stream_unbounded(&mut self, body: &serde_json::Value) -> Result<Stream> {
-        let request = Request::post("/v1/completions")
-            .header(HOST, &self.target.authority)
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
+        let bytes = Bytes::from(serde_json::to_vec(body)?);
+        let request = || {
+            Request::post("/v1/completions")
+                .header(HOST, &self.target.authority)
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(bytes.clone()))
+        };
+        let (first, second) = (request()?, request()?);
         let sent = Instant::now();
-        let response = self.ready().await?.send_request(request).await?;
+        let (sender, reused) = self.ready().await?;
+        let response = match sender.send_request(first).await {
+            Ok(response) => response,
+            // A kept connection the server closed between requests (its close not seen yet)
+            // fails before any answer: the request goes once more on a new connection, as a
+            // pooling client retries it (a completion request is safe to repeat).
+            Err(_) if reused => {
+                self.sender = None;
+                let (sender, _) = self.ready().await?;
+                sender.send_request(second).await?
+            }
+            Err(e) => return Err(e.into()),
+        };
         let status = response.status();
         if !status.is_success() {
             let bytes = response.into_body().collect().await?.to_bytes();
@@ -115,7 +138,8 @@ impl Client {
     }
 }
 
-/// The streamed events of a completion's body, each line timed when its bytes arrived.
+/// The streamed events of a completion's body, each line timed when this task reads its frame
+/// (after the client threads' own queueing, which `--client-threads` bounds).
 async fn read_events(mut body: Incoming, sent: Instant) -> Result<Stream> {
     let mut reader = Events::new(sent);
     let mut pending: Vec<u8> = Vec::new();
@@ -259,6 +283,7 @@ mod tests {
         );
         assert_eq!(Target::parse("http://localhost")?.authority, "localhost:80");
         assert!(Target::parse("https://example.com").is_err());
+        assert!(Target::parse("http://localhost:8000/prefix").is_err());
         Ok(())
     }
 }
