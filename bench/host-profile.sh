@@ -108,8 +108,8 @@ if [ $callers = 1 ]; then
       grep -v '^#' | grep -v '^$' | head -1500
   } > "$bench_dir/$name.txt"
   # every sampled stack, folded (bench/fold-stacks.py), for any other cut of the profile
-  timeout 300 $perf script -i "$scratch/perf.data" -F comm,ip,sym 2>/dev/null |
-    python3 "$here/fold-stacks.py" | xz -T0 > "$bench_dir/$name.folded.xz"
+  timeout 300 $perf script -i "$scratch/perf.data" -F comm,ip,sym,dso 2>/dev/null |
+    python3 "$here/fold-stacks.py" --dso | xz -T0 > "$bench_dir/$name.folded.xz"
 else
   {
     echo "# $command"
