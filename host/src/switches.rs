@@ -40,7 +40,8 @@ pub struct Settings {
     /// Most tokens one GPU batched step runs, decodes included (`STEP_TOKENS=N`, 1 to
     /// 1024; default 256): prompts share what the decodes leave, in chunks. 256 rather than
     /// 128 gave prompts their first token sooner at the same or more tokens/s, the gaps a
-    /// little longer (docs/design/batching.md, "Chunked prompts").
+    /// little longer (docs/design/batching.md, "Chunked prompts"). A pass holds
+    /// [`Settings::pass_rows`] rows.
     pub step_tokens: usize,
     /// A batched step waits for the last step's contexts to come back until shortly before the
     /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
@@ -64,6 +65,16 @@ pub struct Settings {
     /// How a host thread waits for the GPU (`SYNC=yield|spin|block|auto`; default yield, an
     /// unknown value too).
     pub sync: GpuWait,
+}
+
+impl Settings {
+    /// Most rows one batched pass holds (its buffers and its largest graph): a step's budget
+    /// and a chunk's rows past it (a step's decodes may run over its budget, and a chunk
+    /// takes what the budget leaves), rounded up to the graphs' sizes (multiples of 32), and
+    /// at least 320 (256 decodes and a chunk). Past that a step runs several passes in turn.
+    pub fn pass_rows(&self) -> usize {
+        (self.step_tokens + 64).next_multiple_of(32).max(320)
+    }
 }
 
 /// How a host thread waits for the GPU: the CUDA context's scheduling flag.
@@ -323,5 +334,18 @@ mod tests {
         assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
         assert_eq!(s.measurement.batch_gemm, Some(0));
         assert_eq!(s.settings.step_tokens, 1);
+    }
+
+    #[test]
+    fn a_pass_holds_the_budget_and_a_chunk_in_whole_graph_sizes() {
+        let rows = |tokens: &str| read(&[("STEP_TOKENS", tokens)]).settings.pass_rows();
+        assert_eq!(read(&[]).settings.pass_rows(), 320);
+        assert_eq!(rows("1"), 320);
+        assert_eq!(rows("300"), 384);
+        assert_eq!(rows("512"), 576);
+        assert_eq!(rows("5000"), 1088, "the budget is clamped to 1024 first");
+        for tokens in ["1", "256", "300", "777", "1024"] {
+            assert_eq!(rows(tokens) % 32, 0);
+        }
     }
 }

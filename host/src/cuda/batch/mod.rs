@@ -41,7 +41,7 @@ use ahead::plan::{
 use ahead::state::Ahead;
 use ahead::state::RunAhead;
 use contexts::Contexts;
-use pass::{Pass, Rows, MAX_ROWS};
+use pass::{Pass, Rows};
 use route::{route, ItemShape, RouteLimits, StepRoute};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -129,6 +129,7 @@ impl CudaBatch {
             .collect();
         let limits = RouteLimits {
             batched_prompt: self.pass.batched_prompt(),
+            max_rows: self.pass.max_rows(),
             invariant: self.exec.gpu.batch_invariant(),
             run_ahead: self.exec.gpu.measurement().run_ahead,
             hits,
@@ -196,7 +197,7 @@ impl CudaBatch {
         Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
     }
 
-    /// The tokens of `items` (each admitted, at most [`MAX_ROWS`] rows together) as one
+    /// The tokens of `items` (each admitted, at most [`Pass::max_rows`] together) as one
     /// batched step; on success each session has its new positions, its last row's logits
     /// and their argmax.
     fn run_rows(&self, items: &mut [&mut StepItem<'_, CudaSeq>]) -> Result<(), EngineError> {
@@ -217,7 +218,7 @@ impl CudaBatch {
     }
 
     /// The items `batched` (indices into `items`, in order) as batched passes of at most
-    /// [`MAX_ROWS`] rows each, waited for; an item of a pass that failed gets its error.
+    /// [`Pass::max_rows`] each, waited for; an item of a pass that failed gets its error.
     fn run_batched(&self, items: &mut [StepItem<'_, CudaSeq>], batched: &[usize]) {
         let mut rows: Vec<&mut StepItem<'_, CudaSeq>> = items
             .iter_mut()
@@ -225,11 +226,12 @@ impl CudaBatch {
             .filter(|(i, _)| batched.binary_search(i).is_ok())
             .map(|(_, item)| item)
             .collect();
-        // groups of at most MAX_ROWS rows, in order (a context's rows never span two)
+        // groups of at most a pass's rows, in order (a context's rows never span two)
+        let max_rows = self.pass.max_rows();
         let mut start = 0;
         while start < rows.len() {
             let (mut end, mut count) = (start, 0);
-            while end < rows.len() && count + rows[end].tokens.len() <= MAX_ROWS {
+            while end < rows.len() && count + rows[end].tokens.len() <= max_rows {
                 count += rows[end].tokens.len();
                 end += 1;
             }
@@ -283,8 +285,9 @@ impl CudaBatch {
         };
         // one pass holds them all when late; otherwise the first that fit
         let late_rows: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
-        picks.truncate(MAX_ROWS - late_rows);
-        let room = MAX_ROWS - late_rows - picks.len();
+        let max_rows = self.pass.max_rows();
+        picks.truncate(max_rows - late_rows);
+        let room = max_rows - late_rows - picks.len();
         let launch =
             run_ahead && (plan.late || picks.len() + ahead.next_after_late.len().min(room) >= 2);
         if !launch {
@@ -391,7 +394,7 @@ impl BatchModel for CudaBatch {
         let ahead = self.ahead.lock();
         let switches = self.exec.gpu.measurement();
         let early = match switches.run_ahead && switches.early_launch {
-            true => early_hits(&ahead, items, self.pass.batched_prompt()),
+            true => early_hits(&ahead, items, &self.pass),
             false => Err("off"),
         };
         match early {

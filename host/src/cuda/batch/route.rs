@@ -3,8 +3,6 @@
 //! its captured decode graph), or as rows of the batched pass, waited for or run late in the
 //! pass run ahead. A pure function of the items' shapes, tested below.
 
-use super::pass::MAX_ROWS;
-
 /// What the routing needs to know of one item.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ItemShape {
@@ -21,6 +19,8 @@ pub(crate) struct ItemShape {
 pub(crate) struct RouteLimits {
     /// The longest prompt (or chunk) that runs as rows of the batched pass.
     pub(crate) batched_prompt: usize,
+    /// Most rows of one pass.
+    pub(crate) max_rows: usize,
     /// Batch-invariant steps: a lone decode runs in a batched pass too.
     pub(crate) invariant: bool,
     /// Steps run ahead for greedy contexts.
@@ -73,7 +73,7 @@ pub(crate) fn route(items: &[ItemShape], limits: RouteLimits) -> StepRoute {
     r.late = limits.run_ahead
         && limits.hits > 0
         && !r.batched.is_empty()
-        && others + limits.kept_next + late_tokens <= MAX_ROWS;
+        && others + limits.kept_next + late_tokens <= limits.max_rows;
     if let (&[i], false, false) = (&r.batched[..], r.late, limits.invariant) {
         if items[i].tokens == 1 {
             r.lone_decode = Some(i);
@@ -98,6 +98,7 @@ mod tests {
     fn limits(hits: usize) -> RouteLimits {
         RouteLimits {
             batched_prompt: 64,
+            max_rows: 320,
             invariant: false,
             run_ahead: true,
             hits,
@@ -153,7 +154,7 @@ mod tests {
         assert!(!route(&items, off).late);
         // more than one pass holds: waited for
         let crowded = RouteLimits {
-            kept_next: MAX_ROWS - 32,
+            kept_next: 320 - 32,
             ..limits(2)
         };
         assert!(!route(&items, crowded).late);

@@ -11,7 +11,6 @@ use super::plan::{
 };
 use super::state::{Ahead, InFlight, InFlightHit, NextStep};
 use crate::cuda::batch::contexts::CudaSeq;
-use crate::cuda::batch::pass::MAX_ROWS;
 use crate::cuda::batch::CudaBatch;
 use crate::engine::batch::StepItem;
 use crate::engine::EngineError;
@@ -115,7 +114,7 @@ impl CudaBatch {
             .collect();
         let serials = note_guests(ahead, items, hit, &eligible, &argmax);
         let late_tokens: usize = late.iter().map(|&i| items[i].tokens.len()).sum();
-        let mut room = MAX_ROWS.saturating_sub(late_tokens);
+        let mut room = self.pass.max_rows().saturating_sub(late_tokens);
         let mut picks = plan_ahead(ahead, &serials, self.depth());
         picks.truncate(room);
         room -= picks.len();

@@ -4,7 +4,7 @@
 
 use super::state::{Ahead, AheadRow, InFlight, LateRow, NextStep, RowTargets};
 use crate::cuda::batch::contexts::CudaSeq;
-use crate::cuda::batch::pass::{Rows, MAX_ROWS};
+use crate::cuda::batch::pass::Rows;
 use crate::cuda::batch::CudaBatch;
 use crate::cuda::buffer::HostCopy;
 use crate::engine::batch::StepItem;
@@ -72,7 +72,7 @@ impl CudaBatch {
             let stream = b.stream().clone();
             let mut keys = match reusable {
                 Some(keys) => keys,
-                None => HostCopy::new(&stream, MAX_ROWS)?,
+                None => HostCopy::new(&stream, self.pass.max_rows())?,
             };
             // timing is best-effort: an event that failed to record reads as no time
             if let Some((begin, _)) = &timing {

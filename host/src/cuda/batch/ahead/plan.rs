@@ -5,7 +5,7 @@
 
 use super::state::{Ahead, AheadResult, AheadRow, GuestState, InFlightHit, NextStep, RowTargets};
 use crate::cuda::batch::contexts::CudaSeq;
-use crate::cuda::batch::pass::MAX_ROWS;
+use crate::cuda::batch::pass::Pass;
 use crate::cuda::session::LOGITS_BUFFERS;
 use crate::engine::batch::{SeqState, StepItem};
 use crate::engine::{EngineError, Session};
@@ -30,8 +30,9 @@ pub(crate) fn take_next_after_late(ahead: &mut Ahead, room: usize) -> Vec<(u64, 
 pub(crate) fn early_hits(
     ahead: &Ahead,
     items: &[StepItem<'_, CudaSeq>],
-    batched_prompt: usize,
+    pass: &Pass,
 ) -> Result<Vec<Option<InFlightHit>>, &'static str> {
+    let batched_prompt = pass.batched_prompt();
     let flight = ahead.in_flight.as_ref().ok_or("nothing in flight")?;
     // one context alone keeps its own decode step (the pass in flight is its alone)
     if let [item] = items {
@@ -67,7 +68,7 @@ pub(crate) fn early_hits(
         any |= hit.is_some() || ahead.results.get(&at).is_some_and(|g| same(g.token));
         hits.push(hit);
     }
-    match (total <= MAX_ROWS, any) {
+    match (total <= pass.max_rows(), any) {
         (false, _) => Err("too many rows"),
         (true, false) => Err("no hits"),
         (true, true) => Ok(hits),

@@ -27,10 +27,6 @@ use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-/// Most rows of one batched pass (a step with more runs several, in order): 256 streams'
-/// decodes and a prompt's late rows beside them.
-pub(crate) const MAX_ROWS: usize = 320;
-
 /// Prompts (and chunks) of at most this many tokens go through the batched step, one row a
 /// token. A longer prompt among other contexts is cut into chunks of this size that ride the
 /// passes beside their decodes; alone it runs on its session's own stream (the prefill path's
@@ -60,12 +56,13 @@ fn attention_splits(longest: usize, row_heads: usize, wave: usize, span: usize) 
 }
 
 /// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
-/// of 8 to 64, then of 32.
+/// of 8 to 64, then of 32 (a pass's rows, [`crate::switches::Settings::pass_rows`], are a
+/// multiple of 32, so a step that fits a pass fits its bucket).
 pub fn bucket(rows: usize) -> usize {
     match rows {
         0..=8 => rows.next_power_of_two(),
         9..=64 => rows.div_ceil(8) * 8,
-        _ => (rows.div_ceil(32) * 32).min(MAX_ROWS),
+        _ => rows.div_ceil(32) * 32,
     }
 }
 
@@ -107,22 +104,23 @@ fn head_ld(vocab: usize) -> usize {
 pub(crate) struct StepBuffers {
     launcher: Launcher,
     blas: Blas,
-    /// Residual stream `[MAX_ROWS, C]`.
+    /// Most rows of a pass: `R` below ([`Pass::max_rows`]).
+    rows: usize,
+    /// Residual stream `[R, C]`.
     x: DevBuf<f32>,
-    /// Product inputs: f32 `[MAX_ROWS, 4C]`, or the same bytes as split bf16 rows
-    /// `[2 * MAX_ROWS, 4C]`.
+    /// Product inputs: f32 `[R, 4C]`, or the same bytes as split bf16 rows `[2 * R, 4C]`.
     act: DevBuf<f32>,
-    /// The LM head's product rows `[2 * MAX_ROWS, head_ld(V)]`.
+    /// The LM head's product rows `[2 * R, head_ld(V)]`.
     head: DevBuf<f32>,
     partial: DevBuf<f32>,
-    /// [`INT_SECTIONS`] of `[MAX_ROWS]`: tokens, positions, the rows of the pass before whose
+    /// [`INT_SECTIONS`] of `[R]`: tokens, positions, the rows of the pass before whose
     /// argmax is a row's token (-1: none; see [`NextStep::fed`]), then the attention's tiles
     /// ([`AttentionTiles`]: work, tiles, tile rows, tiled).
     ints: DevBuf<i32>,
-    /// Key caches, value caches, logits buffers: `[MAX_ROWS]` addresses each.
+    /// Key caches, value caches, logits buffers: `[R]` addresses each.
     addrs: DevBuf<u64>,
     pub(crate) keys: DevBuf<u64>,
-    /// The rows' draw rules (`[4 * MAX_ROWS]`, see `batch_draw`): a row whose context draws
+    /// The rows' draw rules (`[4 * R]`, see `batch_draw`): a row whose context draws
     /// its tokens gets the drawn token's key instead of the argmax's.
     rules: DevBuf<u64>,
     /// Page-locked landing of `keys` for a pass waited for (a pageable copy would queue
@@ -138,28 +136,29 @@ pub(crate) struct StepBuffers {
 unsafe impl Send for StepBuffers {}
 
 impl StepBuffers {
-    fn new(exec: &Arc<LoadedModel>) -> Result<Self, CudaError> {
+    fn new(exec: &Arc<LoadedModel>, rows: usize) -> Result<Self, CudaError> {
         let gpu = exec.gpu.clone();
         let cfg = exec.config;
         let c = cfg.n_embd;
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
-        let blas = Blas::new(&stream, 2 * MAX_ROWS, c, false)
+        let blas = Blas::new(&stream, 2 * rows, c, false)
             .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
         let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
         let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
         Ok(Self {
-            x: zeros(MAX_ROWS * c, "batched activations")?,
-            act: zeros(MAX_ROWS * 4 * c, "batched activations")?,
-            head: zeros(2 * MAX_ROWS * head_ld(cfg.vocab_size), "batched logits")?,
+            rows,
+            x: zeros(rows * c, "batched activations")?,
+            act: zeros(rows * 4 * c, "batched activations")?,
+            head: zeros(2 * rows * head_ld(cfg.vocab_size), "batched logits")?,
             partial: zeros(
-                MAX_ROWS * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
+                rows * cfg.n_head * BATCH_ATT_SPLITS * (cfg.head_dim() + 2),
                 "batched attention scratch",
             )?,
-            ints: DevBuf::zeros(&stream, INT_SECTIONS * MAX_ROWS, "batched step table")?,
-            addrs: DevBuf::zeros(&stream, 3 * MAX_ROWS, "batched step table")?,
-            keys: DevBuf::zeros(&stream, MAX_ROWS, "batched step table")?,
-            rules: DevBuf::zeros(&stream, 4 * MAX_ROWS, "batched step table")?,
-            keys_host: HostCopy::new(&stream, MAX_ROWS)?,
+            ints: DevBuf::zeros(&stream, INT_SECTIONS * rows, "batched step table")?,
+            addrs: DevBuf::zeros(&stream, 3 * rows, "batched step table")?,
+            keys: DevBuf::zeros(&stream, rows, "batched step table")?,
+            rules: DevBuf::zeros(&stream, 4 * rows, "batched step table")?,
+            keys_host: HostCopy::new(&stream, rows)?,
             launcher,
             blas,
             graphs: FxHashMap::default(),
@@ -180,9 +179,9 @@ impl StepBuffers {
         layer_floats: usize,
         tiles: bool,
     ) -> RowTable {
-        let (ints, addrs) = (self.ints.ptr(), self.addrs.ptr());
-        let part = |p: DevPtr<u64>, i: usize| p.skip(i * MAX_ROWS);
-        let section = |i: usize| ints.skip(i * MAX_ROWS);
+        let (ints, addrs, stride) = (self.ints.ptr(), self.addrs.ptr(), self.rows);
+        let part = |p: DevPtr<u64>, i: usize| p.skip(i * stride);
+        let section = |i: usize| ints.skip(i * stride);
         let tiles = tiles.then(|| AttentionTiles {
             work: section(3),
             tiles: section(4),
@@ -194,7 +193,7 @@ impl StepBuffers {
             logit_rows,
             lo_rows,
             tokens: ints,
-            positions: ints.skip(MAX_ROWS),
+            positions: ints.skip(stride),
             k_caches: part(addrs, 0),
             v_caches: part(addrs, 1),
             logits: part(addrs, 2),
@@ -205,7 +204,7 @@ impl StepBuffers {
     }
 }
 
-/// Sections of `[MAX_ROWS]` in [`StepBuffers::ints`].
+/// Sections of a pass's rows in [`StepBuffers::ints`].
 const INT_SECTIONS: usize = 7;
 
 /// One context's rows in a batched pass: its cache, where its last row's logits go, its
@@ -256,6 +255,8 @@ impl<'t> Rows<'t> {
 /// captured graphs.
 pub(crate) struct Pass {
     pub(crate) exec: Arc<LoadedModel>,
+    /// Most rows of one pass (a step with more runs several, in order).
+    max_rows: usize,
     /// The pass's stream, once made.
     stream: OnceLock<Arc<CudaStream>>,
     /// The pass's buffers, made at the first pass.
@@ -265,10 +266,16 @@ pub(crate) struct Pass {
 impl Pass {
     pub(crate) fn new(exec: Arc<LoadedModel>) -> Self {
         Self {
+            max_rows: exec.gpu.settings().pass_rows(),
             exec,
             stream: OnceLock::new(),
             buffers: Mutex::new(None),
         }
+    }
+
+    /// Most rows of one pass ([`crate::switches::Settings::pass_rows`]).
+    pub(crate) fn max_rows(&self) -> usize {
+        self.max_rows
     }
 
     /// The pass's stream, once its buffers are made.
@@ -281,7 +288,7 @@ impl Pass {
     pub(crate) fn capture_all(&self, layer_floats: usize) -> Result<(), EngineError> {
         self.with_buffers(|b| {
             // every size: prompt rows make a step bigger than its contexts
-            let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+            let mut sizes: Vec<usize> = (1..=self.max_rows).map(bucket).collect();
             sizes.dedup();
             for padded in sizes {
                 // the spans a step of this size can ask for
@@ -353,7 +360,7 @@ impl Pass {
     /// attention are not the pass's).
     pub(crate) fn batched_prompt(&self) -> usize {
         match self.exec.gpu.batch_invariant() {
-            true => MAX_ROWS,
+            true => self.max_rows,
             false => BATCHED_PROMPT,
         }
     }
@@ -377,7 +384,7 @@ impl Pass {
     ) -> Result<R, EngineError> {
         let mut guard = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
-            let made = StepBuffers::new(&self.exec)?;
+            let made = StepBuffers::new(&self.exec, self.max_rows)?;
             let _ = self.stream.set(made.stream().clone());
             *guard = Some(made);
         }
@@ -410,7 +417,7 @@ impl Pass {
         }
     }
 
-    /// Upload the table of `inputs` (at most [`MAX_ROWS`] rows together) and launch their
+    /// Upload the table of `inputs` (at most [`Pass::max_rows`] together) and launch their
     /// batched pass, one row per token at its position, without waiting for it; returns the
     /// row of each input's last token.
     pub(crate) fn launch_rows(
@@ -427,20 +434,21 @@ impl Pass {
         if inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(EngineError::device("a batched input of no tokens"));
         }
-        // the table and the captured graphs hold MAX_ROWS rows (callers cut steps to fit)
-        if n > MAX_ROWS {
+        // the table and the captured graphs hold max_rows rows (callers cut steps to fit)
+        let stride = self.max_rows;
+        if n > stride {
             return Err(EngineError::device(format!(
-                "a batched pass of {n} rows, more than {MAX_ROWS}"
+                "a batched pass of {n} rows, more than {stride}"
             )));
         }
         let padded = bucket(n);
         let prompts = inputs.iter().any(|i| i.tokens.len() > 1);
         let tiles = prompts && self.tiles();
         let sections = if tiles { INT_SECTIONS } else { 3 };
-        let mut ints = vec![0i32; sections * MAX_ROWS];
-        let mut addrs = vec![0u64; 3 * MAX_ROWS];
-        ints[MAX_ROWS + n..MAX_ROWS + padded].fill(-1);
-        ints[2 * MAX_ROWS..3 * MAX_ROWS].fill(-1);
+        let mut ints = vec![0i32; sections * stride];
+        let mut addrs = vec![0u64; 3 * stride];
+        ints[stride + n..stride + padded].fill(-1);
+        ints[2 * stride..3 * stride].fill(-1);
         let mut fed = false;
         let drawn = inputs.iter().any(|i| i.rule.is_some());
         let mut rules = match drawn {
@@ -461,17 +469,17 @@ impl Pass {
                 // a token the host learned from a key is below V, except an undecided draw's
                 // (V): never an embedding row past the table
                 ints[r] = (token as usize).min(vocab - 1) as i32;
-                ints[MAX_ROWS + r] = (input.start + i) as i32;
+                ints[stride + r] = (input.start + i) as i32;
                 if let (Some(source), 1) = (input.fed, input.tokens.len()) {
-                    ints[2 * MAX_ROWS + r] = source as i32;
+                    ints[2 * stride + r] = source as i32;
                     fed = true;
                 }
                 addrs[r] = input.k;
-                addrs[MAX_ROWS + r] = input.v;
+                addrs[stride + r] = input.v;
             }
             // logits for the input's last row only
             let (r, last) = (rows.last, input.tokens.len() - 1);
-            addrs[2 * MAX_ROWS + r] = input.logits;
+            addrs[2 * stride + r] = input.logits;
             last_rows.push(r);
             if let Some(rule) = &input.rule {
                 let words = rule_words(rule, input.start + last + 1);
@@ -483,7 +491,7 @@ impl Pass {
         if tiles {
             let plan = tiles::plan(&order.inputs, padded);
             let mut put = |section: usize, values: &[i32]| {
-                ints[section * MAX_ROWS..][..values.len()].copy_from_slice(values);
+                ints[section * stride..][..values.len()].copy_from_slice(values);
             };
             put(3, &plan.work);
             put(4, &plan.tiles);
@@ -516,7 +524,7 @@ impl Pass {
         if fed {
             // the pass before has left its keys; this pass's embedding clears them
             b.launcher
-                .batch_feed(&table, b.ints.ptr().skip(2 * MAX_ROWS))?;
+                .batch_feed(&table, b.ints.ptr().skip(2 * b.rows))?;
         }
         let t1 = Instant::now();
         let graphed = match b.graphs.get(&key).filter(|_| !b.graphs_failed) {
@@ -542,7 +550,7 @@ impl Pass {
         Ok((n, last_rows))
     }
 
-    /// Launch the pass of `inputs` (at most [`MAX_ROWS`] rows together) and wait for it:
+    /// Launch the pass of `inputs` (at most [`Pass::max_rows`] together) and wait for it:
     /// returns its rows, the row of each input's last token, and the argmax keys of the rows.
     pub(crate) fn run(
         &self,
@@ -576,7 +584,8 @@ mod tests {
         assert_eq!(logit_rows(224, 90), 128);
         assert_eq!(logit_rows(224, 56), 56);
         assert_eq!(logit_rows(224, 129), 224);
-        let mut sizes: Vec<usize> = (1..=MAX_ROWS).map(bucket).collect();
+        // every size of the largest pass the settings allow (a budget of 1024 tokens)
+        let mut sizes: Vec<usize> = (1..=1088).map(bucket).collect();
         sizes.dedup();
         for padded in sizes {
             let options = logit_row_sizes(padded);
@@ -620,6 +629,7 @@ mod tests {
         assert_eq!(bucket(3), 4);
         assert_eq!(bucket(9), 16);
         assert_eq!(bucket(65), 96);
-        assert_eq!(bucket(MAX_ROWS), MAX_ROWS);
+        assert_eq!(bucket(320), 320);
+        assert_eq!(bucket(1088), 1088);
     }
 }
