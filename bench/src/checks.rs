@@ -252,6 +252,7 @@ fn sampling_rule(len: usize) -> DrawRule {
         temperature,
         top_p,
         seed: len as u64 * 7919,
+        min_p: 0.0,
     }
 }
 

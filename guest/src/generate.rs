@@ -16,15 +16,11 @@ pub trait Forward {
         Ok(argmax(self.last_logits(tokens)?) as u32)
     }
 
-    /// The next token drawn by the backend where the logits are, with temperature, top-p
-    /// and the seed of `params` (its top-k is 0): the host's output 4, which samples the same
-    /// distribution as [`Sampler`] (another stream of draws for a seed). `None`: the backend
-    /// does not offer it, and the guest samples the logits itself.
-    fn sampled_next(
-        &mut self,
-        _tokens: &[u32],
-        _params: &SamplingParams,
-    ) -> Result<Option<u32>, String> {
+    /// The next token drawn by the backend where the logits are, by `draw`: the host's
+    /// output 4, which samples the same distribution as [`LogitsProcessor`] and [`Sampler`]
+    /// (another stream of draws for a seed). `None`: the backend does not offer it (or not
+    /// with this processing), and the guest samples the logits itself.
+    fn sampled_next(&mut self, _tokens: &[u32], _draw: &HostDraw) -> Result<Option<u32>, String> {
         Ok(None)
     }
 
@@ -40,6 +36,19 @@ pub trait Forward {
     fn refused_as_too_large(&self) -> bool {
         false
     }
+}
+
+/// A draw a backend makes for the guest (our host's inputs 2-7 and output 4).
+#[derive(Debug, Clone, Copy)]
+pub struct HostDraw<'a> {
+    /// Temperature, top-p and seed (top-k is 0).
+    pub sampling: &'a SamplingParams,
+    /// What the logits go through first: bias, penalties, min-p.
+    pub processing: &'a Processing,
+    /// Whether `processing` changes anything (else the plain rule of inputs 2 and 3).
+    pub processes: bool,
+    /// The first position of the sequence whose tokens were generated (the prompt's length).
+    pub generated_from: usize,
 }
 
 /// What to generate.
@@ -202,20 +211,26 @@ impl Generation {
     }
 
     /// The next token: greedy where nothing needs the logits, drawn by the backend where the
-    /// request samples with temperature and top-p alone, else sampled from the logits.
+    /// request samples without top-k or logprobs (its bias, penalties and min-p applied
+    /// there), else sampled from the logits.
     fn choose(&mut self, model: &mut dyn Forward) -> Result<u32, String> {
         let params = *self.sampler.params();
         let temperature = params.temperature;
-        let plain_draw = temperature > 0.0
+        let host_draw = temperature > 0.0
             && temperature.is_finite()
             && params.top_k == 0
             && params.top_p > 0.0
             && params.top_p <= 1.0
             && self.logprobs.is_none()
-            && self.pending.is_none()
-            && !self.processor.changes_logits(temperature);
-        if plain_draw {
-            if let Some(id) = model.sampled_next(&self.sequence, &params)? {
+            && self.pending.is_none();
+        if host_draw {
+            let draw = HostDraw {
+                sampling: &params,
+                processing: self.processor.params(),
+                processes: self.processor.changes_logits(temperature),
+                generated_from: self.prompt_ids.len(),
+            };
+            if let Some(id) = model.sampled_next(&self.sequence, &draw)? {
                 return Ok(id);
             }
         }

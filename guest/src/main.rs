@@ -5,7 +5,8 @@
 //! `F32 [1, vocab]`; a backend that returns `F32 [1, T, vocab]` works too) and samples the next
 //! token. The host's backend caches the prefix, so each step costs one position.
 
-use gpt2_guest::generate::{Forward, Generation, GenerationParams};
+use gpt2_guest::generate::{Forward, Generation, GenerationParams, HostDraw};
+use gpt2_guest::processing::Processing;
 use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
 use std::io::Write;
@@ -28,6 +29,12 @@ options:
   --top-k K            keep the K most likely tokens (default: 0 = all)
   --top-p P            nucleus sampling mass (default: 1.0)
   --seed S             sampling seed (default: 0)
+  --min-p P            keep tokens at least P times as probable as the top one (default: 0)
+  --presence-penalty X subtracted once from the logit of each token generated so far
+  --frequency-penalty X  subtracted from a token's logit once per time it was generated
+  --repetition-penalty R  HF's: the logits of the prompt's and generated tokens divided by R
+                       (multiplied where negative; default: 1 = off)
+  --logit-bias ID:B    add B to token ID's logit (repeatable; -100 bans it, 100 forces it)
   --stop TEXT          stop when TEXT appears (repeatable); <|endoftext|> always stops
   --context N          the model's context in tokens (default: what the backend's output 3
                        says; a generation that reaches it ends with `length`)
@@ -50,6 +57,7 @@ struct Options {
     max_tokens: usize,
     context: Option<usize>,
     sampling: SamplingParams,
+    processing: Processing,
     stops: Vec<String>,
     json: bool,
     stream_json: bool,
@@ -70,6 +78,7 @@ fn parse_args() -> Result<Options, Error> {
         max_tokens: 100,
         context: None,
         sampling: SamplingParams::default(),
+        processing: Processing::default(),
         stops: Vec::new(),
         json: false,
         stream_json: false,
@@ -101,6 +110,22 @@ fn parse_args() -> Result<Options, Error> {
             Long("top-k") => o.sampling.top_k = parser.value()?.parse()?,
             Long("top-p") => o.sampling.top_p = parser.value()?.parse()?,
             Long("seed") => o.sampling.seed = parser.value()?.parse()?,
+            Long("min-p") => o.processing.min_p = parser.value()?.parse()?,
+            Long("presence-penalty") => o.processing.presence_penalty = parser.value()?.parse()?,
+            Long("frequency-penalty") => {
+                o.processing.frequency_penalty = parser.value()?.parse()?
+            }
+            Long("repetition-penalty") => {
+                o.processing.repetition_penalty = parser.value()?.parse()?
+            }
+            Long("logit-bias") => {
+                let value = parser.value()?.string()?;
+                let (id, bias) = value
+                    .split_once(':')
+                    .and_then(|(id, b)| Some((id.parse().ok()?, b.parse().ok()?)))
+                    .ok_or_else(|| format!("--logit-bias {value}: expected ID:BIAS"))?;
+                o.processing.logit_bias.push((id, bias));
+            }
             Long("stop") => o.stops.push(parser.value()?.string()?),
             Long("json") => o.json = true,
             Long("stream-json") => {
@@ -206,7 +231,60 @@ struct Model<'g> {
     /// Whether the backend draws sampled tokens (inputs 2 and 3, output 4; ours does), and
     /// the settings inputs 2 and 3 hold (they stay set until set again).
     has_draw: bool,
-    draw_inputs: Option<(f32, f32, u64)>,
+    draw_inputs: Option<DrawInputs>,
+    /// Whether the backend takes inputs 4-7 (the processing before the draw) and min-p;
+    /// cleared on the first refusal (as `has_draw`: the inputs it held are unknown then).
+    has_processing: bool,
+}
+
+/// What inputs 2-7 hold (they stay set until set again): temperature, top-p and min-p, the
+/// seed, and the processing (penalties, generated_from, the bias list), neutral when off.
+#[derive(Debug, Clone, PartialEq)]
+struct DrawInputs {
+    sampling: [f32; 3],
+    seed: u64,
+    penalties: [f32; 3],
+    generated_from: i32,
+    bias_ids: Vec<i32>,
+    bias_values: Vec<f32>,
+}
+
+impl DrawInputs {
+    fn of(draw: &HostDraw) -> Self {
+        let (s, p) = (draw.sampling, draw.processing);
+        let processes = draw.processes;
+        let (bias_ids, bias_values) = match processes {
+            true => p.logit_bias.iter().map(|&(id, b)| (id as i32, b)).unzip(),
+            false => (Vec::new(), Vec::new()),
+        };
+        Self {
+            sampling: [
+                s.temperature,
+                s.top_p,
+                if processes { p.min_p } else { 0.0 },
+            ],
+            seed: s.seed,
+            penalties: match processes {
+                true => [
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                ],
+                false => [0.0, 0.0, 1.0],
+            },
+            generated_from: if processes {
+                draw.generated_from as i32
+            } else {
+                0
+            },
+            bias_ids,
+            bias_values,
+        }
+    }
+
+    fn processes(&self) -> bool {
+        self.sampling[2] != 0.0 || self.penalties != [0.0, 0.0, 1.0] || !self.bias_ids.is_empty()
+    }
 }
 
 /// The graph: `--model DIR` loaded from bytes for `--target`, else `--graph NAME` by name
@@ -266,6 +344,7 @@ impl<'g> Model<'g> {
             refused: false,
             has_draw: true,
             draw_inputs: None,
+            has_processing: true,
         })
     }
 
@@ -287,6 +366,29 @@ impl<'g> Model<'g> {
         result.map_err(|e| {
             self.refused_with(&e);
             format!("set_input (sequence of {} tokens): {e}", tokens.len())
+        })
+    }
+
+    /// Inputs 2-7 as `inputs` has them. The processing (4-7) only where it is on or was on
+    /// before (a context's start neutral), so a backend without it still draws plain rules.
+    fn set_draw_inputs(&mut self, inputs: &DrawInputs) -> Result<(), wasi_nn::Error> {
+        let was_processing = (self.draw_inputs.as_ref()).is_some_and(DrawInputs::processes);
+        if inputs.processes() || was_processing {
+            let c = &mut self.context;
+            let n = inputs.bias_ids.len();
+            c.set_input(4, TensorType::F32, &[3], inputs.penalties)
+                .and_then(|()| c.set_input(5, TensorType::I32, &[1], [inputs.generated_from]))
+                .and_then(|()| c.set_input(6, TensorType::I32, &[n], &inputs.bias_ids))
+                .and_then(|()| c.set_input(7, TensorType::F32, &[n], &inputs.bias_values))?;
+        }
+        // two values where min-p is off, which every backend with output 4 takes
+        let sampling = match inputs.sampling[2] == 0.0 {
+            true => (self.context).set_input(2, TensorType::F32, &[2], &inputs.sampling[..2]),
+            false => (self.context).set_input(2, TensorType::F32, &[3], inputs.sampling),
+        };
+        sampling.and_then(|()| {
+            self.context
+                .set_input(3, TensorType::I64, &[1], [inputs.seed as i64])
         })
     }
 
@@ -364,30 +466,23 @@ impl Forward for Model<'_> {
         self.refused
     }
 
-    /// Output 4 after inputs 2 (temperature, top_p) and 3 (seed); a backend that refuses
-    /// them or has no output 4 leaves sampling to the guest from then on.
-    fn sampled_next(
-        &mut self,
-        tokens: &[u32],
-        params: &SamplingParams,
-    ) -> Result<Option<u32>, String> {
-        if !self.has_draw {
+    /// Output 4 after inputs 2 (temperature, top-p, min-p) and 3 (seed), and 4-7 (the
+    /// processing) where the draw processes; a backend that refuses the processing leaves
+    /// such draws to the guest from then on, one that refuses the rest every draw.
+    fn sampled_next(&mut self, tokens: &[u32], draw: &HostDraw) -> Result<Option<u32>, String> {
+        if !self.has_draw || (draw.processes && !self.has_processing) {
             return Ok(None);
         }
-        let settings = (params.temperature, params.top_p, params.seed);
-        if self.draw_inputs != Some(settings) {
-            let set = self
-                .context
-                .set_input(2, TensorType::F32, &[2], [params.temperature, params.top_p])
-                .and_then(|()| {
-                    self.context
-                        .set_input(3, TensorType::I64, &[1], [params.seed as i64])
-                });
-            if set.is_err() {
+        let inputs = DrawInputs::of(draw);
+        if self.draw_inputs.as_ref() != Some(&inputs) {
+            if self.set_draw_inputs(&inputs).is_err() {
+                // what the backend holds is not known now (inputs stay set): no more draws
+                self.draw_inputs = None;
+                self.has_processing = false;
                 self.has_draw = false;
                 return Ok(None);
             }
-            self.draw_inputs = Some(settings);
+            self.draw_inputs = Some(inputs);
         }
         self.compute(tokens)?;
         let mut next = [0i32; 1];
@@ -428,6 +523,7 @@ fn generate(options: &Options, tokenizer: &Gpt2Tokenizer) -> Result<(), Error> {
     let params = GenerationParams {
         max_tokens: options.max_tokens,
         sampling: options.sampling,
+        processing: options.processing.clone(),
         stops: options.stops.clone(),
         // where the generation must end: told, learned from the backend (output 3) or from
         // the model's config.json; failing all three, from the backend's refusal

@@ -96,6 +96,11 @@ impl LogitsProcessor {
         processor
     }
 
+    /// The request's processing.
+    pub fn params(&self) -> &Processing {
+        &self.params
+    }
+
     /// Whether anything changes the logits besides temperature and the sampler's filters.
     pub fn changes_logits(&self, temperature: f32) -> bool {
         let p = &self.params;

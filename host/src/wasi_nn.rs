@@ -14,25 +14,31 @@
 //!   logits are (on the GPU only 4 bytes come back);
 //! - output 3: the model's context length `n_ctx`, `I32 [1]`, at any time (a guest learns
 //!   where its generation must end);
-//! - input 2 (optional): `F32 [2]` `sampling`, temperature (> 0) and top_p (in (0, 1]), and
-//!   input 3 (optional): `I64 [1]` `seed` (0 until set); kept like input 1;
+//! - input 2 (optional): `F32 [2]` `sampling`, temperature (> 0) and top_p (in (0, 1]), or
+//!   `F32 [3]` with min_p (in [0, 1]) after them, and input 3 (optional): `I64 [1]` `seed` (0
+//!   until set); kept like input 1;
+//! - inputs 4-7 (optional, kept like input 1): the processing of the logits before output
+//!   4's draw ([`crate::engine::processing`]): `F32 [3]` `penalties` (presence, frequency,
+//!   repetition), `I32 [1]` `generated_from` (the first position whose tokens count as
+//!   generated), and the logit bias as `I32 [n]` `bias_ids` with `F32 [n]` `bias_values`;
 //! - output 4 (only after input 2 was set): the sampled next token, `I32 [1]`, drawn from
-//!   output 0 where the logits are by the rule of [`crate::engine::draw`] (a seed and a
-//!   position always draw the same token).
+//!   output 0 (processed) where the logits are by the rule of [`crate::engine::draw`] (a seed
+//!   and a position always draw the same token).
 //!
 //! A graph holds the weights once (an [`Executor`], CPU or CUDA); every execution context
 //! holds its own KV cache (a [`Session`]); both devices share this contract. `compute` keeps
 //! the longest common prefix of the cached sequence and the new one, rewinds the cache to it
 //! and runs only the rest as one batch.
 
-use crate::engine::draw::DrawRule;
+use crate::engine::draw::{self, DrawRule};
+use crate::engine::processing::Processing;
 use crate::engine::{Device, EngineOptions, Executor, GpuDtype, Session};
 use crate::guest_cycle::{self, GuestClock, Part};
 use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use tensor_bytes::{i32_values, le_bytes, sampling_values, seed_value};
+use tensor_bytes::{f32_values, i32_values, le_bytes, penalty_values, sampling_values, seed_value};
 use wasmtime_wasi_nn::backend::{
     BackendError, BackendExecutionContext, BackendFromDir, BackendGraph, BackendInner, Id,
     NamedTensor,
@@ -253,9 +259,11 @@ pub struct Gpt2Context {
     /// Outputs fetched from the session, kept until the next compute.
     last_logits: Option<Vec<f32>>,
     range_logits: Option<Vec<f32>>,
-    /// Input 2 (temperature, top_p, checked) and input 3.
-    sampling: Option<(f32, f32)>,
+    /// Input 2 (temperature, top_p, min_p, checked) and input 3.
+    sampling: Option<(f32, f32, f32)>,
     seed: u64,
+    /// Inputs 4-7, the processing before the draw.
+    processing: ProcessingInputs,
     /// Output 4 of the last compute, once drawn.
     drawn: Option<u32>,
     /// Positions the last compute took from the cache instead of computing.
@@ -278,6 +286,7 @@ impl Gpt2Context {
             range_logits: None,
             sampling: None,
             seed: 0,
+            processing: ProcessingInputs::default(),
             drawn: None,
             last_reused: 0,
             clock: GuestClock::default(),
@@ -294,18 +303,36 @@ impl Gpt2Context {
         self.last_reused
     }
 
-    /// Set input `index` (0: token ids, 1: logits_from, 2: sampling, 3: seed) from a wasi-nn
-    /// tensor.
+    /// Set input `index` (0: token ids, 1: logits_from, 2: sampling, 3: seed, 4: penalties,
+    /// 5: generated_from, 6: bias_ids, 7: bias_values) from a wasi-nn tensor.
     pub fn set_input_tensor(&mut self, index: u32, tensor: &Tensor) -> Result<(), Gpt2Error> {
+        let vocab = self.config.vocab_size;
         match index {
             2 => {
-                let (temperature, top_p) = sampling_values(index, tensor)?;
-                DrawRule::new(temperature, top_p, 0)?;
-                self.sampling = Some((temperature, top_p));
+                let (temperature, top_p, min_p) = sampling_values(index, tensor)?;
+                DrawRule::new(temperature, top_p, 0)?.with_min_p(min_p)?;
+                self.sampling = Some((temperature, top_p, min_p));
                 return Ok(());
             }
             3 => {
                 self.seed = seed_value(index, tensor)?;
+                return Ok(());
+            }
+            4 => {
+                let penalties = penalty_values(index, tensor)?;
+                Processing::new(penalties, &[], &[], 0, vocab)?;
+                self.processing.penalties = penalties;
+                return Ok(());
+            }
+            6 => {
+                let ids = i32_values(index, tensor)?;
+                // each id checked now; its pairing with input 7 at the draw
+                Processing::new((0.0, 0.0, 1.0), &ids, &vec![0.0; ids.len()], 0, vocab)?;
+                self.processing.bias_ids = ids;
+                return Ok(());
+            }
+            7 => {
+                self.processing.bias_values = f32_values(index, tensor)?;
                 return Ok(());
             }
             _ => {}
@@ -353,6 +380,18 @@ impl Gpt2Context {
                     len: 0,
                 })?;
                 self.logits_from = Some(from);
+            }
+            5 => {
+                let [from] = values[..] else {
+                    return Err(Gpt2Error::WrongShape {
+                        index,
+                        dims: tensor.dimensions.clone(),
+                        bytes: tensor.data.len(),
+                        expected: "I32 [1]",
+                    });
+                };
+                // past the sequence: refused at the draw, where the sequence is known
+                self.processing.generated_from = usize::try_from(from).unwrap_or(usize::MAX);
             }
             _ => return Err(Gpt2Error::NoSuchInput(index.to_string())),
         }
@@ -412,17 +451,32 @@ impl Gpt2Context {
     }
 
     /// Output 4: the token the sampling settings draw for the next position (drawn once per
-    /// compute).
+    /// compute). A plain rule (temperature, top-p, seed) is drawn where the logits are;
+    /// with min-p or processing, from the logits brought here, processed
+    /// ([`Processing::apply`]) and drawn by the specification.
     pub fn sampled_token(&mut self) -> Result<u32, Gpt2Error> {
         if !self.computed {
             return Err(Gpt2Error::NotComputed(4));
         }
-        let (temperature, top_p) = self.sampling.ok_or(Gpt2Error::NoDrawRule)?;
+        let (temperature, top_p, min_p) = self.sampling.ok_or(Gpt2Error::NoDrawRule)?;
         if let Some(id) = self.drawn {
             return Ok(id);
         }
-        let rule = DrawRule::new(temperature, top_p, self.seed)?;
-        let id = guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?;
+        let rule = DrawRule::new(temperature, top_p, self.seed)?.with_min_p(min_p)?;
+        let processing = self.processing.processing(self.config.vocab_size)?;
+        let id = match processing.is_neutral() && rule.is_plain() {
+            true => guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?,
+            false => {
+                self.last_logits()?;
+                let logits = self.last_logits.as_deref().unwrap_or_default();
+                let sequence = &self.cached;
+                guest_cycle::timed(Part::Draw, || {
+                    let mut processed = Vec::new();
+                    processing.apply(logits, sequence, &mut processed)?;
+                    Ok::<_, Gpt2Error>(draw::draw(&processed, &rule, sequence.len()))
+                })?
+            }
+        };
         self.drawn = Some(id);
         Ok(id)
     }
@@ -487,6 +541,38 @@ impl Gpt2Context {
     }
 }
 
+/// Inputs 4-7 as the guest set them; checked together at the draw.
+#[derive(Debug, Clone)]
+struct ProcessingInputs {
+    penalties: (f32, f32, f32),
+    generated_from: usize,
+    bias_ids: Vec<i32>,
+    bias_values: Vec<f32>,
+}
+
+impl Default for ProcessingInputs {
+    fn default() -> Self {
+        Self {
+            penalties: (0.0, 0.0, 1.0),
+            generated_from: 0,
+            bias_ids: Vec::new(),
+            bias_values: Vec::new(),
+        }
+    }
+}
+
+impl ProcessingInputs {
+    fn processing(&self, vocab: usize) -> Result<Processing, Gpt2Error> {
+        Ok(Processing::new(
+            self.penalties,
+            &self.bias_ids,
+            &self.bias_values,
+            self.generated_from,
+            vocab,
+        )?)
+    }
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -502,6 +588,10 @@ fn input_index(id: &Id) -> Result<u32, Gpt2Error> {
             "logits_from" | "1" => Ok(1),
             "sampling" | "2" => Ok(2),
             "seed" | "3" => Ok(3),
+            "penalties" | "4" => Ok(4),
+            "generated_from" | "5" => Ok(5),
+            "bias_ids" | "6" => Ok(6),
+            "bias_values" | "7" => Ok(7),
             other => Err(Gpt2Error::NoSuchInput(other.to_owned())),
         },
     }
@@ -567,6 +657,7 @@ impl Gpt2Context {
         self.logits_from = None;
         self.sampling = None;
         self.seed = 0;
+        self.processing = ProcessingInputs::default();
         let mut next_token_only = false;
         for (position, input) in inputs.iter().enumerate() {
             if input.name == NEXT_TOKEN_ONLY {

@@ -175,6 +175,10 @@ fn bad_inputs_get_clear_errors_and_the_context_keeps_serving() {
     // unknown input and output indices, and output 1 without logits_from
     assert!(ctx.set_input_tensor(2, &good).is_err());
     assert!(matches!(
+        ctx.set_input_tensor(8, &good),
+        Err(Gpt2Error::NoSuchInput(_))
+    ));
+    assert!(matches!(
         ctx.output_tensor(7),
         Err(Gpt2Error::NoSuchOutput(_))
     ));
@@ -399,4 +403,116 @@ fn wit_compute_with_sampling_returns_the_sampled_token_alone() {
         .expect("compute")
         .expect("named outputs");
     assert_eq!(outputs[0].name, "logits");
+}
+
+fn f32_tensor(values: &[f32]) -> Tensor {
+    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Tensor::new(vec![values.len() as u32], TensorType::Fp32, bytes)
+}
+
+fn i32_tensor(values: &[i32]) -> Tensor {
+    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Tensor::new(vec![values.len() as u32], TensorType::I32, bytes)
+}
+
+/// Output 4 with min-p, penalties and a logit bias (witx inputs 2 and 4-7, kept until set
+/// again): each token is the rule's draw from the logits processed by the specification, for
+/// the sequence as it grows; the bias forces what it forces.
+#[test]
+fn output_4_draws_from_the_processed_logits() {
+    use wasi_nn_host::engine::draw::{draw, DrawRule};
+    use wasi_nn_host::engine::processing::Processing;
+    let mut ctx = tiny_context();
+    ctx.set_input_tensor(2, &f32_tensor(&[0.9, 0.95, 0.02]))
+        .expect("sampling with min_p");
+    ctx.set_input_tensor(3, &seed_tensor(99)).expect("seed");
+    ctx.set_input_tensor(4, &f32_tensor(&[0.4, 0.3, 1.3]))
+        .expect("penalties");
+    let prompt = sequence(6, 5);
+    ctx.set_input_tensor(5, &i32_tensor(&[prompt.len() as i32]))
+        .expect("generated_from");
+    ctx.set_input_tensor(6, &i32_tensor(&[3, 17]))
+        .expect("bias ids");
+    ctx.set_input_tensor(7, &f32_tensor(&[1.5, -2.0]))
+        .expect("bias values");
+    let processing = Processing::new((0.4, 0.3, 1.3), &[3, 17], &[1.5, -2.0], prompt.len(), 1000)
+        .expect("processing");
+    let rule = DrawRule::new(0.9, 0.95, 99)
+        .and_then(|r| r.with_min_p(0.02))
+        .expect("rule");
+    let mut ids = prompt.clone();
+    let mut processed = Vec::new();
+    for _ in 0..12 {
+        let logits = compute(&mut ctx, &ids);
+        processing
+            .apply(&logits, &ids, &mut processed)
+            .expect("processed");
+        let want = draw(&processed, &rule, ids.len());
+        let got = ctx.sampled_token().expect("output 4");
+        assert_eq!(got, want);
+        ids.push(got);
+    }
+    // a bias of +100 on one token draws it at every step
+    ctx.set_input_tensor(4, &f32_tensor(&[0.0, 0.0, 1.0]))
+        .expect("no penalties");
+    ctx.set_input_tensor(6, &i32_tensor(&[42]))
+        .expect("bias id");
+    ctx.set_input_tensor(7, &f32_tensor(&[100.0]))
+        .expect("bias value");
+    for _ in 0..4 {
+        compute(&mut ctx, &ids);
+        let got = ctx.sampled_token().expect("output 4");
+        assert_eq!(got, 42);
+        ids.push(got);
+    }
+}
+
+#[test]
+fn processing_inputs_are_checked() {
+    let mut ctx = tiny_context();
+    ctx.set_input_tensor(2, &sampling_tensor(1.0, 0.9))
+        .expect("sampling");
+    let refused = |ctx: &mut Gpt2Context, index: u32, tensor: Tensor| {
+        let result = ctx.set_input_tensor(index, &tensor);
+        assert!(
+            matches!(
+                result,
+                Err(Gpt2Error::BadProcessing(_)
+                    | Gpt2Error::BadRule(_)
+                    | Gpt2Error::WrongShape { .. }
+                    | Gpt2Error::WrongTensorType { .. })
+            ),
+            "input {index}: {result:?}"
+        );
+    };
+    refused(&mut ctx, 2, f32_tensor(&[1.0, 0.9, 1.5]));
+    refused(&mut ctx, 4, f32_tensor(&[f32::NAN, 0.0, 1.0]));
+    refused(&mut ctx, 4, f32_tensor(&[0.0, 0.0, 0.0]));
+    refused(&mut ctx, 4, f32_tensor(&[0.0, 0.0]));
+    refused(&mut ctx, 5, i32_tensor(&[1, 2]));
+    refused(&mut ctx, 6, i32_tensor(&[1000]));
+    refused(&mut ctx, 6, i32_tensor(&[-1]));
+    refused(&mut ctx, 7, i32_tensor(&[1]));
+    // ids and values that do not pair, and generated_from past the sequence: at the draw
+    ctx.set_input_tensor(6, &i32_tensor(&[1, 2])).expect("ids");
+    ctx.set_input_tensor(7, &f32_tensor(&[1.0]))
+        .expect("values");
+    compute(&mut ctx, &sequence(5, 2));
+    assert!(matches!(
+        ctx.sampled_token(),
+        Err(Gpt2Error::BadProcessing(_))
+    ));
+    ctx.set_input_tensor(7, &f32_tensor(&[1.0, 2.0]))
+        .expect("values");
+    ctx.set_input_tensor(5, &i32_tensor(&[9])).expect("past");
+    compute(&mut ctx, &sequence(5, 2));
+    assert!(matches!(
+        ctx.sampled_token(),
+        Err(Gpt2Error::BadProcessing(_))
+    ));
+    // the context still serves
+    ctx.set_input_tensor(5, &i32_tensor(&[5]))
+        .expect("generated_from");
+    compute(&mut ctx, &sequence(5, 2));
+    assert!(ctx.sampled_token().is_ok());
 }

@@ -478,3 +478,74 @@ fn temperature_and_top_p_alone_are_drawn_by_the_host() {
     let guest_sampled = run_json(&args("200"));
     assert_ne!(ids(&guest_sampled["ids"]), made);
 }
+
+/// A request with min-p, penalties and a logit bias is drawn by the host too (inputs 4-7):
+/// each token is the rule's draw from the CPU reference's logits for its position, processed
+/// by the host's specification; with top-k as well, the guest samples itself (other tokens).
+#[test]
+fn penalties_bias_and_min_p_are_applied_and_drawn_by_the_host() {
+    use wasi_nn_host::engine::draw::{draw, DrawRule};
+    use wasi_nn_host::engine::processing::Processing;
+    let args = |top_k: &'static str| {
+        [
+            "--json",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.95",
+            "--top-k",
+            top_k,
+            "--min-p",
+            "0.01",
+            "--presence-penalty",
+            "0.6",
+            "--frequency-penalty",
+            "0.4",
+            "--repetition-penalty",
+            "1.2",
+            "--logit-bias",
+            "11:2.5",
+            "--logit-bias",
+            "198:-100",
+            "--seed",
+            "5",
+            "--max-tokens",
+            "24",
+            "JULIET:",
+        ]
+    };
+    let out = run_json(&args("0"));
+    let (prompt, made) = (ids(&out["prompt_ids"]), ids(&out["ids"]));
+    assert_eq!(made.len(), 24);
+    assert!(!made.contains(&198), "the banned token was drawn: {made:?}");
+    let weights = std::sync::Arc::new(
+        wasi_nn_host::model::load_path(&shakespeare_dir()).expect("the embedded model"),
+    );
+    let vocab = weights.config.vocab_size;
+    let model = wasi_nn_host::cpu::CpuModel::new(weights);
+    let processing = Processing::new(
+        (0.6, 0.4, 1.2),
+        &[11, 198],
+        &[2.5, -100.0],
+        prompt.len(),
+        vocab,
+    )
+    .expect("processing");
+    let rule = DrawRule::new(0.9, 0.95, 5)
+        .and_then(|r| r.with_min_p(0.01))
+        .expect("rule");
+    let mut cache = Default::default();
+    let mut logits = model.forward(&mut cache, &prompt, false);
+    let mut sequence = prompt.clone();
+    let mut processed = Vec::new();
+    for (i, &id) in made.iter().enumerate() {
+        processing
+            .apply(&logits, &sequence, &mut processed)
+            .expect("processed");
+        assert_eq!(id, draw(&processed, &rule, sequence.len()), "token {i}");
+        sequence.push(id);
+        logits = model.forward(&mut cache, &[id], false);
+    }
+    let guest_sampled = run_json(&args("200"));
+    assert_ne!(ids(&guest_sampled["ids"]), made);
+}

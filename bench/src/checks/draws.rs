@@ -45,6 +45,7 @@ pub fn compare_batched_draws(
             temperature,
             top_p,
             seed: 77 + i as u64,
+            min_p: 0.0,
         };
         let mut s = gpu.new_session()?;
         let len = (4 + 3 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);

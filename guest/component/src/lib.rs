@@ -2,7 +2,9 @@
 //! `wasi:nn` (WIT), and shares tokenizer, sampling and the generation loop with the wasip1
 //! command through the `gpt2-guest` library.
 
-use gpt2_guest::generate::{Forward, Generation as TextGeneration, GenerationParams, Prompt};
+use gpt2_guest::generate::{
+    Forward, Generation as TextGeneration, GenerationParams, HostDraw, Prompt,
+};
 use gpt2_guest::processing::{Processing, TokenLogprob as Logprob};
 use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
@@ -64,6 +66,9 @@ struct WitModel {
     next_token_only: bool,
     /// Whether the backend took `sampling` and `seed` and drew `sampled_token` last time.
     draws: bool,
+    /// Whether it took the processing with them (`penalties`, `generated_from`, the bias,
+    /// min-p): cleared on its first refusal, which leaves plain draws on.
+    processes: bool,
 }
 
 /// What a `compute` asks for besides the logits.
@@ -72,8 +77,8 @@ enum Ask<'a> {
     Logits,
     /// The greedy `next_token` instead of the logits.
     NextToken,
-    /// The `sampled_token` these settings draw, instead of the logits.
-    Draw(&'a SamplingParams),
+    /// The `sampled_token` this draw makes, instead of the logits.
+    Draw(&'a HostDraw<'a>),
 }
 
 fn nn_error(what: &str, e: wasi::nn::errors::Error) -> String {
@@ -101,6 +106,7 @@ impl WitModel {
             logits: Vec::new(),
             next_token_only: true,
             draws: true,
+            processes: true,
         })
     }
 
@@ -148,19 +154,51 @@ impl WitModel {
                 "next_token_only".to_string(),
                 tensor::Tensor::new(&[1], tensor::TensorType::I32, &1i32.to_le_bytes()),
             )),
-            Ask::Draw(p) => {
-                let settings: Vec<u8> = [p.temperature, p.top_p]
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
-                inputs.push((
-                    "sampling".to_string(),
-                    tensor::Tensor::new(&[2], tensor::TensorType::Fp32, &settings),
-                ));
+            Ask::Draw(draw) => {
+                let (p, q) = (draw.sampling, draw.processing);
+                let f32s = |values: &[f32]| -> Vec<u8> {
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+                };
+                let f32_input = |name: &str, values: &[f32]| {
+                    let dims = [values.len() as u32];
+                    let bytes = f32s(values);
+                    (
+                        name.to_string(),
+                        tensor::Tensor::new(&dims, tensor::TensorType::Fp32, &bytes),
+                    )
+                };
+                let i32_input = |name: &str, values: &[i32]| {
+                    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let dims = [values.len() as u32];
+                    (
+                        name.to_string(),
+                        tensor::Tensor::new(&dims, tensor::TensorType::I32, &bytes),
+                    )
+                };
+                // two values where min-p is off, which every backend with the output takes
+                match draw.processes && q.min_p != 0.0 {
+                    true => inputs.push(f32_input("sampling", &[p.temperature, p.top_p, q.min_p])),
+                    false => inputs.push(f32_input("sampling", &[p.temperature, p.top_p])),
+                }
                 inputs.push((
                     "seed".to_string(),
                     tensor::Tensor::new(&[1], tensor::TensorType::I64, &p.seed.to_le_bytes()),
                 ));
+                if draw.processes {
+                    let penalties = [
+                        q.presence_penalty,
+                        q.frequency_penalty,
+                        q.repetition_penalty,
+                    ];
+                    inputs.push(f32_input("penalties", &penalties));
+                    inputs.push(i32_input("generated_from", &[draw.generated_from as i32]));
+                    let (ids, values): (Vec<i32>, Vec<f32>) =
+                        q.logit_bias.iter().map(|&(id, b)| (id as i32, b)).unzip();
+                    if !ids.is_empty() {
+                        inputs.push(i32_input("bias_ids", &ids));
+                        inputs.push(f32_input("bias_values", &values));
+                    }
+                }
             }
         }
         self.context.compute(inputs)
@@ -218,22 +256,22 @@ impl Forward for WitModel {
         Ok(gpt2_guest::sampling::argmax(self.last_logits(tokens)?) as u32)
     }
 
-    /// `sampled_token` for `sampling` and `seed`; a backend that refuses them or returns
-    /// no such output leaves sampling to the guest from then on.
-    fn sampled_next(
-        &mut self,
-        tokens: &[u32],
-        params: &SamplingParams,
-    ) -> Result<Option<u32>, String> {
-        if !self.draws {
+    /// `sampled_token` for `sampling` and `seed` (and the processing, where the draw has
+    /// one); a backend that refuses them or returns no such output leaves such draws to the
+    /// guest from then on.
+    fn sampled_next(&mut self, tokens: &[u32], draw: &HostDraw) -> Result<Option<u32>, String> {
+        if !self.draws || (draw.processes && !self.processes) {
             return Ok(None);
         }
-        let outputs = match self.compute_asking(tokens, None, Ask::Draw(params)) {
+        let outputs = match self.compute_asking(tokens, None, Ask::Draw(draw)) {
             Ok(outputs) => outputs,
             // a backend without these inputs refuses them as invalid; anything else (the
             // sequence past the context, a device error) is the step's own failure
             Err(e) if e.code() == wasi::nn::errors::ErrorCode::InvalidArgument => {
-                self.draws = false;
+                match draw.processes {
+                    true => self.processes = false,
+                    false => self.draws = false,
+                }
                 return Ok(None);
             }
             Err(e) => return Err(nn_error("compute", e)),

@@ -8,7 +8,9 @@
 //! softmax of the logits at the temperature, restricted to the top-p nucleus:
 //!
 //! 1. Weights `w_i = exp((l_i - max) / T)` in f64 (a NaN logit weighs 0). Without a finite
-//!    largest logit (all NaN or -inf, or +inf) the draw is the greedy [`super::argmax`].
+//!    largest logit (all NaN or -inf, or +inf) the draw is the greedy [`super::argmax`]. With
+//!    min-p above 0, a token whose logit is below `max + T * ln(min_p)` (computed in f32, as
+//!    the guest does) weighs 0: its probability is under min-p times the top token's.
 //! 2. Draw `k` (from 0): `u_k` uniform in [0, 1) from the seed, the position drawn for and
 //!    `k` ([`uniform`]); the token is the first id whose cumulative weight (in id order)
 //!    passes `u_k` times the total.
@@ -31,6 +33,8 @@ pub struct DrawRule {
     /// In (0, 1]; 1 keeps every token.
     pub top_p: f32,
     pub seed: u64,
+    /// In [0, 1]; 0 keeps every token.
+    pub min_p: f32,
 }
 
 /// Draws outside the nucleus before the nucleus is found by sorting.
@@ -43,6 +47,8 @@ pub enum RuleError {
     Temperature(f32),
     #[error("top_p {0} must be in (0, 1]")]
     TopP(f32),
+    #[error("min_p {0} must be in [0, 1]")]
+    MinP(f32),
 }
 
 impl DrawRule {
@@ -57,7 +63,21 @@ impl DrawRule {
             temperature,
             top_p,
             seed,
+            min_p: 0.0,
         })
+    }
+
+    /// The same rule with min-p (in [0, 1]).
+    pub fn with_min_p(self, min_p: f32) -> Result<Self, RuleError> {
+        match (0.0..=1.0).contains(&min_p) {
+            true => Ok(Self { min_p, ..self }),
+            false => Err(RuleError::MinP(min_p)),
+        }
+    }
+
+    /// Whether the GPU's draw kernel takes the rule as it is (temperature, top-p and seed).
+    pub fn is_plain(&self) -> bool {
+        self.min_p == 0.0
     }
 
     /// `1 / T` as the weights use it.
@@ -260,6 +280,14 @@ fn rejection_into(
     }
     let inverse_t = rule.inverse_temperature();
     weigh(logits, max, inverse_t, weights);
+    if rule.min_p > 0.0 {
+        let floor = max + rule.temperature * rule.min_p.ln();
+        for (w, &l) in weights.iter_mut().zip(logits) {
+            if l < floor {
+                *w = 0.0;
+            }
+        }
+    }
     let weights = &weights[..];
     let blocks: Vec<f64> = weights.chunks(BLOCK).map(sum).collect();
     let total = blocks.iter().sum::<f64>();
@@ -524,5 +552,38 @@ mod tests {
             }
         }
         assert_eq!(seen.len(), 100 * (MAX_DRAWS as usize + 1));
+    }
+
+    /// Min-p draws what the rule without it draws from the logits with the tokens below its
+    /// floor masked to -inf (as the guest masks them), at every position, and never one of
+    /// those tokens.
+    #[test]
+    fn min_p_draws_as_the_masked_logits_do() {
+        let logits = logits(5_000, 11, 12.0);
+        let (t, min_p) = (0.7f32, 0.05f32);
+        let max = largest(&logits);
+        let floor = max + t * min_p.ln();
+        let masked: Vec<f32> = (logits.iter())
+            .map(|&l| if l < floor { f32::NEG_INFINITY } else { l })
+            .collect();
+        let kept = masked.iter().filter(|l| l.is_finite()).count();
+        assert!(kept > 10 && kept < 2_000, "{kept} tokens above the floor");
+        for top_p in [1.0, 0.9] {
+            let with = rule(t, top_p, 5).with_min_p(min_p).expect("min_p");
+            let without = rule(t, top_p, 5);
+            assert!(!with.is_plain() && without.is_plain());
+            for position in 0..300 {
+                let id = draw(&logits, &with, position);
+                assert_eq!(id, draw(&masked, &without, position), "position {position}");
+                assert!(logits[id as usize] >= floor);
+            }
+        }
+        for bad in [-0.1, 1.5, f32::NAN] {
+            let refused = rule(1.0, 1.0, 0).with_min_p(bad);
+            assert!(
+                matches!(refused, Err(RuleError::MinP(_))),
+                "{bad}: {refused:?}"
+            );
+        }
     }
 }

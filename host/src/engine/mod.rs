@@ -10,6 +10,7 @@
 pub mod batch;
 pub mod draw;
 mod kv_pool;
+pub mod processing;
 
 use crate::model::{Gpt2Config, LoadError};
 

@@ -2,6 +2,7 @@
 //! ([`ErrorKind`]), and reading both back from an error that came through wasmtime-wasi-nn.
 
 use crate::engine::draw::RuleError;
+use crate::engine::processing::ProcessingError;
 use crate::engine::EngineError;
 use crate::model::LoadError;
 use wasmtime_wasi_nn::backend::BackendError;
@@ -11,8 +12,12 @@ use wasmtime_wasi_nn::wit::TensorType;
 /// on the host with this message.
 #[derive(Debug, thiserror::Error)]
 pub enum Gpt2Error {
-    #[error("input {index} must be an I32 tensor, got {found:?}")]
-    WrongTensorType { index: u32, found: TensorType },
+    #[error("input {index} must be an {expected} tensor, got {found:?}")]
+    WrongTensorType {
+        index: u32,
+        found: TensorType,
+        expected: &'static str,
+    },
     #[error("input {index}: dimensions {dims:?} do not fit {bytes} bytes of data ({expected})")]
     WrongShape {
         index: u32,
@@ -32,12 +37,14 @@ pub enum Gpt2Error {
     },
     #[error("logits_from {from} is outside the sequence of {len} tokens")]
     LogitsFromOutOfRange { from: i64, len: usize },
-    #[error("no input {0}: this graph takes inputs 0 (token ids), 1 (logits_from), 2 (sampling: temperature and top_p) and 3 (seed)")]
+    #[error("no input {0}: this graph takes inputs 0 (token ids), 1 (logits_from), 2 (sampling: temperature, top_p and min_p), 3 (seed), 4 (penalties), 5 (generated_from), 6 (bias_ids) and 7 (bias_values)")]
     NoSuchInput(String),
     #[error("no output {0}: this graph has outputs 0 (last logits), 1 (logits from logits_from), 2 (argmax), 3 (context length) and 4 (sampled token)")]
     NoSuchOutput(String),
     #[error("sampling: {0}")]
     BadRule(#[from] RuleError),
+    #[error("logit processing: {0}")]
+    BadProcessing(#[from] ProcessingError),
     #[error("output 4 (the sampled token) needs input 2 (sampling: temperature and top_p) to be set before compute")]
     NoDrawRule,
     #[error("compute called before input 0 (token ids) was set")]
@@ -103,6 +110,7 @@ impl Gpt2Error {
             | G::NotComputed(_)
             | G::NoAllLogits
             | G::BadRule(_)
+            | G::BadProcessing(_)
             | G::NoDrawRule => ErrorKind::InvalidArgument,
         }
     }

@@ -13,12 +13,13 @@ pub(super) fn i32_values(index: u32, tensor: &Tensor) -> Result<Vec<i32>, Gpt2Er
         return Err(Gpt2Error::WrongTensorType {
             index,
             found: tensor.ty,
+            expected: "I32",
         });
     }
-    let expected = if index == 0 {
-        "I32 [1, T] or [T]"
-    } else {
-        "I32 [1]"
+    let expected = match index {
+        0 => "I32 [1, T] or [T]",
+        6 => "I32 [n]",
+        _ => "I32 [1]",
     };
     let wrong = || Gpt2Error::WrongShape {
         index,
@@ -53,6 +54,11 @@ fn fixed_words<const N: usize, const W: usize>(
         return Err(Gpt2Error::WrongTensorType {
             index,
             found: tensor.ty,
+            expected: match ty {
+                TensorType::Fp32 => "F32",
+                TensorType::I64 => "I64",
+                _ => "I32",
+            },
         });
     }
     let fits = matches!(tensor.dimensions[..], [n] | [1, n] if n as usize == N)
@@ -70,10 +76,51 @@ fn fixed_words<const N: usize, const W: usize>(
     }))
 }
 
-/// Input 2, the sampling settings: `F32 [2]`, temperature and top_p.
-pub(super) fn sampling_values(index: u32, tensor: &Tensor) -> Result<(f32, f32), Gpt2Error> {
-    let [t, p] = fixed_words::<2, 4>(index, tensor, TensorType::Fp32, "F32 [2]")?;
-    Ok((f32::from_le_bytes(t), f32::from_le_bytes(p)))
+/// Input 2, the sampling settings: `F32 [2]`, temperature and top_p, or `F32 [3]` with
+/// min_p after them (0 without).
+pub(super) fn sampling_values(index: u32, tensor: &Tensor) -> Result<(f32, f32, f32), Gpt2Error> {
+    const EXPECTED: &str = "F32 [2] or [3]";
+    if let Ok([t, p, m]) = fixed_words::<3, 4>(index, tensor, TensorType::Fp32, EXPECTED) {
+        let [t, p, m] = [t, p, m].map(f32::from_le_bytes);
+        return Ok((t, p, m));
+    }
+    let [t, p] = fixed_words::<2, 4>(index, tensor, TensorType::Fp32, EXPECTED)?;
+    Ok((f32::from_le_bytes(t), f32::from_le_bytes(p), 0.0))
+}
+
+/// Input 4, the penalties: `F32 [3]`, presence, frequency and repetition.
+pub(super) fn penalty_values(index: u32, tensor: &Tensor) -> Result<(f32, f32, f32), Gpt2Error> {
+    let words = fixed_words::<3, 4>(index, tensor, TensorType::Fp32, "F32 [3]")?;
+    let [presence, frequency, repetition] = words.map(f32::from_le_bytes);
+    Ok((presence, frequency, repetition))
+}
+
+/// Input 7, the bias list's values: `F32 [n]` or `[1, n]` (n may be 0).
+pub(super) fn f32_values(index: u32, tensor: &Tensor) -> Result<Vec<f32>, Gpt2Error> {
+    if tensor.ty != TensorType::Fp32 {
+        return Err(Gpt2Error::WrongTensorType {
+            index,
+            found: tensor.ty,
+            expected: "F32",
+        });
+    }
+    let elements = match tensor.dimensions[..] {
+        [n] | [1, n] => n as usize,
+        _ => usize::MAX,
+    };
+    if tensor.data.len() / 4 != elements || !tensor.data.len().is_multiple_of(4) {
+        return Err(Gpt2Error::WrongShape {
+            index,
+            dims: tensor.dimensions.clone(),
+            bytes: tensor.data.len(),
+            expected: "F32 [n]",
+        });
+    }
+    Ok(tensor
+        .data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
 }
 
 /// Input 3, the seed: `I64 [1]` (its bits).
@@ -94,23 +141,28 @@ pub(super) fn le_bytes(values: &[f32]) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{le_bytes, sampling_values, seed_value};
+    use super::{f32_values, le_bytes, penalty_values, sampling_values, seed_value};
     use wasmtime_wasi_nn::wit::TensorType;
     use wasmtime_wasi_nn::Tensor;
 
+    fn f32_tensor(dims: Vec<u32>, values: &[f32]) -> Tensor {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Tensor::new(dims, TensorType::Fp32, bytes)
+    }
+
     #[test]
     fn sampling_inputs_are_read_and_checked() {
-        let bytes: Vec<u8> = [0.8f32, 0.95]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let settings = Tensor::new(vec![2], TensorType::Fp32, bytes.clone());
-        assert_eq!(sampling_values(2, &settings).ok(), Some((0.8, 0.95)));
-        let batched = Tensor::new(vec![1, 2], TensorType::Fp32, bytes.clone());
-        assert_eq!(sampling_values(2, &batched).ok(), Some((0.8, 0.95)));
+        let settings = f32_tensor(vec![2], &[0.8, 0.95]);
+        assert_eq!(sampling_values(2, &settings).ok(), Some((0.8, 0.95, 0.0)));
+        let batched = f32_tensor(vec![1, 2], &[0.8, 0.95]);
+        assert_eq!(sampling_values(2, &batched).ok(), Some((0.8, 0.95, 0.0)));
+        let with_min_p = f32_tensor(vec![3], &[0.8, 0.95, 0.1]);
+        assert_eq!(sampling_values(2, &with_min_p).ok(), Some((0.8, 0.95, 0.1)));
+        let bytes = settings.data.clone();
         for wrong in [
             Tensor::new(vec![3], TensorType::Fp32, bytes.clone()),
             Tensor::new(vec![2], TensorType::Fp32, bytes[..4].to_vec()),
+            f32_tensor(vec![4], &[0.8, 0.95, 0.1, 0.0]),
             Tensor::new(vec![2], TensorType::I32, bytes),
         ] {
             assert!(sampling_values(2, &wrong).is_err());
@@ -119,6 +171,21 @@ mod tests {
         assert_eq!(seed_value(3, &seed).ok(), Some(u64::MAX - 1));
         let short = Tensor::new(vec![1], TensorType::I64, vec![0; 4]);
         assert!(seed_value(3, &short).is_err());
+    }
+
+    #[test]
+    fn penalties_and_bias_values_are_read_and_checked() {
+        let penalties = f32_tensor(vec![3], &[0.5, -0.25, 1.2]);
+        assert_eq!(penalty_values(4, &penalties).ok(), Some((0.5, -0.25, 1.2)));
+        assert!(penalty_values(4, &f32_tensor(vec![2], &[0.5, 0.1])).is_err());
+        let values = f32_tensor(vec![1, 3], &[1.0, -100.0, 2.5]);
+        assert_eq!(f32_values(7, &values).ok(), Some(vec![1.0, -100.0, 2.5]));
+        assert_eq!(f32_values(7, &f32_tensor(vec![0], &[])).ok(), Some(vec![]));
+        let short = Tensor::new(vec![3], TensorType::Fp32, vec![0; 8]);
+        assert!(f32_values(7, &short).is_err());
+        let ints = Tensor::new(vec![1], TensorType::I32, vec![0; 4]);
+        assert!(f32_values(7, &ints).is_err());
+        assert!(f32_values(7, &f32_tensor(vec![1, 1, 1], &[1.0])).is_err());
     }
 
     #[test]

@@ -28,8 +28,9 @@
 //! on the machine it measures the load generator takes little of the service's cores.
 //!
 //! Usage: loadgen --url URL --concurrency N (--requests M | --duration S) --max-tokens T
-//!        [--temperature T --top-p P --seed S] [--prompt-file FILE --prompt-tokens MIN-MAX
-//!        --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE] [--label TEXT]
+//!        [--temperature T --top-p P --seed S] [--field NAME=JSON] [--prompt-file FILE
+//!        --prompt-tokens MIN-MAX --long-prompts SHARE:TOKENS] [--prompts P] [--json-out FILE]
+//!        [--label TEXT]
 //!        [--no-check] [--keep-going] [--request-timeout SECONDS] [--client-threads N]
 
 mod chunk;
@@ -75,6 +76,10 @@ struct Args {
     /// Prompt k's requests sample with seed S + k.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Another field of every request, as NAME=JSON (repeatable), e.g.
+    /// `--field presence_penalty=0.5 --field 'logit_bias={"11": 2}'`.
+    #[arg(long = "field", value_name = "NAME=JSON", value_parser = parse_field)]
+    fields: Vec<(String, serde_json::Value)>,
     /// Cut the prompts from this text (its first 200,000 characters, tokenized by the
     /// service) as windows of token ids at random offsets.
     #[arg(long, value_name = "FILE")]
@@ -135,7 +140,20 @@ fn request_body(args: &Args, prompt: &Prompt, k: usize) -> serde_json::Value {
     if let Some(model) = &args.model {
         body["model"] = model.as_str().into();
     }
+    for (name, value) in &args.fields {
+        body[name.as_str()] = value.clone();
+    }
     body
+}
+
+/// `NAME=JSON` of `--field`.
+fn parse_field(text: &str) -> Result<(String, serde_json::Value), String> {
+    let (name, json) = text
+        .split_once('=')
+        .filter(|(name, _)| !name.is_empty())
+        .ok_or_else(|| format!("{text:?}: expected NAME=JSON"))?;
+    let value = serde_json::from_str(json).map_err(|e| format!("{name}: {json:?}: {e}"))?;
+    Ok((name.to_owned(), value))
 }
 
 /// Time to first token and gaps of some of the streams.
@@ -399,6 +417,11 @@ fn main() -> Result<()> {
         "texts_equal_single_stream": checked.then(|| format!("{equal} of {total}")),
         "temperature": args.temperature, "top_p": args.top_p,
     });
+    if !args.fields.is_empty() {
+        report["fields"] = (args.fields.iter().cloned())
+            .collect::<serde_json::Map<_, _>>()
+            .into();
+    }
     let cut: Vec<usize> = all.iter().filter_map(Prompt::tokens).collect();
     if !cut.is_empty() {
         report["prompt_tokens_mean"] = (cut.iter().sum::<usize>() as f64 / cut.len() as f64).into();
@@ -437,4 +460,23 @@ fn main() -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_field;
+
+    #[test]
+    fn fields_are_a_name_and_a_json_value() {
+        let (name, value) = parse_field("presence_penalty=0.5").expect("a number");
+        assert_eq!(
+            (name.as_str(), value),
+            ("presence_penalty", serde_json::json!(0.5))
+        );
+        let (_, bias) = parse_field(r#"logit_bias={"11": 2, "198": -100}"#).expect("an object");
+        assert_eq!(bias["198"], -100);
+        for bad in ["presence_penalty", "=1", "x=not json"] {
+            assert!(parse_field(bad).is_err(), "{bad}");
+        }
+    }
 }

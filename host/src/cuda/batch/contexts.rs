@@ -7,7 +7,7 @@ use super::ahead::state::{wait_idle, RunAhead};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};
-use crate::engine::draw::DrawRule;
+use crate::engine::draw::{self, DrawRule};
 use crate::engine::{EngineError, Session};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -215,6 +215,11 @@ impl SeqState for CudaSeq {
         self.session()?.all_logits_now()
     }
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
+        // the GPU's draw takes temperature, top-p and seed alone: another rule is drawn from
+        // the logits by the specification, and nothing is run ahead for it
+        if !rule.is_plain() {
+            return Ok(draw::draw(&self.last_logits()?, rule, SeqState::len(self)));
+        }
         // its next rows draw their keys by the rule, and its steps are run ahead with them
         self.set_rule(Some(*rule));
         let settled = self.settle()?;

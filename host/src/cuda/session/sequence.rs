@@ -135,6 +135,10 @@ impl CudaSession {
     /// 2^-32 at top-p 0.5, is finished here from the logits).
     pub(crate) fn draw_now(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         let position = self.read_out.len();
+        // the kernel takes temperature, top-p and seed alone (`DrawRule::is_plain`)
+        if !rule.is_plain() {
+            return Ok(draw::draw(&self.logits_now()?, rule, position));
+        }
         let vocab = self.model.config.vocab_size;
         // the batched pass drew it already, by the same rule
         if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_rule) {

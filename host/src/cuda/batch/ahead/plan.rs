@@ -421,6 +421,7 @@ mod tests {
             temperature: 0.8,
             top_p: 0.95,
             seed: 9,
+            min_p: 0.0,
         };
         let mut drawing = guest(10, 2);
         drawing.rule = Some(rule);

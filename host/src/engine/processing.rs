@@ -1,0 +1,265 @@
+//! What a request does to the logits before its draw: OpenAI's `logit_bias`, presence and
+//! frequency penalties, and HF's repetition penalty. The guest names them with its draw
+//! (inputs 4-7 of the graph contract) and the host applies them to the logits where they are,
+//! so that a request with penalties also gets one token back instead of 50,257 logits.
+//!
+//! The arithmetic is the guest's own (`guest/src/processing.rs`, vLLM's order), step by step
+//! in f32, so the processed logits are the same bits on either side:
+//!
+//! 1. each `(id, bias)` of the bias list is added to its logit, in the list's order;
+//! 2. with a repetition penalty `r` other than 1, the logit of every distinct token of the
+//!    sequence (prompt and generated) is divided by `r` when above 0, else multiplied;
+//! 3. the logit of every distinct token generated so far (the sequence from
+//!    `generated_from` on), `n` times, loses `n * frequency + presence`.
+//!
+//! Min-p, which masks tokens after the temperature, is part of the draw's rule
+//! ([`super::draw::DrawRule::min_p`]).
+
+/// Most entries of a bias list (OpenAI takes 300).
+pub const MAX_BIAS: usize = 1024;
+
+/// A request's processing of the logits; [`Processing::default`] changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Processing {
+    /// `(token id, bias)`, added in this order.
+    bias: Vec<(u32, f32)>,
+    presence: f32,
+    frequency: f32,
+    /// 1: off.
+    repetition: f32,
+    /// The first position of the sequence whose tokens count as generated.
+    generated_from: usize,
+}
+
+impl Default for Processing {
+    fn default() -> Self {
+        Self {
+            bias: Vec::new(),
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            generated_from: 0,
+        }
+    }
+}
+
+/// Why a processing cannot be applied.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProcessingError {
+    #[error("penalties must be finite (presence {presence}, frequency {frequency}) and the repetition penalty above 0 ({repetition})")]
+    Penalty {
+        presence: f32,
+        frequency: f32,
+        repetition: f32,
+    },
+    #[error("logit bias: token id {id} is outside the vocabulary (0..{vocab})")]
+    BiasId { id: i64, vocab: usize },
+    #[error("logit bias: the bias of token {id} is {bias}, not a finite number")]
+    BiasValue { id: u32, bias: f32 },
+    #[error("logit bias: {ids} ids and {values} values (inputs 6 and 7 pair them)")]
+    BiasLengths { ids: usize, values: usize },
+    #[error("logit bias: {0} entries, more than {MAX_BIAS}")]
+    BiasTooLong(usize),
+    #[error("generated_from {from} is past the sequence of {len} tokens")]
+    GeneratedFrom { from: usize, len: usize },
+}
+
+impl Processing {
+    /// The penalties (`presence`, `frequency`: finite; `repetition`: above 0) and the bias
+    /// list (`ids` and `values` in pairs, every id below `vocab`, every value finite).
+    pub fn new(
+        (presence, frequency, repetition): (f32, f32, f32),
+        ids: &[i32],
+        values: &[f32],
+        generated_from: usize,
+        vocab: usize,
+    ) -> Result<Self, ProcessingError> {
+        if !(presence.is_finite()
+            && frequency.is_finite()
+            && repetition.is_finite()
+            && repetition > 0.0)
+        {
+            return Err(ProcessingError::Penalty {
+                presence,
+                frequency,
+                repetition,
+            });
+        }
+        if ids.len() != values.len() {
+            return Err(ProcessingError::BiasLengths {
+                ids: ids.len(),
+                values: values.len(),
+            });
+        }
+        if ids.len() > MAX_BIAS {
+            return Err(ProcessingError::BiasTooLong(ids.len()));
+        }
+        let bias = (ids.iter().zip(values))
+            .map(|(&id, &bias)| {
+                let id = u32::try_from(id)
+                    .ok()
+                    .filter(|&i| (i as usize) < vocab)
+                    .ok_or(ProcessingError::BiasId {
+                        id: i64::from(id),
+                        vocab,
+                    })?;
+                match bias.is_finite() {
+                    true => Ok((id, bias)),
+                    false => Err(ProcessingError::BiasValue { id, bias }),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            bias,
+            presence,
+            frequency,
+            repetition,
+            generated_from,
+        })
+    }
+
+    /// Whether it changes no logit.
+    pub fn is_neutral(&self) -> bool {
+        self.bias.is_empty()
+            && self.presence == 0.0
+            && self.frequency == 0.0
+            && self.repetition == 1.0
+    }
+
+    /// The processed copy of `logits`, the last position's of `sequence`, into `out`.
+    pub fn apply(
+        &self,
+        logits: &[f32],
+        sequence: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), ProcessingError> {
+        if self.generated_from > sequence.len() {
+            return Err(ProcessingError::GeneratedFrom {
+                from: self.generated_from,
+                len: sequence.len(),
+            });
+        }
+        out.clear();
+        out.extend_from_slice(logits);
+        for &(id, bias) in &self.bias {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if self.repetition != 1.0 {
+            for id in distinct(sequence) {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = match *l > 0.0 {
+                        true => *l / self.repetition,
+                        false => *l * self.repetition,
+                    };
+                }
+            }
+        }
+        if self.presence != 0.0 || self.frequency != 0.0 {
+            let mut generated = sequence[self.generated_from..].to_vec();
+            generated.sort_unstable();
+            for run in generated.chunk_by(|a, b| a == b) {
+                if let Some(l) = out.get_mut(run[0] as usize) {
+                    *l -= run.len() as f32 * self.frequency + self.presence;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The distinct ids of `sequence`, in increasing order.
+fn distinct(sequence: &[u32]) -> Vec<u32> {
+    let mut ids = sequence.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn processing(bias: &[(i32, f32)], penalties: (f32, f32, f32), from: usize) -> Processing {
+        let (ids, values): (Vec<i32>, Vec<f32>) = bias.iter().copied().unzip();
+        Processing::new(penalties, &ids, &values, from, 6).expect("valid processing")
+    }
+
+    /// The guest's own test vector (`guest/src/processing.rs`): the same values, bit for bit.
+    #[test]
+    fn bias_and_penalties_follow_the_openai_and_hf_definitions() {
+        let p = processing(&[(0, -100.0), (3, 2.5)], (0.5, 0.25, 2.0), 1);
+        // token 1 in the prompt, token 2 generated twice, token 4 once
+        let sequence = [1, 2, 4, 2];
+        let mut out = Vec::new();
+        p.apply(&[1.0, 4.0, -2.0, 0.5, 3.0, 1.0], &sequence, &mut out)
+            .expect("applied");
+        assert_eq!(out[0], 1.0 - 100.0);
+        assert_eq!(out[1], 4.0 / 2.0, "a prompt token: repetition only");
+        assert_eq!(
+            out[2],
+            -2.0 * 2.0 - (2.0 * 0.25 + 0.5),
+            "negative: multiplied"
+        );
+        assert_eq!(out[3], 0.5 + 2.5);
+        assert_eq!(out[4], 3.0 / 2.0 - (0.25 + 0.5));
+        assert_eq!(out[5], 1.0);
+    }
+
+    #[test]
+    fn a_bias_listed_twice_adds_twice_in_order_and_neutral_changes_nothing() {
+        let p = processing(&[(2, 0.1), (2, 0.2)], (0.0, 0.0, 1.0), 0);
+        let mut out = Vec::new();
+        p.apply(&[0.0, 0.0, 1.0, 0.0, 0.0, 0.0], &[2, 2], &mut out)
+            .expect("applied");
+        assert_eq!(out[2], 1.0 + 0.1 + 0.2);
+        assert!(Processing::default().is_neutral() && !p.is_neutral());
+        let logits = [0.5, -1.0, 2.0, 0.0, 3.0, 1.0];
+        Processing::default()
+            .apply(&logits, &[1, 2, 3], &mut out)
+            .expect("applied");
+        assert_eq!(out, logits);
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_their_field() {
+        let new = |penalties, ids: &[i32], values: &[f32]| {
+            Processing::new(penalties, ids, values, 0, 6).expect_err("refused")
+        };
+        assert!(matches!(
+            new((f32::NAN, 0.0, 1.0), &[], &[]),
+            ProcessingError::Penalty { .. }
+        ));
+        assert!(matches!(
+            new((0.0, 0.0, 0.0), &[], &[]),
+            ProcessingError::Penalty { .. }
+        ));
+        assert_eq!(
+            new((0.0, 0.0, 1.0), &[6], &[1.0]),
+            ProcessingError::BiasId { id: 6, vocab: 6 }
+        );
+        assert_eq!(
+            new((0.0, 0.0, 1.0), &[-1], &[1.0]),
+            ProcessingError::BiasId { id: -1, vocab: 6 }
+        );
+        assert!(matches!(
+            new((0.0, 0.0, 1.0), &[1], &[f32::INFINITY]),
+            ProcessingError::BiasValue { id: 1, .. }
+        ));
+        assert_eq!(
+            new((0.0, 0.0, 1.0), &[1, 2], &[1.0]),
+            ProcessingError::BiasLengths { ids: 2, values: 1 }
+        );
+        let long = vec![0; MAX_BIAS + 1];
+        assert_eq!(
+            new((0.0, 0.0, 1.0), &long, &vec![0.0; MAX_BIAS + 1]),
+            ProcessingError::BiasTooLong(MAX_BIAS + 1)
+        );
+        let past = processing(&[], (0.5, 0.0, 1.0), 3);
+        assert_eq!(
+            past.apply(&[0.0; 6], &[1, 2], &mut Vec::new()),
+            Err(ProcessingError::GeneratedFrom { from: 3, len: 2 })
+        );
+    }
+}
