@@ -94,6 +94,46 @@ fn the_component_generates_what_the_command_generates() {
     assert_eq!(serde_json::json!(got.text), want["text"]);
     assert_eq!(serde_json::json!(got.finish_reason), want["finish_reason"]);
 
+    // sampled with a bias, penalties and min-p (drawn by the host from the processed
+    // logits): the same as the command with the same settings
+    let want = command(&[
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.02",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.3",
+        "--repetition-penalty",
+        "1.3",
+        "--logit-bias",
+        "11:3",
+        "--logit-bias",
+        "198:-100",
+        "--seed",
+        "3",
+        "JULIET:",
+    ]);
+    let processed = Sampling {
+        logit_bias: vec![(11, 3.0), (198, -100.0)],
+        presence_penalty: 0.5,
+        frequency_penalty: 0.3,
+        repetition_penalty: 1.3,
+        min_p: 0.02,
+        ..sampling(40, 0.9, vec![])
+    };
+    let got = host
+        .generate_with_component(&component, "gpt2", "JULIET:", &processed, &limits, |_| {})
+        .expect("run")
+        .expect("generate");
+    assert_eq!(serde_json::json!(got.ids), want["ids"]);
+    assert!(!got.ids.contains(&198), "a banned token: {:?}", got.ids);
+
     // scoring through the range output, equal to the command's
     let text =
         std::fs::read_to_string(repo_root().join("tests/data/tinyshakespeare.txt")).expect("data");
