@@ -38,7 +38,9 @@ use crate::model::{self, Gpt2Config, LoadError};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use tensor_bytes::{f32_values, i32_values, le_bytes, penalty_values, sampling_values, seed_value};
+use tensor_bytes::{
+    f32_values, i32_value, i32_values, le_bytes, penalty_values, sampling_values, seed_value,
+};
 use wasmtime_wasi_nn::backend::{
     BackendError, BackendExecutionContext, BackendFromDir, BackendGraph, BackendInner, Id,
     NamedTensor,
@@ -335,6 +337,21 @@ impl Gpt2Context {
                 self.processing.bias_values = f32_values(index, tensor)?;
                 return Ok(());
             }
+            1 => {
+                let from = i32_value(index, tensor)?;
+                let from = usize::try_from(from).map_err(|_| Gpt2Error::LogitsFromOutOfRange {
+                    from: i64::from(from),
+                    len: 0,
+                })?;
+                self.logits_from = Some(from);
+                return Ok(());
+            }
+            5 => {
+                // past the sequence: refused at the draw, where the sequence is known
+                let from = i32_value(index, tensor)?;
+                self.processing.generated_from = usize::try_from(from).unwrap_or(usize::MAX);
+                return Ok(());
+            }
             _ => {}
         }
         let values = i32_values(index, tensor)?;
@@ -365,33 +382,6 @@ impl Gpt2Context {
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 self.tokens = Some(tokens);
-            }
-            1 => {
-                let [from] = values[..] else {
-                    return Err(Gpt2Error::WrongShape {
-                        index,
-                        dims: tensor.dimensions.clone(),
-                        bytes: tensor.data.len(),
-                        expected: "I32 [1]",
-                    });
-                };
-                let from = usize::try_from(from).map_err(|_| Gpt2Error::LogitsFromOutOfRange {
-                    from: from as i64,
-                    len: 0,
-                })?;
-                self.logits_from = Some(from);
-            }
-            5 => {
-                let [from] = values[..] else {
-                    return Err(Gpt2Error::WrongShape {
-                        index,
-                        dims: tensor.dimensions.clone(),
-                        bytes: tensor.data.len(),
-                        expected: "I32 [1]",
-                    });
-                };
-                // past the sequence: refused at the draw, where the sequence is known
-                self.processing.generated_from = usize::try_from(from).unwrap_or(usize::MAX);
             }
             _ => return Err(Gpt2Error::NoSuchInput(index.to_string())),
         }

@@ -123,6 +123,12 @@ pub(super) fn f32_values(index: u32, tensor: &Tensor) -> Result<Vec<f32>, Gpt2Er
         .collect())
 }
 
+/// Inputs 1 and 5, one position: `I32 [1]`.
+pub(super) fn i32_value(index: u32, tensor: &Tensor) -> Result<i32, Gpt2Error> {
+    let [value] = fixed_words::<1, 4>(index, tensor, TensorType::I32, "I32 [1]")?;
+    Ok(i32::from_le_bytes(value))
+}
+
 /// Input 3, the seed: `I64 [1]` (its bits).
 pub(super) fn seed_value(index: u32, tensor: &Tensor) -> Result<u64, Gpt2Error> {
     let [seed] = fixed_words::<1, 8>(index, tensor, TensorType::I64, "I64 [1]")?;
