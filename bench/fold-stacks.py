@@ -42,10 +42,11 @@ def fold(lines, with_dso=False):
         if not line.strip():
             end_sample()
             comm, frames = None, []
-        elif line[0] in " \t":
+        elif line[0] == "\t":
             frames.append(frame_name(line, with_dso))
         else:
-            # a sample's header: without call chains one follows the other with no blank line
+            # a sample's header (perf pads the thread's name with spaces; call-chain lines
+            # start with a tab): without call chains one follows the other, no blank line
             end_sample()
             comm, frames = line.strip().replace(" ", "_") or "?", []
     end_sample()

@@ -232,9 +232,6 @@ struct Model<'g> {
     /// the settings inputs 2 and 3 hold (they stay set until set again).
     has_draw: bool,
     draw_inputs: Option<DrawInputs>,
-    /// Whether the backend takes inputs 4-7 (the processing before the draw) and min-p;
-    /// cleared on the first refusal (as `has_draw`: the inputs it held are unknown then).
-    has_processing: bool,
 }
 
 /// What inputs 2-7 hold (they stay set until set again): temperature, top-p and min-p, the
@@ -344,7 +341,6 @@ impl<'g> Model<'g> {
             refused: false,
             has_draw: true,
             draw_inputs: None,
-            has_processing: true,
         })
     }
 
@@ -467,18 +463,17 @@ impl Forward for Model<'_> {
     }
 
     /// Output 4 after inputs 2 (temperature, top-p, min-p) and 3 (seed), and 4-7 (the
-    /// processing) where the draw processes; a backend that refuses the processing leaves
-    /// such draws to the guest from then on, one that refuses the rest every draw.
+    /// processing) where the draw processes. A backend that refuses any of them leaves every
+    /// draw to the guest from then on: the inputs it holds are not known then, and inputs
+    /// stay set (a run's processing does not change, so its plain draws lose nothing).
     fn sampled_next(&mut self, tokens: &[u32], draw: &HostDraw) -> Result<Option<u32>, String> {
-        if !self.has_draw || (draw.processes && !self.has_processing) {
+        if !self.has_draw {
             return Ok(None);
         }
         let inputs = DrawInputs::of(draw);
         if self.draw_inputs.as_ref() != Some(&inputs) {
             if self.set_draw_inputs(&inputs).is_err() {
-                // what the backend holds is not known now (inputs stay set): no more draws
                 self.draw_inputs = None;
-                self.has_processing = false;
                 self.has_draw = false;
                 return Ok(None);
             }

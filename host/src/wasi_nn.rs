@@ -31,7 +31,7 @@
 //! and runs only the rest as one batch.
 
 use crate::engine::draw::{self, DrawRule};
-use crate::engine::processing::Processing;
+use crate::engine::processing::{Processing, ProcessingError};
 use crate::engine::{Device, EngineOptions, Executor, GpuDtype, Session};
 use crate::guest_cycle::{self, GuestClock, Part};
 use crate::model::{self, Gpt2Config, LoadError};
@@ -349,7 +349,8 @@ impl Gpt2Context {
             5 => {
                 // past the sequence: refused at the draw, where the sequence is known
                 let from = i32_value(index, tensor)?;
-                self.processing.generated_from = usize::try_from(from).unwrap_or(usize::MAX);
+                self.processing.generated_from = usize::try_from(from)
+                    .map_err(|_| ProcessingError::NegativeGeneratedFrom(from))?;
                 return Ok(());
             }
             _ => {}

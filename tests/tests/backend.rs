@@ -490,6 +490,7 @@ fn processing_inputs_are_checked() {
     refused(&mut ctx, 4, f32_tensor(&[0.0, 0.0, 0.0]));
     refused(&mut ctx, 4, f32_tensor(&[0.0, 0.0]));
     refused(&mut ctx, 5, i32_tensor(&[1, 2]));
+    refused(&mut ctx, 5, i32_tensor(&[-3]));
     refused(&mut ctx, 6, i32_tensor(&[1000]));
     refused(&mut ctx, 6, i32_tensor(&[-1]));
     refused(&mut ctx, 7, i32_tensor(&[1]));

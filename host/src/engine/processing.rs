@@ -62,6 +62,8 @@ pub enum ProcessingError {
     BiasTooLong(usize),
     #[error("generated_from {from} is past the sequence of {len} tokens")]
     GeneratedFrom { from: usize, len: usize },
+    #[error("generated_from {0} is negative")]
+    NegativeGeneratedFrom(i32),
 }
 
 impl Processing {

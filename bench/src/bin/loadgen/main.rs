@@ -146,12 +146,26 @@ fn request_body(args: &Args, prompt: &Prompt, k: usize) -> serde_json::Value {
     body
 }
 
-/// `NAME=JSON` of `--field`.
+/// `NAME=JSON` of `--field`; not a field the load generator sets itself (its own flags
+/// say what it reports, and the client reads streams).
 fn parse_field(text: &str) -> Result<(String, serde_json::Value), String> {
+    const OWN: [&str; 8] = [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "model",
+        "stream",
+        "stream_options",
+    ];
     let (name, json) = text
         .split_once('=')
         .filter(|(name, _)| !name.is_empty())
         .ok_or_else(|| format!("{text:?}: expected NAME=JSON"))?;
+    if OWN.contains(&name) {
+        return Err(format!("{name}: set by loadgen itself (see its own flags)"));
+    }
     let value = serde_json::from_str(json).map_err(|e| format!("{name}: {json:?}: {e}"))?;
     Ok((name.to_owned(), value))
 }
@@ -475,7 +489,13 @@ mod tests {
         );
         let (_, bias) = parse_field(r#"logit_bias={"11": 2, "198": -100}"#).expect("an object");
         assert_eq!(bias["198"], -100);
-        for bad in ["presence_penalty", "=1", "x=not json"] {
+        for bad in [
+            "presence_penalty",
+            "=1",
+            "x=not json",
+            "temperature=1",
+            "stream=false",
+        ] {
             assert!(parse_field(bad).is_err(), "{bad}");
         }
     }

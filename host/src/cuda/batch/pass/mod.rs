@@ -434,8 +434,8 @@ impl Pass {
         if inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(EngineError::device("a batched input of no tokens"));
         }
-        // the table and the captured graphs hold max_rows rows (callers cut steps to fit)
-        let stride = self.max_rows;
+        // the table and the captured graphs hold the buffers' rows (callers cut steps to fit)
+        let stride = b.rows;
         if n > stride {
             return Err(EngineError::device(format!(
                 "a batched pass of {n} rows, more than {stride}"
