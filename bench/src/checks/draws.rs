@@ -24,8 +24,8 @@ pub struct DrawCheckReport {
     pub passed: bool,
 }
 
-/// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, or temperature alone) and
-/// seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
+/// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, temperature alone, or min-p
+/// with top-p) and seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
 /// so that the next step is run ahead with the drawn token; the step after it draws and then
 /// reads its logits, and its draw must be the rule's draw from them.
 pub fn compare_batched_draws(
@@ -40,12 +40,14 @@ pub fn compare_batched_draws(
     let before = gpu.batch_counts().unwrap_or_default();
     let barrier = std::sync::Barrier::new(streams);
     let run = |i: usize| -> Result<(usize, usize), EngineError> {
-        let (temperature, top_p) = [(1.0, 0.9), (0.8, 0.5), (1.1, 1.0)][i % 3];
+        // the last with min-p, which the GPU's kernel does not take: drawn from the logits
+        let rules = [(1.0, 0.9, 0.0), (0.8, 0.5, 0.0), (1.1, 1.0, 0.0), (1.0, 0.95, 0.05)];
+        let (temperature, top_p, min_p) = rules[i % rules.len()];
         let rule = DrawRule {
             temperature,
             top_p,
             seed: 77 + i as u64,
-            min_p: 0.0,
+            min_p,
         };
         let mut s = gpu.new_session()?;
         let len = (4 + 3 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
