@@ -37,6 +37,7 @@ pub mod cuda;
 pub mod engine;
 pub mod guest_cycle;
 pub mod model;
+pub mod null_backend;
 pub mod runtime;
 #[cfg(feature = "serve")]
 pub mod serve;

@@ -32,9 +32,9 @@ enum Command {
     Run {
         /// The guest, e.g. gpt2.wasm.
         module: PathBuf,
-        /// Preload a graph: NAME=PATH (HF folder, llm.c .bin, or random:SIZE for deterministic
-        /// random weights). Without any, `gpt2` is the embedded default model
-        /// (models/gpt2-shakespeare).
+        /// Preload a graph: NAME=PATH (HF folder, llm.c .bin, random:SIZE for deterministic
+        /// random weights, or null:SIZE, a backend that computes nothing, to measure the
+        /// host). Without any, `gpt2` is the embedded default model (models/gpt2-shakespeare).
         #[arg(long = "graph", value_name = "NAME=PATH")]
         graphs: Vec<String>,
         /// Where forward passes run, for every graph (overrides the guest's execution target):
@@ -259,7 +259,7 @@ fn random_checkpoint(
     Ok(())
 }
 
-/// Load each `(name, spec)` graph (a path or `random:SIZE`); without any, `gpt2` is the
+/// Load each `(name, spec)` graph (a path, `random:SIZE` or `null:SIZE`); without any, `gpt2` is the
 /// embedded default model.
 fn with_graphs(mut builder: HostBuilder, graphs: &[(&str, &str)]) -> Result<HostBuilder> {
     if graphs.is_empty() {
@@ -273,6 +273,13 @@ fn with_graphs(mut builder: HostBuilder, graphs: &[(&str, &str)]) -> Result<Host
         builder = builder.graph("gpt2", &dir)?;
     }
     for (name, spec) in graphs {
+        if let Some(size) = spec.strip_prefix("null:") {
+            let config = model::Gpt2Config::preset(size)
+                .with_context(|| format!("{spec}: null: takes a size as random: does"))?;
+            let executor = wasi_nn_host::null_backend::NullExecutor::new(config);
+            builder = builder.graph_executor(name, std::sync::Arc::new(executor));
+            continue;
+        }
         builder = builder.graph_from_weights(name, model::load_spec(spec)?)?;
     }
     Ok(builder)

@@ -41,7 +41,12 @@ pub fn compare_batched_draws(
     let barrier = std::sync::Barrier::new(streams);
     let run = |i: usize| -> Result<(usize, usize), EngineError> {
         // the last with min-p, which the GPU's kernel does not take: drawn from the logits
-        let rules = [(1.0, 0.9, 0.0), (0.8, 0.5, 0.0), (1.1, 1.0, 0.0), (1.0, 0.95, 0.05)];
+        let rules = [
+            (1.0, 0.9, 0.0),
+            (0.8, 0.5, 0.0),
+            (1.1, 1.0, 0.0),
+            (1.0, 0.95, 0.05),
+        ];
         let (temperature, top_p, min_p) = rules[i % rules.len()];
         let rule = DrawRule {
             temperature,

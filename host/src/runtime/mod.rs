@@ -307,6 +307,19 @@ impl HostBuilder {
         Ok(self)
     }
 
+    /// Register an executor of the embedder's own as `name` (a backend of its own, or
+    /// [`crate::null_backend::NullExecutor`] to measure the host).
+    pub fn graph_executor(
+        mut self,
+        name: &str,
+        executor: Arc<dyn crate::engine::Executor>,
+    ) -> Self {
+        self.contexts
+            .insert(name.to_owned(), executor.config().n_ctx);
+        self.graphs.insert_executor(name, executor);
+        self
+    }
+
     fn backend(&self) -> Gpt2Backend {
         Gpt2Backend::with_device_override(self.device, self.max_load_bytes)
             .with_dtype(self.dtype)

@@ -29,7 +29,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: GpuDtype,
     /// Preload a graph and serve it as a model of the same name: NAME=PATH (HF folder,
-    /// llm.c .bin, or random:SIZE). The first is the model of requests that name none.
+    /// llm.c .bin, random:SIZE, or null:SIZE to measure the host without a forward pass). The
+    /// first is the model of requests that name none.
     /// Without any, `gpt2` is the embedded default model (models/gpt2-shakespeare).
     #[arg(long = "graph", value_name = "NAME=PATH")]
     pub graphs: Vec<String>,
