@@ -78,8 +78,8 @@ enum Command {
         /// the host's instance pool.
         #[arg(long)]
         on_demand: bool,
-        /// The pool's InstancePool::keep_resident_bytes.
-        #[arg(long, default_value_t = 0)]
+        /// The pool's InstancePool::keep_resident_bytes (default: the pool's own).
+        #[arg(long, default_value_t = wasi_nn_host::runtime::InstancePool::default_keep_resident())]
         keep_resident: usize,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).

@@ -549,3 +549,42 @@ fn penalties_bias_and_min_p_are_applied_and_drawn_by_the_host() {
     let guest_sampled = run_json(&args("200"));
     assert_ne!(ids(&guest_sampled["ids"]), made);
 }
+
+/// Nothing a guest wrote reaches the next guest in its pool slot, whether the slot's memory
+/// goes back to the kernel or stays resident and is reset in place (the default where Linux
+/// has PAGEMAP_SCAN, and with `memset` where it has not): one guest at a time, so that each
+/// takes the slot the last one left, and then eight at once.
+#[test]
+fn a_guest_never_sees_what_the_guest_before_it_in_its_slot_wrote() {
+    use wasi_nn_host::InstancePool;
+    for keep_resident_bytes in [0, 64 << 20, InstancePool::default_keep_resident()] {
+        let host = HostBuilder::new(Device::Cpu)
+            .instance_pool(Some(InstancePool {
+                max_instances: 8,
+                keep_resident_bytes,
+                ..Default::default()
+            }))
+            .build()
+            .expect("host");
+        let guest = host
+            .load_module(&repo_root().join("tests/guests/memory_reset.wat"))
+            .expect("compile memory_reset.wat");
+        let run = || {
+            host.run(&guest, "memory_reset.wasm", &RunOptions::default())
+                .map(|out| out.exit_code)
+        };
+        for i in 0..12 {
+            assert_eq!(
+                run().ok(),
+                Some(0),
+                "run {i}, keep resident {keep_resident_bytes}"
+            );
+        }
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..8).map(|_| scope.spawn(run)).collect();
+            for r in runs {
+                assert_eq!(r.join().ok().and_then(|r| r.ok()), Some(0));
+            }
+        });
+    }
+}

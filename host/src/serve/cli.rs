@@ -77,10 +77,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     pub warm_contexts: usize,
     /// Bytes of each instance's memory that stay resident when its request ends: the pages
-    /// the guest wrote are copied back from the guest's image instead of being handed back to
-    /// the kernel, so the next guest in that slot neither faults them in again nor makes
-    /// every core flush its TLB (see the README).
-    #[arg(long, value_name = "BYTES", default_value_t = crate::runtime::InstancePool::default().keep_resident_bytes)]
+    /// the guest wrote are reset from the guest's image instead of being handed back to the
+    /// kernel, so the next guest in that slot neither faults them in again nor makes every
+    /// core flush its TLB. Default: 64 MiB where Linux has PAGEMAP_SCAN (6.7+), which resets
+    /// only the written pages; else 0.
+    #[arg(long, value_name = "BYTES", default_value_t = crate::runtime::InstancePool::default_keep_resident())]
     pub keep_resident: usize,
 }
 
