@@ -51,6 +51,71 @@ pub struct HostDraw<'a> {
     pub generated_from: usize,
 }
 
+impl HostDraw<'_> {
+    /// The values of the contract's inputs 2-7 for this draw, neutral where it does not
+    /// process.
+    pub fn inputs(&self) -> DrawInputs {
+        let (s, p) = (self.sampling, self.processing);
+        if !self.processes {
+            return DrawInputs {
+                sampling: [s.temperature, s.top_p, 0.0],
+                seed: s.seed,
+                ..DrawInputs::NEUTRAL
+            };
+        }
+        let (bias_ids, bias_values) = p.logit_bias.iter().map(|&(id, b)| (id as i32, b)).unzip();
+        DrawInputs {
+            sampling: [s.temperature, s.top_p, p.min_p],
+            seed: s.seed,
+            penalties: [
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            ],
+            generated_from: self.generated_from as i32,
+            bias_ids,
+            bias_values,
+        }
+    }
+}
+
+/// The values of our host's inputs 2-7: `sampling` (temperature, top-p, min-p: two values
+/// where min-p is 0, which every backend with output 4 takes), `seed`, `penalties`
+/// (presence, frequency, repetition), `generated_from`, `bias_ids` and `bias_values`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrawInputs {
+    pub sampling: [f32; 3],
+    pub seed: u64,
+    pub penalties: [f32; 3],
+    pub generated_from: i32,
+    pub bias_ids: Vec<i32>,
+    pub bias_values: Vec<f32>,
+}
+
+impl DrawInputs {
+    const NEUTRAL: DrawInputs = DrawInputs {
+        sampling: [1.0, 1.0, 0.0],
+        seed: 0,
+        penalties: [0.0, 0.0, 1.0],
+        generated_from: 0,
+        bias_ids: Vec::new(),
+        bias_values: Vec::new(),
+    };
+
+    /// `sampling` as sent: without min-p where it is 0.
+    pub fn sampling(&self) -> &[f32] {
+        match self.sampling[2] == 0.0 {
+            true => &self.sampling[..2],
+            false => &self.sampling,
+        }
+    }
+
+    /// Whether inputs 4-7 or min-p change anything.
+    pub fn processes(&self) -> bool {
+        self.sampling[2] != 0.0 || self.penalties != [0.0, 0.0, 1.0] || !self.bias_ids.is_empty()
+    }
+}
+
 /// What to generate.
 #[derive(Debug, Clone, Default)]
 pub struct GenerationParams {
@@ -469,6 +534,37 @@ pub fn perplexity(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draw_sends_its_processing_or_neutral_inputs() {
+        let sampling = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 4,
+            ..Default::default()
+        };
+        let processing = Processing {
+            logit_bias: vec![(11, 2.5)],
+            presence_penalty: 0.5,
+            min_p: 0.05,
+            ..Default::default()
+        };
+        let draw = |processes| HostDraw {
+            sampling: &sampling,
+            processing: &processing,
+            processes,
+            generated_from: 7,
+        };
+        let on = draw(true).inputs();
+        assert_eq!(on.sampling(), [0.9, 0.95, 0.05]);
+        assert_eq!(on.penalties, [0.5, 0.0, 1.0]);
+        assert_eq!((on.generated_from, on.bias_ids.as_slice()), (7, &[11][..]));
+        assert!(on.processes());
+        let off = draw(false).inputs();
+        assert_eq!(off.sampling(), [0.9, 0.95], "two values without min-p");
+        assert_eq!(off.seed, 4);
+        assert!(!off.processes() && off.bias_ids.is_empty());
+    }
 
     /// A toy model over the real vocabulary: the next token after `t` is `t + 1` (logit 5),
     /// `t + 2` gets 4, every other token 0. It counts its calls.

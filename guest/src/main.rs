@@ -5,7 +5,7 @@
 //! `F32 [1, vocab]`; a backend that returns `F32 [1, T, vocab]` works too) and samples the next
 //! token. The host's backend caches the prefix, so each step costs one position.
 
-use gpt2_guest::generate::{Forward, Generation, GenerationParams, HostDraw};
+use gpt2_guest::generate::{DrawInputs, Forward, Generation, GenerationParams, HostDraw};
 use gpt2_guest::processing::Processing;
 use gpt2_guest::sampling::SamplingParams;
 use gpt2_guest::tokenizer::Gpt2Tokenizer;
@@ -234,56 +234,6 @@ struct Model<'g> {
     draw_inputs: Option<DrawInputs>,
 }
 
-/// What inputs 2-7 hold (they stay set until set again): temperature, top-p and min-p, the
-/// seed, and the processing (penalties, generated_from, the bias list), neutral when off.
-#[derive(Debug, Clone, PartialEq)]
-struct DrawInputs {
-    sampling: [f32; 3],
-    seed: u64,
-    penalties: [f32; 3],
-    generated_from: i32,
-    bias_ids: Vec<i32>,
-    bias_values: Vec<f32>,
-}
-
-impl DrawInputs {
-    fn of(draw: &HostDraw) -> Self {
-        let (s, p) = (draw.sampling, draw.processing);
-        let processes = draw.processes;
-        let (bias_ids, bias_values) = match processes {
-            true => p.logit_bias.iter().map(|&(id, b)| (id as i32, b)).unzip(),
-            false => (Vec::new(), Vec::new()),
-        };
-        Self {
-            sampling: [
-                s.temperature,
-                s.top_p,
-                if processes { p.min_p } else { 0.0 },
-            ],
-            seed: s.seed,
-            penalties: match processes {
-                true => [
-                    p.presence_penalty,
-                    p.frequency_penalty,
-                    p.repetition_penalty,
-                ],
-                false => [0.0, 0.0, 1.0],
-            },
-            generated_from: if processes {
-                draw.generated_from as i32
-            } else {
-                0
-            },
-            bias_ids,
-            bias_values,
-        }
-    }
-
-    fn processes(&self) -> bool {
-        self.sampling[2] != 0.0 || self.penalties != [0.0, 0.0, 1.0] || !self.bias_ids.is_empty()
-    }
-}
-
 /// The graph: `--model DIR` loaded from bytes for `--target`, else `--graph NAME` by name
 /// (`load_by_name` takes no execution target: the host decides where it runs); with the
 /// context length its `config.json` gives (`n_positions`), when the guest read one.
@@ -377,15 +327,10 @@ impl<'g> Model<'g> {
                 .and_then(|()| c.set_input(6, TensorType::I32, &[n], &inputs.bias_ids))
                 .and_then(|()| c.set_input(7, TensorType::F32, &[n], &inputs.bias_values))?;
         }
-        // two values where min-p is off, which every backend with output 4 takes
-        let sampling = match inputs.sampling[2] == 0.0 {
-            true => (self.context).set_input(2, TensorType::F32, &[2], &inputs.sampling[..2]),
-            false => (self.context).set_input(2, TensorType::F32, &[3], inputs.sampling),
-        };
-        sampling.and_then(|()| {
-            self.context
-                .set_input(3, TensorType::I64, &[1], [inputs.seed as i64])
-        })
+        let sampling = inputs.sampling();
+        (self.context)
+            .set_input(2, TensorType::F32, &[sampling.len()], sampling)
+            .and_then(|()| (self.context).set_input(3, TensorType::I64, &[1], [inputs.seed as i64]))
     }
 
     fn compute(&mut self, tokens: &[u32]) -> Result<(), String> {
@@ -470,7 +415,7 @@ impl Forward for Model<'_> {
         if !self.has_draw {
             return Ok(None);
         }
-        let inputs = DrawInputs::of(draw);
+        let inputs = draw.inputs();
         if self.draw_inputs.as_ref() != Some(&inputs) {
             if self.set_draw_inputs(&inputs).is_err() {
                 self.draw_inputs = None;

@@ -155,48 +155,32 @@ impl WitModel {
                 tensor::Tensor::new(&[1], tensor::TensorType::I32, &1i32.to_le_bytes()),
             )),
             Ask::Draw(draw) => {
-                let (p, q) = (draw.sampling, draw.processing);
-                let f32s = |values: &[f32]| -> Vec<u8> {
-                    values.iter().flat_map(|v| v.to_le_bytes()).collect()
-                };
-                let f32_input = |name: &str, values: &[f32]| {
-                    let dims = [values.len() as u32];
-                    let bytes = f32s(values);
+                let values = draw.inputs();
+                let tensor =
+                    |ty, values: Vec<u8>, n: usize| tensor::Tensor::new(&[n as u32], ty, &values);
+                let f32s = |name: &str, values: &[f32]| {
+                    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     (
                         name.to_string(),
-                        tensor::Tensor::new(&dims, tensor::TensorType::Fp32, &bytes),
+                        tensor(tensor::TensorType::Fp32, bytes, values.len()),
                     )
                 };
-                let i32_input = |name: &str, values: &[i32]| {
-                    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    let dims = [values.len() as u32];
+                let i32s = |name: &str, values: &[i32]| {
+                    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     (
                         name.to_string(),
-                        tensor::Tensor::new(&dims, tensor::TensorType::I32, &bytes),
+                        tensor(tensor::TensorType::I32, bytes, values.len()),
                     )
                 };
-                // two values where min-p is off, which every backend with the output takes
-                match draw.processes && q.min_p != 0.0 {
-                    true => inputs.push(f32_input("sampling", &[p.temperature, p.top_p, q.min_p])),
-                    false => inputs.push(f32_input("sampling", &[p.temperature, p.top_p])),
-                }
-                inputs.push((
-                    "seed".to_string(),
-                    tensor::Tensor::new(&[1], tensor::TensorType::I64, &p.seed.to_le_bytes()),
-                ));
-                if draw.processes {
-                    let penalties = [
-                        q.presence_penalty,
-                        q.frequency_penalty,
-                        q.repetition_penalty,
-                    ];
-                    inputs.push(f32_input("penalties", &penalties));
-                    inputs.push(i32_input("generated_from", &[draw.generated_from as i32]));
-                    let (ids, values): (Vec<i32>, Vec<f32>) =
-                        q.logit_bias.iter().map(|&(id, b)| (id as i32, b)).unzip();
-                    if !ids.is_empty() {
-                        inputs.push(i32_input("bias_ids", &ids));
-                        inputs.push(f32_input("bias_values", &values));
+                inputs.push(f32s("sampling", values.sampling()));
+                let seed = values.seed.to_le_bytes().to_vec();
+                inputs.push(("seed".to_string(), tensor(tensor::TensorType::I64, seed, 1)));
+                if values.processes() {
+                    inputs.push(f32s("penalties", &values.penalties));
+                    inputs.push(i32s("generated_from", &[values.generated_from]));
+                    if !values.bias_ids.is_empty() {
+                        inputs.push(i32s("bias_ids", &values.bias_ids));
+                        inputs.push(f32s("bias_values", &values.bias_values));
                     }
                 }
             }
