@@ -17,8 +17,9 @@ __device__ __forceinline__ double draw_uniform(unsigned long long seed, unsigned
     return (double)(bits >> 11) * (1.0 / 9007199254740992.0);
 }
 
-__device__ __forceinline__ double draw_weight(float l, float m, double inv_t) {
-    return l != l ? 0.0 : exp(((double)l - (double)m) * inv_t);
+// A token's weight; below `floor` (min-p's, -inf without it) it weighs 0.
+__device__ __forceinline__ double draw_weight(float l, float m, double inv_t, float floor) {
+    return l != l || l < floor ? 0.0 : exp(((double)l - (double)m) * inv_t);
 }
 
 // A block-wide reduction of `v` by `op` over DRAW_THREADS threads (`identity` its neutral
@@ -48,8 +49,8 @@ __device__ __forceinline__ T draw_block_reduce(T v, T* scratch, T identity, Op o
 // below f32's range), expf within 2 ulp. Each weight is then within 7e-6 of the f64 one
 // relatively, or 1.2e-38 absolutely where it underflows. (expf's 2 ulp is NVIDIA's tested bound;
 // the margin below leaves room for ten times more.)
-__device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t) {
-    return l != l ? 0.0f : expf((float)(((double)l - (double)m) * inv_t));
+__device__ __forceinline__ float draw_weight_f32(float l, float m, double inv_t, float floor) {
+    return l != l || l < floor ? 0.0f : expf((float)(((double)l - (double)m) * inv_t));
 }
 // How far an f32 estimate of a sum of weights may be from the f64 sum, as a share of the total
 // (which is at least 1: the largest logit weighs exactly 1): the weights' 7e-6 plus a thread's
@@ -87,7 +88,10 @@ __device__ __noinline__ void draw_walk(Weight weight, int lo, int hi, double bef
 // draw's target (or, past every range by rounding, none: then the last weighted id). That
 // chunk is weighed by warp 0 into shared memory and walked in order by one lane (the sums and
 // order of its own thread's walk, in a few loads' time instead of a chain of them).
-__device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
+//
+// `floor_offset` is min-p's `T * ln(min_p)` (f32, computed by the host as the rule does), -inf
+// without min-p: a token below the largest logit plus it weighs 0.
+__device__ int draw_row(const float* l, int v, const unsigned long long* rule, float floor_offset = -INFINITY) {
     __shared__ double incl[DRAW_THREADS];
     __shared__ double dscratch[DRAW_THREADS / 32];
     __shared__ float fscratch[DRAW_THREADS / 32];
@@ -107,12 +111,14 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
         first = draw_block_reduce(first, iscratch, 0x7fffffff, DrawMin());
         return m == INFINITY ? first : 0;
     }
+    // (f32 as the rule computes it: a rounded sum, never fused)
+    float floor = __fadd_rn(m, floor_offset);
     double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
     unsigned long long seed = rule[2], position = rule[3];
     int per = (v + DRAW_THREADS - 1) / DRAW_THREADS;
     int lo = min(t * per, v), hi = min(lo + per, v);
     double chunk = 0.0;
-    for (int i = lo; i < hi; i++) chunk += draw_weight(l[i], m, it);
+    for (int i = lo; i < hi; i++) chunk += draw_weight(l[i], m, it, floor);
     // inclusive scan of the chunk sums: within the warp, then over the warps' totals
     int warp = t >> 5, lane = t & 31;
     double scan = chunk;
@@ -133,7 +139,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
     // the last id weighing anything, for a target that rounding leaves past every one
     int last = -1;
     for (int i = hi - 1; i >= lo; i--)
-        if (draw_weight(l[i], m, it) > 0.0) {
+        if (draw_weight(l[i], m, it, floor) > 0.0) {
             last = i;
             break;
         }
@@ -154,7 +160,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             int h_lo = min(h * per, v), h_hi = min(h_lo + per, v);
             bool shared_walk = h_hi - h_lo <= DRAW_WALK;
             if (shared_walk && warp == 0) {
-                for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it);
+                for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it, floor);
                 __syncwarp();
                 if (lane == 0) {
                     auto staged = [&](int i) { return walk[i - h_lo]; };
@@ -162,7 +168,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
                 }
             } else if (!shared_walk && t == h) {
                 // a chunk past DRAW_WALK: its own thread weighs it as it walks
-                auto weighed = [&](int i) { return draw_weight(l[i], m, it); };
+                auto weighed = [&](int i) { return draw_weight(l[i], m, it, floor); };
                 draw_walk(weighed, lo, hi, before_chunk, target, picked);
             }
         }
@@ -178,7 +184,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
             float rough = 0.0f;
             for (int j = t; j < v; j += DRAW_THREADS) {
                 float lj = l[j];
-                if (lj > lx || (lj == lx && j < x)) rough += draw_weight_f32(lj, m, it);
+                if (lj > lx || (lj == lx && j < x)) rough += draw_weight_f32(lj, m, it, floor);
             }
             double approx = draw_block_reduce((double)rough, dscratch, 0.0, DrawAdd());
             double margin = DRAW_FILTER_MARGIN * total;
@@ -188,7 +194,7 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule) {
         double before = 0.0;
         for (int j = t; j < v; j += DRAW_THREADS) {
             float lj = l[j];
-            if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it);
+            if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it, floor);
         }
         before = draw_block_reduce(before, dscratch, 0.0, DrawAdd());
         if (before < bound) return x;
@@ -221,4 +227,36 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     int token = draw_row(reinterpret_cast<const float*>(dst[row]), v, rule);
     if (token < 0) token = v;
     if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
+}
+
+// A request's processing of one token's logit (`host/src/engine/processing.rs`, one edit a
+// distinct token id, made by the host): x = the id, y its steps, z the bias's bits, w the
+// penalty's bits (its `count * frequency + presence`, rounded as the host rounds it).
+#define EDIT_BIAS 1u        // add the bias
+#define EDIT_REPETITION 2u  // in the sequence: divided by the repetition penalty above 0, else multiplied
+#define EDIT_PENALTY 4u     // generated: less the penalty
+
+// The draw of one row's logits after its request's processing (`draw_token` with bias,
+// penalties and min-p): the row is copied to `scratch` (`v` floats), each edit replaces its
+// token's value there (the edits' ids are distinct, so the threads never share one), and the
+// rule draws from the copy. The logits the guest reads stay as they are. Each step is the
+// host's f32 operation, rounded alone (never fused), so the processed values are its bits.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    draw_processed(const float* logits, float* scratch, int v, const unsigned long long* rule, const uint4* edits,
+                   int n_edits, float repetition, float floor_offset, int* out) {
+    pdl_wait();
+    for (int i = threadIdx.x; i < v; i += DRAW_THREADS) scratch[i] = logits[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_edits; e += DRAW_THREADS) {
+        uint4 edit = edits[e];
+        if (edit.x >= (unsigned)v) continue;
+        float l = logits[edit.x];
+        if (edit.y & EDIT_BIAS) l = __fadd_rn(l, __uint_as_float(edit.z));
+        if (edit.y & EDIT_REPETITION) l = l > 0.0f ? __fdiv_rn(l, repetition) : __fmul_rn(l, repetition);
+        if (edit.y & EDIT_PENALTY) l = __fsub_rn(l, __uint_as_float(edit.w));
+        scratch[edit.x] = l;
+    }
+    __syncthreads();
+    int token = draw_row(scratch, v, rule, floor_offset);
+    if (threadIdx.x == 0) out[0] = token;
 }

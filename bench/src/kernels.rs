@@ -975,6 +975,8 @@ fn check_one(
     // for the walk through shared memory
     let seed = b.rng.random();
     draw::check_draw(&b.l, &[v, 50257, 140_000], seed, report)?;
+    // and after a request's processing, with and without min-p
+    draw::check_draw_edited(&b.l, &[v, 50257], seed ^ 1, report)?;
 
     // the tensor-core attention reading the prompt's queries, keys and values from bf16
     // QKV rows (after a prefix in the f32 cache) and appending them to the cache; it sees

@@ -9,6 +9,7 @@
 
 use crate::engine::batch::{BatchModel, Batcher, SeqState, StepItem};
 use crate::engine::draw::DrawRule;
+use crate::engine::processing::Edits;
 use crate::engine::{EngineError, Executor, Session};
 use crate::model::Gpt2Config;
 use std::sync::Arc;
@@ -87,6 +88,10 @@ impl SeqState for NullSeq {
     /// Drawn where the logits would be: the next token, as a device's draw costs the host
     /// nothing.
     fn draw(&mut self, _rule: &DrawRule) -> Result<u32, EngineError> {
+        Ok(self.next)
+    }
+    /// Processed and drawn where the logits would be, as a device's.
+    fn draw_edited(&mut self, _rule: &DrawRule, _edits: &Edits) -> Result<u32, EngineError> {
         Ok(self.next)
     }
 }

@@ -442,9 +442,11 @@ impl Gpt2Context {
     }
 
     /// Output 4: the token the sampling settings draw for the next position (drawn once per
-    /// compute). A plain rule (temperature, top-p, seed) is drawn where the logits are;
-    /// with min-p or processing, from the logits brought here, processed
-    /// ([`Processing::apply`]) and drawn by the specification.
+    /// compute), where the logits are: a plain rule (temperature, top-p, seed) as it is, one
+    /// with min-p or processing after the processing's
+    /// [`Edits`](crate::engine::processing::Edits) (a bias list naming a token
+    /// twice: from the logits brought here, processed by [`Processing::apply`] and drawn by
+    /// the specification).
     pub fn sampled_token(&mut self) -> Result<u32, Gpt2Error> {
         if !self.computed {
             return Err(Gpt2Error::NotComputed(4));
@@ -455,9 +457,18 @@ impl Gpt2Context {
         }
         let rule = DrawRule::new(temperature, top_p, self.seed)?.with_min_p(min_p)?;
         let processing = self.processing.processing(self.config.vocab_size)?;
-        let id = match processing.is_neutral() && rule.is_plain() {
-            true => guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?,
-            false => {
+        let plain = processing.is_neutral() && rule.is_plain();
+        let edits = match plain {
+            true => None,
+            false => processing.edits(&self.cached)?,
+        };
+        let id = match (plain, edits) {
+            (true, _) => guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?,
+            (false, Some(edits)) => {
+                guest_cycle::timed(Part::Draw, || self.session.draw_edited(&rule, &edits))?
+            }
+            // a bias named twice: its additions one by one, here
+            (false, None) => {
                 self.last_logits()?;
                 let logits = self.last_logits.as_deref().unwrap_or_default();
                 let sequence = &self.cached;

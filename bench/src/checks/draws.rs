@@ -5,6 +5,7 @@
 use super::gpu_executor;
 use super::prompt;
 use wasi_nn_host::engine::draw::{self, DrawRule};
+use wasi_nn_host::engine::processing::Processing;
 use wasi_nn_host::engine::{EngineError, Executor, GpuDtype};
 use wasi_nn_host::model::Gpt2Weights;
 
@@ -24,8 +25,8 @@ pub struct DrawCheckReport {
     pub passed: bool,
 }
 
-/// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, temperature alone, or min-p
-/// with top-p) and seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
+/// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, temperature alone, min-p
+/// with top-p, or top-p after a bias and penalties) and seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
 /// so that the next step is run ahead with the drawn token; the step after it draws and then
 /// reads its logits, and its draw must be the rule's draw from them.
 pub fn compare_batched_draws(
@@ -40,13 +41,26 @@ pub fn compare_batched_draws(
     let before = gpu.batch_counts().unwrap_or_default();
     let barrier = std::sync::Barrier::new(streams);
     let run = |i: usize| -> Result<(usize, usize), EngineError> {
-        // the last with min-p, which the GPU's kernel does not take: drawn from the logits
+        // the last two with min-p and with a request's processing, which the pass's draw
+        // does not take: drawn after the pass from a processed copy of the logits
         let rules = [
             (1.0, 0.9, 0.0),
             (0.8, 0.5, 0.0),
             (1.1, 1.0, 0.0),
             (1.0, 0.95, 0.05),
+            (0.9, 0.95, 0.0),
         ];
+        let processing = match i % rules.len() {
+            4 => Processing::new(
+                (0.5, 0.25, 1.2),
+                &[7, 11],
+                &[2.0, -100.0],
+                0,
+                cfg.vocab_size,
+            )
+            .map_err(|e| EngineError::device(e.to_string()))?,
+            _ => Processing::default(),
+        };
         let (temperature, top_p, min_p) = rules[i % rules.len()];
         let rule = DrawRule {
             temperature,
@@ -57,13 +71,22 @@ pub fn compare_batched_draws(
         let mut s = gpu.new_session()?;
         let len = (4 + 3 * i).min(cfg.n_ctx.saturating_sub(steps + 1)).max(1);
         let mut next = prompt(len, cfg.vocab_size, 300 + i as u32);
+        let mut sequence = Vec::new();
         let (mut checked, mut mismatches) = (0, 0);
         for step in 0..steps {
             barrier.wait();
             s.extend(&next, false)?;
-            let token = s.draw(&rule)?;
+            sequence.extend_from_slice(&next);
+            let edits = (processing.edits(&sequence))
+                .map_err(|e| EngineError::device(e.to_string()))?
+                .ok_or_else(|| EngineError::device("distinct bias ids have edits"))?;
+            let token = match processing.is_neutral() {
+                true => s.draw(&rule)?,
+                false => s.draw_edited(&rule, &edits)?,
+            };
             if step % 2 == 1 {
-                let logits = s.last_logits()?;
+                let mut logits = s.last_logits()?;
+                edits.apply(&mut logits);
                 checked += 1;
                 mismatches += usize::from(token != draw::draw(&logits, &rule, s.len()));
             }

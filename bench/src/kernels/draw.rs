@@ -8,9 +8,10 @@
 
 use rand::{Rng, SeedableRng};
 use wasi_nn_host::cuda::buffer::DevBuf;
-use wasi_nn_host::cuda::ops::draw::{rule_words, Draw};
+use wasi_nn_host::cuda::ops::draw::{edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS};
 use wasi_nn_host::cuda::ops::Launcher;
 use wasi_nn_host::engine::draw::{draw_by_rejection, DrawRule, Drawn};
+use wasi_nn_host::engine::processing::Processing;
 use wasi_nn_host::engine::EngineError;
 
 /// One row: its logits and rule, and the position drawn for.
@@ -125,6 +126,101 @@ pub(super) fn check_draw(
             &format!("draw rows={} V={vocab}", rows.len()),
             &got,
             &want,
+            0.0,
+        );
+    }
+    Ok(())
+}
+
+/// `draw_processed` on the rows of [`rows`] (GPT-2's vocabulary and the model's), each with
+/// a fresh random processing of its logits (a bias list, a sequence with a prompt and a
+/// generated part, presence, frequency and repetition penalties, each set or not) and min-p on
+/// every other row: the kernel's token must be the reference's draw from the logits that
+/// [`Processing::apply`] gives, and the logits it was given must be left as they were.
+pub(super) fn check_draw_edited(
+    l: &Launcher,
+    vocabs: &[usize],
+    seed: u64,
+    report: &mut impl FnMut(&str, &[f32], &[f32], f32),
+) -> Result<(), EngineError> {
+    let stream = l.stream().clone();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let bad = |e: &dyn std::fmt::Display| EngineError::device(e.to_string());
+    for &vocab in vocabs {
+        let rows = rows(vocab, seed ^ vocab as u64)?;
+        let (mut got, mut want, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+        let scratch = DevBuf::<f32>::zeros(&stream, vocab, "scratch")?;
+        let mut rule_buf = DevBuf::<u64>::zeros(&stream, 4, "rule")?;
+        let out = DevBuf::<i32>::zeros(&stream, 1, "token")?;
+        for (i, row) in rows.iter().enumerate() {
+            let len = rng.random_range(1..300);
+            let sequence: Vec<u32> = (0..len)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect();
+            // distinct bias ids, some of them pushing a token far up or down
+            let mut ids: Vec<i32> = (0..rng.random_range(0..40))
+                .map(|_| rng.random_range(0..vocab as i32))
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            let values: Vec<f32> = (ids.iter())
+                .map(|_| match rng.random_range(0..4) {
+                    0 => 100.0,
+                    1 => -100.0,
+                    _ => rng.random_range(-3.0..3.0),
+                })
+                .collect();
+            let penalties = (
+                [0.0, 0.5, -0.3][i % 3],
+                [0.0, 0.25][i % 2],
+                [1.0, 1.3, 0.8][(i / 2) % 3],
+            );
+            let from = rng.random_range(0..=len);
+            let processing =
+                Processing::new(penalties, &ids, &values, from, vocab).map_err(|e| bad(&e))?;
+            let edits = (processing.edits(&sequence).map_err(|e| bad(&e))?)
+                .ok_or_else(|| EngineError::device("distinct bias ids have edits"))?;
+            let rule = match i % 2 {
+                0 => row.rule,
+                _ => row.rule.with_min_p(0.05).map_err(|e| bad(&e))?,
+            };
+            let logits = DevBuf::from_host(&stream, &row.logits, "logits")?;
+            let words = edit_words(&edits);
+            let edit_buf = DevBuf::from_host(&stream, &words, "edits")?;
+            rule_buf.write(&stream, 0, &rule_words(&rule, row.position))?;
+            l.draw_edited(EditedDraw {
+                logits: logits.ptr(),
+                scratch: scratch.ptr(),
+                vocab,
+                rule: rule_buf.ptr(),
+                edits: edit_buf.ptr(),
+                count: words.len() / EDIT_WORDS,
+                repetition: edits.repetition,
+                floor_offset: rule.min_p_offset(),
+                out: out.ptr(),
+            })?;
+            got.push(out.read(&stream, 1)?[0] as f32);
+            let mut processed = Vec::new();
+            (processing.apply(&row.logits, &sequence, &mut processed)).map_err(|e| bad(&e))?;
+            want.push(match draw_by_rejection(&processed, &rule, row.position) {
+                Drawn::Token(id) => id as f32,
+                Drawn::Undecided { .. } => -1.0,
+            });
+            let after = logits.read(&stream, vocab)?;
+            let same = (after.iter().zip(&row.logits)).all(|(a, b)| a.to_bits() == b.to_bits());
+            kept.push(f32::from(u8::from(same)));
+        }
+        let n = rows.len();
+        report(
+            &format!("processed draw rows={n} V={vocab}"),
+            &got,
+            &want,
+            0.0,
+        );
+        report(
+            &format!("processed draw leaves the logits rows={n} V={vocab}"),
+            &kept,
+            &vec![1.0; n],
             0.0,
         );
     }

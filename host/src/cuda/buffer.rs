@@ -62,7 +62,6 @@ impl<T> DevPtr<T> {
         self.len
     }
 
-    #[cfg(feature = "dev")]
     pub fn is_empty(self) -> bool {
         self.len == 0
     }

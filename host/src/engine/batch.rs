@@ -22,6 +22,7 @@
 
 use super::draw::DrawRule;
 pub use super::kv_pool::KvPool;
+use super::processing::Edits;
 use super::{EngineError, Session};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,6 +49,13 @@ pub trait SeqState: Send + Sync + 'static {
     /// The token `rule` draws from the last position's logits (see [`Session::draw`]).
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         Ok(super::draw::draw(&self.last_logits()?, rule, self.len()))
+    }
+    /// The token `rule` draws after `edits` changed the last position's logits (see
+    /// [`Session::draw_edited`]).
+    fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
+        let mut logits = self.last_logits()?;
+        edits.apply(&mut logits);
+        Ok(super::draw::draw(&logits, rule, self.len()))
     }
 }
 
@@ -689,5 +697,10 @@ impl<M: BatchModel> Session for BatchedSession<M> {
         (self.seq.as_mut())
             .ok_or_else(|| EngineError::device("context state lost"))?
             .draw(rule)
+    }
+    fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
+        (self.seq.as_mut())
+            .ok_or_else(|| EngineError::device("context state lost"))?
+            .draw_edited(rule, edits)
     }
 }

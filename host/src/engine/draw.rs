@@ -80,6 +80,12 @@ impl DrawRule {
         self.min_p == 0.0
     }
 
+    /// What min-p's floor is below the largest logit: `T * ln(min_p)` in f32, as the guest
+    /// computes it (minus infinity without min-p: nothing is below the floor).
+    pub fn min_p_offset(&self) -> f32 {
+        self.temperature * self.min_p.ln()
+    }
+
     /// `1 / T` as the weights use it.
     pub fn inverse_temperature(&self) -> f64 {
         1.0 / f64::from(self.temperature)
@@ -281,7 +287,7 @@ fn rejection_into(
     let inverse_t = rule.inverse_temperature();
     weigh(logits, max, inverse_t, weights);
     if rule.min_p > 0.0 {
-        let floor = max + rule.temperature * rule.min_p.ln();
+        let floor = max + rule.min_p_offset();
         for (w, &l) in weights.iter_mut().zip(logits) {
             if l < floor {
                 *w = 0.0;

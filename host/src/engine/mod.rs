@@ -215,6 +215,19 @@ pub trait Session: Send + Sync {
         let position = self.len();
         Ok(draw::draw(&self.last_logits()?, rule, position))
     }
+    /// The token `rule` draws from the last position's logits after a request's processing
+    /// changed them (`edits`, [`processing::Edits`]); the logits read afterwards are still the
+    /// unprocessed ones. Devices that hold the logits elsewhere process and draw there.
+    fn draw_edited(
+        &mut self,
+        rule: &draw::DrawRule,
+        edits: &processing::Edits,
+    ) -> Result<u32, EngineError> {
+        let position = self.len();
+        let mut logits = self.last_logits()?;
+        edits.apply(&mut logits);
+        Ok(draw::draw(&logits, rule, position))
+    }
 }
 
 /// The index of the largest value, first on ties, NaN never chosen (as the GPU kernel); 0

@@ -171,6 +171,117 @@ impl Processing {
     }
 }
 
+/// One token's processing, as a device applies it: the steps of [`Processing::apply`] that
+/// touch the token `id`, in their order, with their operands (see [`Processing::edits`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Edit {
+    pub id: u32,
+    /// Its bias (step 1), where the bias list names it.
+    pub bias: Option<f32>,
+    /// It is in the sequence and the repetition penalty is not 1 (step 2).
+    pub repeated: bool,
+    /// `n * frequency + presence` (step 3, rounded as `apply` rounds it), where it was
+    /// generated `n > 0` times and a penalty is set.
+    pub penalty: Option<f32>,
+}
+
+impl Edit {
+    /// The processed value of the token's logit `l`: each step one f32 operation, in order.
+    pub fn apply(&self, l: f32, repetition: f32) -> f32 {
+        let mut l = l;
+        if let Some(bias) = self.bias {
+            l += bias;
+        }
+        if self.repeated {
+            l = match l > 0.0 {
+                true => l / repetition,
+                false => l * repetition,
+            };
+        }
+        if let Some(penalty) = self.penalty {
+            l -= penalty;
+        }
+        l
+    }
+}
+
+/// A request's processing of one position's logits as [`Edit`]s, one a token it changes, in
+/// increasing id order ([`Processing::edits`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Edits {
+    pub edits: Vec<Edit>,
+    /// The repetition penalty, the operand of [`Edit::repeated`].
+    pub repetition: f32,
+}
+
+impl Edits {
+    /// No processing (a draw with min-p alone).
+    pub fn none() -> Self {
+        Self {
+            edits: Vec::new(),
+            repetition: 1.0,
+        }
+    }
+
+    /// The processed logits, in place: [`Processing::apply`]'s values.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for e in &self.edits {
+            if let Some(l) = logits.get_mut(e.id as usize) {
+                *l = e.apply(*l, self.repetition);
+            }
+        }
+    }
+}
+
+impl Processing {
+    /// What [`Self::apply`] does to the logits of the last position of `sequence`, one
+    /// [`Edit`] a token it changes, in increasing id order: each token's value depends on its
+    /// own logit alone, so the edits can be applied in any order, or at once. None where the
+    /// bias list names a token twice (its biases are added one by one, which one edit does
+    /// not hold).
+    pub fn edits(&self, sequence: &[u32]) -> Result<Option<Edits>, ProcessingError> {
+        if self.generated_from > sequence.len() {
+            return Err(ProcessingError::GeneratedFrom {
+                from: self.generated_from,
+                len: sequence.len(),
+            });
+        }
+        let mut edits = std::collections::BTreeMap::<u32, Edit>::new();
+        fn edit(edits: &mut std::collections::BTreeMap<u32, Edit>, id: u32) -> &mut Edit {
+            edits.entry(id).or_insert(Edit {
+                id,
+                bias: None,
+                repeated: false,
+                penalty: None,
+            })
+        }
+        for &(id, bias) in &self.bias {
+            let e = edit(&mut edits, id);
+            if e.bias.is_some() {
+                return Ok(None);
+            }
+            e.bias = Some(bias);
+        }
+        if self.repetition != 1.0 {
+            for id in distinct(sequence) {
+                edit(&mut edits, id).repeated = true;
+            }
+        }
+        if self.presence != 0.0 || self.frequency != 0.0 {
+            let mut generated = sequence[self.generated_from..].to_vec();
+            generated.sort_unstable();
+            for run in generated.chunk_by(|a, b| a == b) {
+                edit(&mut edits, run[0]).penalty =
+                    Some(run.len() as f32 * self.frequency + self.presence);
+            }
+        }
+        Ok(Some(Edits {
+            edits: edits.into_values().collect(),
+            repetition: self.repetition,
+        }))
+    }
+}
+
 /// The distinct ids of `sequence`, in increasing order.
 fn distinct(sequence: &[u32]) -> Vec<u32> {
     let mut ids = sequence.to_vec();
@@ -222,6 +333,59 @@ mod tests {
             .apply(&logits, &[1, 2, 3], &mut out)
             .expect("applied");
         assert_eq!(out, logits);
+    }
+
+    /// Random processings of random logits: the edits, applied each to its own token, give
+    /// `apply`'s values bit for bit (the device applies them so).
+    #[test]
+    fn the_edits_apply_what_apply_does() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let vocab = 64;
+        for round in 0..300 {
+            let logits: Vec<f32> = (0..vocab).map(|_| rng.random_range(-8.0..8.0)).collect();
+            let len = rng.random_range(1..40);
+            let sequence: Vec<u32> = (0..len)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect();
+            // distinct bias ids, some of them
+            let mut ids: Vec<i32> = (0..vocab as i32).filter(|_| rng.random_bool(0.1)).collect();
+            ids.reverse();
+            let values: Vec<f32> = ids.iter().map(|_| rng.random_range(-5.0..5.0)).collect();
+            // each penalty set or not
+            let (presence, frequency) = (rng.random_range(-2.0..2.0), rng.random_range(-1.0..1.0));
+            let penalties = (
+                if rng.random_bool(0.5) { presence } else { 0.0 },
+                if rng.random_bool(0.5) { frequency } else { 0.0 },
+                match round % 3 {
+                    0 => 1.0,
+                    _ => rng.random_range(0.5..2.0),
+                },
+            );
+            let from = rng.random_range(0..=len);
+            let p = Processing::new(penalties, &ids, &values, from, vocab).expect("valid");
+            let mut expected = Vec::new();
+            p.apply(&logits, &sequence, &mut expected).expect("applied");
+            let edits = p.edits(&sequence).expect("edits").expect("distinct ids");
+            let mut edited = logits.clone();
+            edits.apply(&mut edited);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&edited), bits(&expected), "round {round}");
+            assert!(
+                edits.edits.windows(2).all(|w| w[0].id < w[1].id),
+                "one edit an id, in order"
+            );
+        }
+        let twice = processing(&[(2, 0.1), (2, 0.2)], (0.0, 0.0, 1.0), 0);
+        assert_eq!(
+            twice.edits(&[1]),
+            Ok(None),
+            "a bias named twice has no edit"
+        );
+        assert_eq!(
+            processing(&[], (0.5, 0.0, 1.0), 3).edits(&[1, 2]),
+            Err(ProcessingError::GeneratedFrom { from: 3, len: 2 })
+        );
     }
 
     #[test]

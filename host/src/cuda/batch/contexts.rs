@@ -7,7 +7,8 @@ use super::ahead::state::{wait_idle, RunAhead};
 use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};
-use crate::engine::draw::{self, DrawRule};
+use crate::engine::draw::DrawRule;
+use crate::engine::processing::Edits;
 use crate::engine::{EngineError, Session};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -215,10 +216,10 @@ impl SeqState for CudaSeq {
         self.session()?.all_logits_now()
     }
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
-        // the GPU's draw takes temperature, top-p and seed alone: another rule is drawn from
-        // the logits by the specification, and nothing is run ahead for it
+        // the pass's draw takes temperature, top-p and seed alone: min-p is drawn after the
+        // pass, and nothing is run ahead for it
         if !rule.is_plain() {
-            return Ok(draw::draw(&self.last_logits()?, rule, SeqState::len(self)));
+            return self.draw_edited(rule, &Edits::none());
         }
         // its next rows draw their keys by the rule, and its steps are run ahead with them
         self.set_rule(Some(*rule));
@@ -228,6 +229,15 @@ impl SeqState for CudaSeq {
             session.set_argmax(token);
         }
         session.draw_now(rule)
+    }
+    /// Drawn on the GPU after the pass, from a processed copy of the logits (as a context
+    /// that reads its logits: its steps are not run ahead, the next token's processing
+    /// depending on the token).
+    fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
+        self.read_logits.store(true, Ordering::Relaxed);
+        self.set_rule(None);
+        self.settle()?;
+        self.session_mut()?.draw_edited_now(rule, edits)
     }
     fn argmax(&self) -> Result<u32, EngineError> {
         self.set_rule(None);

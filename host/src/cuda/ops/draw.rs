@@ -6,6 +6,7 @@ use super::{kernel_args, Launcher};
 use crate::cuda::buffer::DevPtr;
 use crate::cuda::error::{ensure, CudaError};
 use crate::engine::draw::DrawRule;
+use crate::engine::processing::Edits;
 use cudarc::driver::LaunchConfig;
 
 /// Threads of a row's block.
@@ -38,7 +39,95 @@ pub struct Draw {
     pub out: DevPtr<i32>,
 }
 
+/// One row's draw after its request's processing (`draw_processed` in `kernels/draw.cu`).
+#[derive(Clone, Copy, Debug)]
+pub struct EditedDraw {
+    /// `vocab` floats, left as they are.
+    pub logits: DevPtr<f32>,
+    /// `vocab` floats: the processed copy drawn from.
+    pub scratch: DevPtr<f32>,
+    pub vocab: usize,
+    /// 4 words ([`rule_words`]).
+    pub rule: DevPtr<u64>,
+    /// [`EDIT_WORDS`] words an edit ([`edit_words`]), `count` of them.
+    pub edits: DevPtr<u32>,
+    pub count: usize,
+    pub repetition: f32,
+    /// [`DrawRule::min_p_offset`].
+    pub floor_offset: f32,
+    /// One token (-1: the draws fell outside the nucleus).
+    pub out: DevPtr<i32>,
+}
+
+/// Words of one edit as the kernel reads it.
+pub const EDIT_WORDS: usize = 4;
+
+/// Processing's edits as the kernel reads them, [`EDIT_WORDS`] words each: the token id, its
+/// steps (bit 0 the bias, bit 1 the repetition penalty, bit 2 the penalty), the bias's and the
+/// penalty's bits.
+pub fn edit_words(edits: &Edits) -> Vec<u32> {
+    let mut words = Vec::with_capacity(EDIT_WORDS * edits.edits.len());
+    for e in &edits.edits {
+        let steps = u32::from(e.bias.is_some())
+            | u32::from(e.repeated) << 1
+            | u32::from(e.penalty.is_some()) << 2;
+        words.extend([
+            e.id,
+            steps,
+            e.bias.unwrap_or(0.0).to_bits(),
+            e.penalty.unwrap_or(0.0).to_bits(),
+        ]);
+    }
+    words
+}
+
 impl Launcher {
+    /// The token `a.rule` draws from `a.logits` after the edits (one row).
+    pub fn draw_edited(&self, a: EditedDraw) -> Result<(), CudaError> {
+        ensure(
+            a.vocab > 0
+                && a.vocab <= i32::MAX as usize
+                && a.logits.len() >= a.vocab
+                && a.scratch.len() >= a.vocab
+                && a.rule.len() >= 4
+                && a.edits.len() >= EDIT_WORDS * a.count
+                && a.count <= i32::MAX as usize
+                && !a.out.is_empty(),
+            "processed draw",
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (DRAW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (logits, scratch, v) = (a.logits.addr(), a.scratch.addr(), a.vocab as i32);
+        let (rule, edits, count) = (a.rule.addr(), a.edits.addr(), a.count as i32);
+        let (repetition, floor_offset, out) = (a.repetition, a.floor_offset, a.out.addr());
+        // SAFETY: logits and scratch hold `vocab` floats, rule 4 words, edits `count` edits of
+        // EDIT_WORDS words (the kernel skips an id past the vocabulary), out one int
+        // (checked above).
+        let mut args = kernel_args![
+            &logits,
+            &scratch,
+            &v,
+            &rule,
+            &edits,
+            &count,
+            &repetition,
+            &floor_offset,
+            &out
+        ];
+        unsafe {
+            self.launch(
+                &self.kernels.draw_processed,
+                cfg,
+                1,
+                &mut args,
+                "processed draw",
+            )
+        }
+    }
+
     pub fn draw_token(&self, a: Draw) -> Result<(), CudaError> {
         ensure(
             a.rows > 0

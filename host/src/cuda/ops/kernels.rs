@@ -33,6 +33,7 @@ pub struct Kernels {
     pub(crate) batch_logits: CudaFunction,
     pub(crate) batch_feed: CudaFunction,
     pub(crate) draw_token: CudaFunction,
+    pub(crate) draw_processed: CudaFunction,
     pub(crate) batch_draw: CudaFunction,
     /// `batch_gemm_bf16_n64` and `_n32` (64- and 32-column tiles), then their `_fold`
     /// forms (several K slices a block), where the GPU gives their blocks the shared memory
@@ -94,6 +95,7 @@ impl Kernels {
             batch_logits: f("batch_logits")?,
             batch_feed: f("batch_feed")?,
             draw_token: f("draw_token")?,
+            draw_processed: f("draw_processed")?,
             batch_draw: f("batch_draw")?,
             batch_gemm: {
                 let funcs = [

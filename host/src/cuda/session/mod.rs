@@ -38,6 +38,7 @@ use super::buffer::{DevBuf, DevPtr, HostCopy};
 use super::error::{CudaError, DriverContext};
 use super::loaded::LoadedModel;
 use super::ops::attention::ATT_CHUNK;
+use super::ops::draw::EDIT_WORDS;
 use super::ops::embed_norm::Embed;
 use super::ops::persistent::{phases, LAYER_POINTERS, MAX_SPLITS, TRACE_SLOTS};
 use super::ops::{KvLayer, Launcher};
@@ -51,6 +52,12 @@ use std::sync::{Arc, Mutex};
 /// Logits buffers of a session: the one the guest reads and one for each of the (at most
 /// two) steps run ahead of it (see [`super::batch`]).
 pub(crate) const LOGITS_BUFFERS: usize = 3;
+
+/// Most edits of one processed draw in a session of `capacity` positions: every token of the
+/// bias list and of the sequence distinct.
+pub(crate) fn max_edits(capacity: usize) -> usize {
+    crate::engine::processing::MAX_BIAS + capacity
+}
 
 /// One sequence on the GPU: KV cache, activations, and the captured graphs.
 pub struct CudaSession {
@@ -90,6 +97,8 @@ pub struct CudaSession {
     draw_rule: DevBuf<u64>,
     drawn: DevBuf<i32>,
     drawn_host: Mutex<HostCopy<i32>>,
+    /// A processed draw's buffers, made at the session's first.
+    edited_draws: Option<sequence::EditedDraws>,
     /// The rule the batched pass drew the last position's next token by (its key is the
     /// draw's, not the argmax's); None when the argmax is known, or nothing.
     keys_rule: Option<crate::engine::draw::DrawRule>,
@@ -137,8 +146,10 @@ impl CudaSession {
             + capacity * 4 * c // cuBLAS's f32 scratch
             + cfg.n_head * MAX_SPLITS * (cfg.head_dim() + 2); // the persistent decode's partials
         let bf16s = capacity * c * (4 + 4 + 3); // cuBLAS's bf16 scratch
+                                                // a processed draw's logits, edits, rule and token
+        let edits = 4 * v + 4 * EDIT_WORDS * max_edits(capacity);
         let persistent = 8 * LAYER_POINTERS * l + 4 + 8 * TRACE_SLOTS * phases(cfg); // table, counter, trace
-        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + persistent + (4 << 20)
+        kv + 4 * f32s + 2 * bf16s + 4 * (capacity + 1) + 8 + 36 + persistent + edits + (4 << 20)
     }
 
     pub(crate) fn new(model: Arc<LoadedModel>) -> Result<Self, CudaError> {
@@ -194,6 +205,7 @@ impl CudaSession {
             draw_rule: DevBuf::zeros(&stream, 4, "draw buffer")?,
             drawn: DevBuf::zeros(&stream, 1, "draw buffer")?,
             drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
+            edited_draws: None,
             keys_rule: None,
             may_capture: true,
             max_chunks,

@@ -3,12 +3,16 @@
 //! batched pass ([`crate::cuda::batch`]) ran for it, and reading the last logits and their
 //! argmax back.
 
-use super::CudaSession;
+use super::{max_edits, CudaSession};
+use crate::cuda::buffer::DevBuf;
 use crate::cuda::error::CudaError;
-use crate::cuda::ops::draw::{rule_words, Draw};
+use crate::cuda::ops::draw::{edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS};
 use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::draw::{self, DrawRule};
+use crate::engine::processing::Edits;
 use crate::engine::{EngineError, Session};
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
 
 /// What the batched step ([`crate::cuda::batch`]) needs of a session.
 impl CudaSession {
@@ -135,9 +139,9 @@ impl CudaSession {
     /// 2^-32 at top-p 0.5, is finished here from the logits).
     pub(crate) fn draw_now(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         let position = self.read_out.len();
-        // the kernel takes temperature, top-p and seed alone (`DrawRule::is_plain`)
+        // the plain kernel takes temperature, top-p and seed alone (`DrawRule::is_plain`)
         if !rule.is_plain() {
-            return Ok(draw::draw(&self.logits_now()?, rule, position));
+            return self.draw_edited_now(rule, &Edits::none());
         }
         let vocab = self.model.config.vocab_size;
         // the batched pass drew it already, by the same rule
@@ -165,6 +169,64 @@ impl CudaSession {
         match drawn.first() {
             Some(&id) if id >= 0 && (id as usize) < vocab => Ok(id as u32),
             _ => Ok(draw::draw(&self.logits_now()?, rule, position)),
+        }
+    }
+
+    /// The token `rule` draws from the last logits after `edits` (a request's processing,
+    /// and min-p), drawn on the GPU from a processed copy: the logits the guest reads stay as
+    /// they are, and 4 bytes come back (a row whose draws all fell outside the nucleus is
+    /// finished here from the logits, processed here).
+    pub(crate) fn draw_edited_now(
+        &mut self,
+        rule: &DrawRule,
+        edits: &Edits,
+    ) -> Result<u32, EngineError> {
+        let position = self.read_out.len();
+        let vocab = self.model.config.vocab_size;
+        let most = max_edits(self.capacity);
+        if edits.edits.len() > most {
+            return Err(EngineError::device(format!(
+                "a processed draw of {} edits, more than {most}",
+                edits.edits.len()
+            )));
+        }
+        let stream = self.launcher.stream().clone();
+        let mut draws = match self.edited_draws.take() {
+            Some(draws) => draws,
+            None => EditedDraws::new(&stream, vocab, most)?,
+        };
+        let words = edit_words(edits);
+        // (on the session's stream: the draw on a stream of its own, even of the highest
+        // priority, waited twice as long behind the batched passes)
+        let drawn = (|| {
+            if !words.is_empty() {
+                draws.edits.write(&stream, 0, &words)?;
+            }
+            self.draw_rule
+                .write(&stream, 0, &rule_words(rule, position))?;
+            self.launcher.draw_edited(EditedDraw {
+                logits: self.logits_buffer(self.read_out.readable()).ptr(),
+                scratch: draws.scratch.ptr(),
+                vocab,
+                rule: self.draw_rule.ptr(),
+                edits: draws.edits.ptr(),
+                count: edits.edits.len(),
+                repetition: edits.repetition,
+                floor_offset: rule.min_p_offset(),
+                out: self.drawn.ptr(),
+            })?;
+            let mut host = self.drawn_host.lock().unwrap_or_else(|p| p.into_inner());
+            host.start(&stream, &self.drawn, 1)?;
+            host.wait()
+        })();
+        self.edited_draws = Some(draws);
+        match drawn?.first() {
+            Some(&id) if id >= 0 && (id as usize) < vocab => Ok(id as u32),
+            _ => {
+                let mut logits = self.logits_now()?;
+                edits.apply(&mut logits);
+                Ok(draw::draw(&logits, rule, position))
+            }
         }
     }
 
@@ -220,5 +282,26 @@ impl Session for CudaSession {
 
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         self.draw_now(rule)
+    }
+
+    fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
+        self.draw_edited_now(rule, edits)
+    }
+}
+
+/// The buffers of a session's draws after a request's processing.
+pub(crate) struct EditedDraws {
+    /// `[V]`: the processed copy of the logits drawn from.
+    scratch: DevBuf<f32>,
+    /// [`EDIT_WORDS`] words an edit ([`edit_words`]), for the most edits of a draw.
+    edits: DevBuf<u32>,
+}
+
+impl EditedDraws {
+    fn new(stream: &Arc<CudaStream>, vocab: usize, most: usize) -> Result<Self, CudaError> {
+        Ok(Self {
+            scratch: DevBuf::zeros(stream, vocab, "processed logits")?,
+            edits: DevBuf::zeros(stream, EDIT_WORDS * most, "processed logits")?,
+        })
     }
 }
