@@ -212,19 +212,30 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     if (threadIdx.x == 0) out[row] = token;
 }
 
-// The batched pass's draws: for each row whose rule is set (rules[4 * row] != 0) and whose
-// logits were kept (dst[row] != 0, its context's last row), keys[row] becomes the drawn
-// token's key in place of the argmax key `batch_logits` left (the low word the complement of
-// the token, as `argmax_key`; an undecided row names token v, past the vocabulary, which the
-// host draws again and `batch_feed` never feeds).
+// The batched pass's draws: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
+// the 4 words of `draw_row`, then min-p's floor offset (low half) and the repetition penalty
+// (high half) as f32 bits, then the first of its edits in `edits` (low half) and their count
+// (high half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
+// becomes the drawn token's key in place of the argmax key `batch_logits` left (the low word
+// the complement of the token, as `argmax_key`; an undecided row names token v, past the
+// vocabulary, which the host draws again and `batch_feed` never feeds). A row with edits is
+// drawn from a processed copy in its row of `scratch` (`scratch_ld` floats a row: the LM
+// head's product rows, which `batch_logits` has read by now), as `draw_processed`.
+#define BATCH_RULE_WORDS 6
+__device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
+                                    float repetition);
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
-    batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys,
-               int v) {
+    batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
+               float* scratch, long long scratch_ld, const uint4* edits) {
     pdl_wait();
     int row = blockIdx.x;
-    const unsigned long long* rule = rules + 4 * row;
+    const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
     if (rule[0] == 0ull || dst[row] == 0ull) return;
-    int token = draw_row(reinterpret_cast<const float*>(dst[row]), v, rule);
+    const float* l = reinterpret_cast<const float*>(dst[row]);
+    float floor_offset = __uint_as_float((u32)rule[4]), repetition = __uint_as_float((u32)(rule[4] >> 32));
+    int first = (int)(u32)rule[5], count = (int)(u32)(rule[5] >> 32);
+    if (count > 0) l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition);
+    int token = draw_row(l, v, rule, floor_offset);
     if (token < 0) token = v;
     if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
 }
@@ -236,15 +247,12 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
 #define EDIT_REPETITION 2u  // in the sequence: divided by the repetition penalty above 0, else multiplied
 #define EDIT_PENALTY 4u     // generated: less the penalty
 
-// The draw of one row's logits after its request's processing (`draw_token` with bias,
-// penalties and min-p): the row is copied to `scratch` (`v` floats), each edit replaces its
-// token's value there (the edits' ids are distinct, so the threads never share one), and the
-// rule draws from the copy. The logits the guest reads stay as they are. Each step is the
+// `logits` copied to `scratch` (`v` floats) with each edit's token replaced by its processed
+// value (the edits' ids are distinct, so the threads never share one), for every thread of the
+// block; returns `scratch`. The logits the guest reads stay as they are. Each step is the
 // host's f32 operation, rounded alone (never fused), so the processed values are its bits.
-extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
-    draw_processed(const float* logits, float* scratch, int v, const unsigned long long* rule, const uint4* edits,
-                   int n_edits, float repetition, float floor_offset, int* out) {
-    pdl_wait();
+__device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
+                                    float repetition) {
     for (int i = threadIdx.x; i < v; i += DRAW_THREADS) scratch[i] = logits[i];
     __syncthreads();
     for (int e = threadIdx.x; e < n_edits; e += DRAW_THREADS) {
@@ -257,6 +265,15 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
         scratch[edit.x] = l;
     }
     __syncthreads();
-    int token = draw_row(scratch, v, rule, floor_offset);
+    return scratch;
+}
+
+// The draw of one row's logits after its request's processing (`draw_token` with bias,
+// penalties and min-p), from the processed copy in `scratch`.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    draw_processed(const float* logits, float* scratch, int v, const unsigned long long* rule, const uint4* edits,
+                   int n_edits, float repetition, float floor_offset, int* out) {
+    pdl_wait();
+    int token = draw_row(process_row(logits, scratch, v, edits, n_edits, repetition), v, rule, floor_offset);
     if (threadIdx.x == 0) out[0] = token;
 }

@@ -31,7 +31,7 @@
 //! and runs only the rest as one batch.
 
 use crate::engine::draw::{self, DrawRule};
-use crate::engine::processing::{Processing, ProcessingError};
+use crate::engine::processing::{EditedRule, Processing, ProcessingError};
 use crate::engine::{Device, EngineOptions, Executor, GpuDtype, Session};
 use crate::guest_cycle::{self, GuestClock, Part};
 use crate::model::{self, Gpt2Config, LoadError};
@@ -412,6 +412,9 @@ impl Gpt2Context {
         self.range_logits = None;
         self.drawn = None;
         let want_range = self.logits_from.is_some();
+        // the draw output 4 will be asked for, so that a batching device makes it in the step
+        let announced = self.edited_rule(tokens);
+        self.session.announce_draw(announced);
         let extended = guest_cycle::timed(Part::Step, || {
             self.session.extend(&tokens[keep..], want_range)
         });
@@ -427,6 +430,22 @@ impl Gpt2Context {
         // Rows computed cover keep..len; output 1 starts at `from >= keep`.
         self.range_skip = self.logits_from.map(|from| from - keep);
         Ok(())
+    }
+
+    /// The draw output 4 would make after a processing for the sequence `tokens`, or None: no
+    /// sampling set, a plain rule (the device draws it with the step anyway), or inputs that
+    /// output 4 will refuse.
+    fn edited_rule(&self, tokens: &[u32]) -> Option<Arc<EditedRule>> {
+        let (temperature, top_p, min_p) = self.sampling?;
+        let rule = (DrawRule::new(temperature, top_p, self.seed).ok()?)
+            .with_min_p(min_p)
+            .ok()?;
+        let processing = self.processing.processing(self.config.vocab_size).ok()?;
+        if processing.is_neutral() && rule.is_plain() {
+            return None;
+        }
+        let edits = processing.edits(tokens).ok()??;
+        Some(Arc::new(EditedRule { rule, edits }))
     }
 
     /// The last position's logits (fetched from the device once per compute).

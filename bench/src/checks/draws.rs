@@ -4,8 +4,9 @@
 
 use super::gpu_executor;
 use super::prompt;
+use std::sync::Arc;
 use wasi_nn_host::engine::draw::{self, DrawRule};
-use wasi_nn_host::engine::processing::Processing;
+use wasi_nn_host::engine::processing::{EditedRule, Processing};
 use wasi_nn_host::engine::{EngineError, Executor, GpuDtype};
 use wasi_nn_host::model::Gpt2Weights;
 
@@ -41,8 +42,9 @@ pub fn compare_batched_draws(
     let before = gpu.batch_counts().unwrap_or_default();
     let barrier = std::sync::Barrier::new(streams);
     let run = |i: usize| -> Result<(usize, usize), EngineError> {
-        // the last two with min-p and with a request's processing, which the pass's draw
-        // does not take: drawn after the pass from a processed copy of the logits
+        // the last two with min-p (drawn after the pass) and with a request's processing
+        // (drawn inside the pass where announced, else after it), from a processed copy of
+        // the logits
         let rules = [
             (1.0, 0.9, 0.0),
             (0.8, 0.5, 0.0),
@@ -75,11 +77,18 @@ pub fn compare_batched_draws(
         let (mut checked, mut mismatches) = (0, 0);
         for step in 0..steps {
             barrier.wait();
-            s.extend(&next, false)?;
             sequence.extend_from_slice(&next);
             let edits = (processing.edits(&sequence))
                 .map_err(|e| EngineError::device(e.to_string()))?
                 .ok_or_else(|| EngineError::device("distinct bias ids have edits"))?;
+            // a processed draw announced with its step is made inside the pass; every fourth
+            // is not, and is made after it
+            let announced = (!processing.is_neutral() && step % 4 != 3).then(|| {
+                let edits = edits.clone();
+                Arc::new(EditedRule { rule, edits })
+            });
+            s.announce_draw(announced);
+            s.extend(&next, false)?;
             let token = match processing.is_neutral() {
                 true => s.draw(&rule)?,
                 false => s.draw_edited(&rule, &edits)?,

@@ -22,7 +22,7 @@
 
 use super::draw::DrawRule;
 pub use super::kv_pool::KvPool;
-use super::processing::Edits;
+use super::processing::{EditedRule, Edits};
 use super::{EngineError, Session};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -50,6 +50,8 @@ pub trait SeqState: Send + Sync + 'static {
     fn draw(&mut self, rule: &DrawRule) -> Result<u32, EngineError> {
         Ok(super::draw::draw(&self.last_logits()?, rule, self.len()))
     }
+    /// See [`Session::announce_draw`].
+    fn announce_draw(&mut self, _next: Option<Arc<EditedRule>>) {}
     /// The token `rule` draws after `edits` changed the last position's logits (see
     /// [`Session::draw_edited`]).
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
@@ -697,6 +699,11 @@ impl<M: BatchModel> Session for BatchedSession<M> {
         (self.seq.as_mut())
             .ok_or_else(|| EngineError::device("context state lost"))?
             .draw(rule)
+    }
+    fn announce_draw(&mut self, next: Option<Arc<EditedRule>>) {
+        if let Some(seq) = self.seq.as_mut() {
+            seq.announce_draw(next);
+        }
     }
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
         (self.seq.as_mut())

@@ -215,6 +215,11 @@ pub trait Session: Send + Sync {
         let position = self.len();
         Ok(draw::draw(&self.last_logits()?, rule, position))
     }
+    /// The draw the guest will ask for after its next `extend` (a rule after a processing's
+    /// edits, made for the sequence that extend leaves), or None: a device that batches steps
+    /// can make it inside the step, as it makes plain draws. Only a hint: [`Self::draw_edited`]
+    /// gives the draw it is asked for either way.
+    fn announce_draw(&mut self, _next: Option<std::sync::Arc<processing::EditedRule>>) {}
     /// The token `rule` draws from the last position's logits after a request's processing
     /// changed them (`edits`, [`processing::Edits`]); the logits read afterwards are still the
     /// unprocessed ones. Devices that hold the logits elsewhere process and draw there.

@@ -214,6 +214,14 @@ pub struct Edits {
     pub repetition: f32,
 }
 
+/// A draw's rule and the edits of the processing before it, for a context's next position:
+/// what a guest announces with its step ([`super::Session::announce_draw`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EditedRule {
+    pub rule: super::draw::DrawRule,
+    pub edits: Edits,
+}
+
 impl Edits {
     /// No processing (a draw with min-p alone).
     pub fn none() -> Self {

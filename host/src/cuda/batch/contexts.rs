@@ -8,7 +8,7 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};
 use crate::engine::draw::DrawRule;
-use crate::engine::processing::Edits;
+use crate::engine::processing::{EditedRule, Edits};
 use crate::engine::{EngineError, Session};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -91,6 +91,7 @@ impl Contexts {
             read_logits: AtomicBool::new(false),
             late: AtomicBool::new(false),
             rule: Mutex::new(None),
+            announced: None,
         })
     }
 }
@@ -109,6 +110,9 @@ pub struct CudaSeq {
     /// The rule its guest drew its last token by (None: it read the argmax or the logits):
     /// its next rows' keys are drawn by it, so that the token comes back with the pass.
     rule: Mutex<Option<DrawRule>>,
+    /// The draw after a processing its guest announced for the end of its next rows
+    /// ([`SeqState::announce_draw`]): their last key is drawn by it instead.
+    pub(crate) announced: Option<Arc<EditedRule>>,
 }
 
 impl CudaSeq {
@@ -230,9 +234,13 @@ impl SeqState for CudaSeq {
         }
         session.draw_now(rule)
     }
-    /// Drawn on the GPU after the pass, from a processed copy of the logits (as a context
-    /// that reads its logits: its steps are not run ahead, the next token's processing
-    /// depending on the token).
+    fn announce_draw(&mut self, next: Option<Arc<EditedRule>>) {
+        self.announced = next;
+    }
+    /// Drawn on the GPU from a processed copy of the logits: inside the pass where the guest
+    /// announced it ([`SeqState::announce_draw`]), else after it. As for a context that reads
+    /// its logits, its steps are not run ahead (the next token's processing depends on the
+    /// token).
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
         self.set_rule(None);

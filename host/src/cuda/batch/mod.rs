@@ -194,7 +194,8 @@ impl CudaBatch {
     /// chunk when its request is a prompt longer than a pass takes whole ([`Rows::chunk`]).
     fn rows_of<'t>(&self, item: &StepItem<'t, CudaSeq>) -> Result<Rows<'t>, EngineError> {
         let chunk = item.request_tokens > self.pass.batched_prompt();
-        Ok(Rows::of(item.seq.session()?, item.tokens, item.seq.rule()).chunked(chunk))
+        let rows = Rows::of(item.seq.session()?, item.tokens, item.seq.rule());
+        Ok(rows.chunked(chunk).edited(item.seq.announced.clone()))
     }
 
     /// The tokens of `items` (each admitted, at most [`Pass::max_rows`] together) as one
@@ -209,10 +210,13 @@ impl CudaBatch {
         for (item, row) in items.iter_mut().zip(last_rows) {
             let key = keys.get(row).copied().unwrap_or(0);
             let added = item.tokens.len();
-            let rule = item.seq.rule();
+            let (rule, edited) = (item.seq.rule(), item.seq.announced.clone());
             let session = item.seq.session_mut()?;
             session.advanced_in_batch(added, argmax_row(key));
-            session.set_keys_rule(rule);
+            match edited {
+                Some(edited) => session.set_keys_edited(edited),
+                None => session.set_keys_rule(rule),
+            }
         }
         Ok(())
     }

@@ -25,6 +25,25 @@ pub fn rule_words(rule: &DrawRule, position: usize) -> [u64; 4] {
     ]
 }
 
+/// Words of a row's rule in the batched pass's draw: [`rule_words`], then min-p's floor offset
+/// and the repetition penalty, then where the row's edits are.
+pub const BATCH_RULE_WORDS: usize = 6;
+
+/// A row's rule as the batched pass's draw reads it: [`rule_words`], then
+/// [`DrawRule::min_p_offset`] (low half) and the repetition penalty (high half) as f32 bits,
+/// then the first of the row's edits in the pass's edits (low half) and their count (high
+/// half; 0: drawn from the logits as they are).
+pub fn batch_rule_words(
+    rule: &DrawRule,
+    position: usize,
+    edits: Option<(u32, u32, f32)>,
+) -> [u64; BATCH_RULE_WORDS] {
+    let [a, b, c, d] = rule_words(rule, position);
+    let (first, count, repetition) = edits.unwrap_or((0, 0, 1.0));
+    let floor = u64::from(rule.min_p_offset().to_bits()) | u64::from(repetition.to_bits()) << 32;
+    [a, b, c, d, floor, u64::from(first) | u64::from(count) << 32]
+}
+
 /// Rows of logits and where their draws go.
 #[derive(Clone, Copy, Debug)]
 pub struct Draw {
@@ -151,23 +170,39 @@ impl Launcher {
         unsafe { self.launch(&self.kernels.draw_token, cfg, 1, &mut args, "draw") }
     }
 
-    /// The batched pass's draws: each of the table's rows with a rule in `rules` (4 words a
-    /// row, [`rule_words`] for the position after the row's; zeros: none) and logits kept gets
-    /// the drawn token's key in `t.keys` instead of its argmax's (`batch_draw` in
-    /// `kernels/draw.cu`). Launched after the pass's LM head.
-    pub fn batch_draw(&self, t: &RowTable, rules: DevPtr<u64>) -> Result<(), CudaError> {
+    /// The batched pass's draws: each of the table's rows with a rule in `rules`
+    /// ([`BATCH_RULE_WORDS`] words a row, [`batch_rule_words`] for the position after the
+    /// row's; zeros: none) and logits kept gets the drawn token's key in `t.keys` instead of
+    /// its argmax's (`batch_draw` in `kernels/draw.cu`); a row with edits (in `edits`,
+    /// [`EDIT_WORDS`] words each, every row's within it) is drawn from a processed copy in its
+    /// row of `scratch` (`scratch_ld` floats apart). Launched after the pass's LM head.
+    pub fn batch_draw(
+        &self,
+        t: &RowTable,
+        rules: DevPtr<u64>,
+        (scratch, scratch_ld): (DevPtr<f32>, usize),
+        edits: DevPtr<u32>,
+    ) -> Result<(), CudaError> {
         t.check("batched draw")?;
-        ensure(rules.len() >= 4 * t.rows, "batched draw")?;
+        let v = self.config.vocab_size;
+        ensure(
+            rules.len() >= BATCH_RULE_WORDS * t.rows
+                && scratch_ld >= v
+                && scratch.len() >= t.rows * scratch_ld,
+            "batched draw",
+        )?;
         let cfg = LaunchConfig {
             grid_dim: (t.rows as u32, 1, 1),
             block_dim: (DRAW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let v = self.config.vocab_size as i32;
         let (dst, rules, keys) = (t.logits.addr(), rules.addr(), t.keys.addr());
-        // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules 4
-        // words a row, keys one u64 a row (checked by `t.check` and above).
-        let mut args = kernel_args![&dst, &rules, &keys, &v];
+        let (v, scratch, ld, edits) = (v as i32, scratch.addr(), scratch_ld as i64, edits.addr());
+        // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules
+        // BATCH_RULE_WORDS words a row whose edits lie within `edits` (the pass writes both),
+        // keys one u64 a row, scratch rows rows of `ld >= V` floats (checked by `t.check` and
+        // above).
+        let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &edits];
         unsafe { self.launch(&self.kernels.batch_draw, cfg, 1, &mut args, "batched draw") }
     }
 }

@@ -102,6 +102,8 @@ pub struct CudaSession {
     /// The rule the batched pass drew the last position's next token by (its key is the
     /// draw's, not the argmax's); None when the argmax is known, or nothing.
     keys_rule: Option<crate::engine::draw::DrawRule>,
+    /// The processing's edits the batched pass drew that key after, with `keys_rule`.
+    keys_edited: Option<Arc<crate::engine::processing::EditedRule>>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
@@ -207,6 +209,7 @@ impl CudaSession {
             drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
             edited_draws: None,
             keys_rule: None,
+            keys_edited: None,
             may_capture: true,
             max_chunks,
             capacity,

@@ -9,7 +9,7 @@ use crate::cuda::error::CudaError;
 use crate::cuda::ops::draw::{edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS};
 use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::draw::{self, DrawRule};
-use crate::engine::processing::Edits;
+use crate::engine::processing::{EditedRule, Edits};
 use crate::engine::{EngineError, Session};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
@@ -39,7 +39,7 @@ impl CudaSession {
         continued: bool,
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
-        self.keys_rule = None;
+        self.set_keys_rule(None);
         self.read_out.chunk_started(all_positions, continued);
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
@@ -81,14 +81,14 @@ impl CudaSession {
     /// take its results.
     /// (`argmax` is the token drawn by `rule` where the context draws its tokens.)
     pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize, rule: Option<DrawRule>) {
-        self.keys_rule = rule;
+        self.set_keys_rule(rule);
         self.read_out.took_batched_ahead(buffer, Some(argmax));
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
     pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize, rule: Option<DrawRule>) {
-        self.keys_rule = rule;
+        self.set_keys_rule(rule);
         self.read_out.took_batched_ahead(buffer, None);
     }
 
@@ -109,10 +109,18 @@ impl CudaSession {
     /// draw's), or took the argmax (None).
     pub(crate) fn set_keys_rule(&mut self, rule: Option<DrawRule>) {
         self.keys_rule = rule;
+        self.keys_edited = None;
     }
 
+    /// The batched pass drew the next token by `edited`'s rule after its edits.
+    pub(crate) fn set_keys_edited(&mut self, edited: Arc<EditedRule>) {
+        self.keys_rule = Some(edited.rule);
+        self.keys_edited = Some(edited);
+    }
+
+    /// The plain rule the key was drawn by (None: the argmax, or a draw after edits).
     pub(crate) fn keys_rule(&self) -> Option<DrawRule> {
-        self.keys_rule
+        self.keys_rule.filter(|_| self.keys_edited.is_none())
     }
 
     /// The token the batched pass drew for the next position, when it is known on the host
@@ -145,7 +153,7 @@ impl CudaSession {
         }
         let vocab = self.model.config.vocab_size;
         // the batched pass drew it already, by the same rule
-        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_rule) {
+        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_rule()) {
             if drawn_by == rule && (token as usize) < vocab {
                 return Ok(token);
             }
@@ -189,6 +197,12 @@ impl CudaSession {
                 "a processed draw of {} edits, more than {most}",
                 edits.edits.len()
             )));
+        }
+        // the batched pass drew it already, by the same rule after the same edits
+        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_edited) {
+            if drawn_by.rule == *rule && drawn_by.edits == *edits && (token as usize) < vocab {
+                return Ok(token);
+            }
         }
         let stream = self.launcher.stream().clone();
         let mut draws = match self.edited_draws.take() {
@@ -247,7 +261,7 @@ impl CudaSession {
 
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
-        self.keys_rule = None;
+        self.set_keys_rule(None);
         self.read_out.reset();
     }
 }

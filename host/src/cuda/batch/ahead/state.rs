@@ -105,6 +105,8 @@ impl NextStep {
             fed: self.fed,
             layer_floats: self.targets.layer_floats,
             rule: self.rule,
+            // (a context drawn after a processing is not run ahead)
+            edited: None,
             chunk: false,
         }
     }

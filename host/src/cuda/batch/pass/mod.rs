@@ -16,11 +16,13 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{
     tiles_fit, AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
 };
-use crate::cuda::ops::draw::rule_words;
+use crate::cuda::ops::draw::{batch_rule_words, edit_words, BATCH_RULE_WORDS, EDIT_WORDS};
 use crate::cuda::ops::Launcher;
+use crate::cuda::session::max_edits;
 use crate::cuda::session::CudaSession;
 use crate::cuda::weights::head_rows;
 use crate::engine::draw::DrawRule;
+use crate::engine::processing::EditedRule;
 use crate::engine::{EngineError, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use rustc_hash::FxHashMap;
@@ -120,9 +122,12 @@ pub(crate) struct StepBuffers {
     /// Key caches, value caches, logits buffers: `[R]` addresses each.
     addrs: DevBuf<u64>,
     pub(crate) keys: DevBuf<u64>,
-    /// The rows' draw rules (`[4 * R]`, see `batch_draw`): a row whose context draws
-    /// its tokens gets the drawn token's key instead of the argmax's.
+    /// The rows' draw rules (`[BATCH_RULE_WORDS * R]`, see `batch_draw`): a row whose
+    /// context draws its tokens gets the drawn token's key instead of the argmax's.
     rules: DevBuf<u64>,
+    /// The edits of the rows drawn after a processing ([`EDIT_WORDS`] words each, room for
+    /// the most edits of every row).
+    edits: DevBuf<u32>,
     /// Page-locked landing of `keys` for a pass waited for (a pageable copy would queue
     /// behind the guests' in the driver's staging buffer).
     keys_host: HostCopy<u64>,
@@ -157,7 +162,12 @@ impl StepBuffers {
             ints: DevBuf::zeros(&stream, INT_SECTIONS * rows, "batched step table")?,
             addrs: DevBuf::zeros(&stream, 3 * rows, "batched step table")?,
             keys: DevBuf::zeros(&stream, rows, "batched step table")?,
-            rules: DevBuf::zeros(&stream, 4 * rows, "batched step table")?,
+            rules: DevBuf::zeros(&stream, BATCH_RULE_WORDS * rows, "batched step table")?,
+            edits: DevBuf::zeros(
+                &stream,
+                EDIT_WORDS * rows * max_edits(cfg.n_ctx),
+                "batched step table",
+            )?,
             keys_host: HostCopy::new(&stream, rows)?,
             launcher,
             blas,
@@ -220,6 +230,9 @@ pub(crate) struct Rows<'t> {
     pub(crate) layer_floats: usize,
     /// The context draws its next token by this rule: its last row's key is the draw's.
     pub(crate) rule: Option<DrawRule>,
+    /// Or by this rule after a processing's edits (made for the sequence these rows end),
+    /// which goes before `rule`.
+    pub(crate) edited: Option<Arc<EditedRule>>,
     /// The tokens are (a chunk of) a prompt longer than a pass takes whole
     /// ([`Pass::batched_prompt`]), which alone runs through the prefill path: the rows before
     /// the last are multiplied as bf16, as a prefill's are (see [`RowTable::lo_rows`]). A
@@ -241,8 +254,14 @@ impl<'t> Rows<'t> {
             fed: None,
             layer_floats: session.layer_floats(),
             rule,
+            edited: None,
             chunk: false,
         }
+    }
+
+    /// The same rows, drawn by `edited` where set (see [`Rows::edited`]).
+    pub(crate) fn edited(self, edited: Option<Arc<EditedRule>>) -> Self {
+        Self { edited, ..self }
     }
 
     /// The same rows, marked as a chunk of a longer prompt or not (see [`Rows::chunk`]).
@@ -450,11 +469,12 @@ impl Pass {
         ints[stride + n..stride + padded].fill(-1);
         ints[2 * stride..3 * stride].fill(-1);
         let mut fed = false;
-        let drawn = inputs.iter().any(|i| i.rule.is_some());
+        let drawn = (inputs.iter()).any(|i| i.rule.is_some() || i.edited.is_some());
         let mut rules = match drawn {
-            true => vec![0u64; 4 * padded],
+            true => vec![0u64; BATCH_RULE_WORDS * padded],
             false => Vec::new(),
         };
+        let mut edits = Vec::new();
         let vocab = self.exec.config.vocab_size;
         // each input's last row first, then the rows before it of whole prompts, then of
         // chunks of longer prompts (`order`)
@@ -481,9 +501,20 @@ impl Pass {
             let (r, last) = (rows.last, input.tokens.len() - 1);
             addrs[2 * stride + r] = input.logits;
             last_rows.push(r);
-            if let Some(rule) = &input.rule {
-                let words = rule_words(rule, input.start + last + 1);
-                rules[4 * r..4 * r + 4].copy_from_slice(&words);
+            let position = input.start + last + 1;
+            let words = match (&input.edited, &input.rule) {
+                (Some(edited), _) => {
+                    let first = edits.len() / EDIT_WORDS;
+                    edits.extend(edit_words(&edited.edits));
+                    let count = edits.len() / EDIT_WORDS - first;
+                    let at = (first as u32, count as u32, edited.edits.repetition);
+                    Some(batch_rule_words(&edited.rule, position, Some(at)))
+                }
+                (None, Some(rule)) => Some(batch_rule_words(rule, position, None)),
+                (None, None) => None,
+            };
+            if let Some(words) = words {
+                rules[BATCH_RULE_WORDS * r..][..BATCH_RULE_WORDS].copy_from_slice(&words);
             }
             layer_floats = input.layer_floats;
             longest = longest.max(input.start + input.tokens.len());
@@ -518,6 +549,16 @@ impl Pass {
         if drawn {
             b.rules.write(&stream, 0, &rules)?;
         }
+        if !edits.is_empty() {
+            if edits.len() > b.edits.len() {
+                return Err(EngineError::device(format!(
+                    "a batched pass's draws with {} edits, room for {}",
+                    edits.len() / EDIT_WORDS,
+                    b.edits.len() / EDIT_WORDS
+                )));
+            }
+            b.edits.write(&stream, 0, &edits)?;
+        }
         self.capture(b, key, layer_floats);
         let rows = (logit_rows, self.lo_rows(padded, logit_rows));
         let table = b.table(padded, rows, layer_floats, tiles);
@@ -538,7 +579,8 @@ impl Pass {
             }
         };
         if drawn {
-            b.launcher.batch_draw(&table, b.rules.ptr())?;
+            let scratch = (b.head.ptr(), head_ld(self.exec.config.vocab_size));
+            (b.launcher).batch_draw(&table, b.rules.ptr(), scratch, b.edits.ptr())?;
         }
         tracing::trace!(
             rows = n,
