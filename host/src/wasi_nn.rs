@@ -268,6 +268,9 @@ pub struct Gpt2Context {
     processing: ProcessingInputs,
     /// Output 4 of the last compute, once drawn.
     drawn: Option<u32>,
+    /// The draw after a processing the last compute announced to the session (for its
+    /// sequence and the inputs then; any input set since clears it).
+    announced: Option<Arc<EditedRule>>,
     /// Positions the last compute took from the cache instead of computing.
     last_reused: usize,
     /// The guest's own time between its calls, for [`guest_cycle`].
@@ -290,6 +293,7 @@ impl Gpt2Context {
             seed: 0,
             processing: ProcessingInputs::default(),
             drawn: None,
+            announced: None,
             last_reused: 0,
             clock: GuestClock::default(),
         })
@@ -309,6 +313,7 @@ impl Gpt2Context {
     /// 5: generated_from, 6: bias_ids, 7: bias_values) from a wasi-nn tensor.
     pub fn set_input_tensor(&mut self, index: u32, tensor: &Tensor) -> Result<(), Gpt2Error> {
         let vocab = self.config.vocab_size;
+        self.announced = None;
         match index {
             2 => {
                 let (temperature, top_p, min_p) = sampling_values(index, tensor)?;
@@ -413,8 +418,8 @@ impl Gpt2Context {
         self.drawn = None;
         let want_range = self.logits_from.is_some();
         // the draw output 4 will be asked for, so that a batching device makes it in the step
-        let announced = self.edited_rule(tokens);
-        self.session.announce_draw(announced);
+        self.announced = self.edited_rule(tokens);
+        self.session.announce_draw(self.announced.clone());
         let extended = guest_cycle::timed(Part::Step, || {
             self.session.extend(&tokens[keep..], want_range)
         });
@@ -477,15 +482,19 @@ impl Gpt2Context {
         let rule = DrawRule::new(temperature, top_p, self.seed)?.with_min_p(min_p)?;
         let processing = self.processing.processing(self.config.vocab_size)?;
         let plain = processing.is_neutral() && rule.is_plain();
-        let edits = match plain {
-            true => None,
-            false => processing.edits(&self.cached)?,
-        };
-        let id = match (plain, edits) {
-            (true, _) => guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?,
-            (false, Some(edits)) => {
-                guest_cycle::timed(Part::Draw, || self.session.draw_edited(&rule, &edits))?
+        let edited = match (plain, &self.announced) {
+            (true, _) => None,
+            // what compute announced: the same inputs and sequence
+            (false, Some(announced)) if announced.rule == rule => Some(announced.clone()),
+            (false, _) => {
+                (processing.edits(&self.cached)?).map(|edits| Arc::new(EditedRule { rule, edits }))
             }
+        };
+        let id = match (plain, edited) {
+            (true, _) => guest_cycle::timed(Part::Draw, || self.session.draw(&rule))?,
+            (false, Some(edited)) => guest_cycle::timed(Part::Draw, || {
+                self.session.draw_edited(&edited.rule, &edited.edits)
+            })?,
             // a bias named twice: its additions one by one, here
             (false, None) => {
                 self.last_logits()?;
