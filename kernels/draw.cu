@@ -1,7 +1,7 @@
 // The sampled draw where the logits are: the rule of `host/src/engine/draw.rs` (its
 // specification and the CPU side), steps 1-3, for a session's last logits (`draw_token`) or
 // the rows of a batched pass (`batch_draw`); the host finishes the rare row whose draws all
-// fell outside the nucleus. DRAW_THREADS and MAX_DRAWS are defined by the host.
+// fell outside the nucleus. DRAW_THREADS, MAX_DRAWS and BATCH_RULE_WORDS are defined by the host.
 #include "common.cuh"
 
 __device__ __forceinline__ unsigned long long draw_mix(unsigned long long z) {
@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
 // vocabulary, which the host draws again and `batch_feed` never feeds). A row with edits is
 // drawn from a processed copy in its row of `scratch` (`scratch_ld` floats a row: the LM
 // head's product rows, which `batch_logits` has read by now), as `draw_processed`.
-#define BATCH_RULE_WORDS 6
+// BATCH_RULE_WORDS is defined by the host.
 __device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
                                     float repetition);
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)

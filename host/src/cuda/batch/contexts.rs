@@ -244,8 +244,12 @@ impl SeqState for CudaSeq {
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
         self.read_logits.store(true, Ordering::Relaxed);
         self.set_rule(None);
-        self.settle()?;
-        self.session_mut()?.draw_edited_now(rule, edits)
+        let settled = self.settle()?;
+        let session = self.session_mut()?;
+        if let Some(token) = settled {
+            session.set_argmax(token);
+        }
+        session.draw_edited_now(rule, edits)
     }
     fn argmax(&self) -> Result<u32, EngineError> {
         self.set_rule(None);
@@ -253,7 +257,7 @@ impl SeqState for CudaSeq {
         let session = self.session()?;
         match settled {
             // a late row's key is its argmax unless its rows were drawn
-            Some(argmax) if session.keys_rule().is_none() => Ok(argmax),
+            Some(argmax) if !session.key_drawn() => Ok(argmax),
             _ => session.argmax_now(),
         }
     }

@@ -195,7 +195,9 @@ impl CudaBatch {
     fn rows_of<'t>(&self, item: &StepItem<'t, CudaSeq>) -> Result<Rows<'t>, EngineError> {
         let chunk = item.request_tokens > self.pass.batched_prompt();
         let rows = Rows::of(item.seq.session()?, item.tokens, item.seq.rule());
-        Ok(rows.chunked(chunk).edited(item.seq.announced.clone()))
+        // the announced draw is for the end of the request: its last chunk
+        let edited = item.seq.announced.clone().filter(|_| item.last_chunk);
+        Ok(rows.chunked(chunk).edited(edited))
     }
 
     /// The tokens of `items` (each admitted, at most [`Pass::max_rows`] together) as one
@@ -210,7 +212,8 @@ impl CudaBatch {
         for (item, row) in items.iter_mut().zip(last_rows) {
             let key = keys.get(row).copied().unwrap_or(0);
             let added = item.tokens.len();
-            let (rule, edited) = (item.seq.rule(), item.seq.announced.clone());
+            let edited = item.seq.announced.clone().filter(|_| item.last_chunk);
+            let rule = item.seq.rule();
             let session = item.seq.session_mut()?;
             session.advanced_in_batch(added, argmax_row(key));
             match edited {

@@ -63,6 +63,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("BT_SMEM", batch::BT_SMEM),
     ("DRAW_THREADS", draw::DRAW_THREADS),
     ("MAX_DRAWS", draw::MAX_DRAWS),
+    ("BATCH_RULE_WORDS", draw::BATCH_RULE_WORDS as u32),
     ("PD_WARPS", persistent::PD_WARPS),
     ("PD_MAX_SPLITS", persistent::MAX_SPLITS as u32),
 ];

@@ -118,6 +118,11 @@ impl CudaSession {
         self.keys_edited = Some(edited);
     }
 
+    /// Whether the key is a draw (by a rule, after edits or not), not the argmax.
+    pub(crate) fn key_drawn(&self) -> bool {
+        self.keys_rule.is_some()
+    }
+
     /// The plain rule the key was drawn by (None: the argmax, or a draw after edits).
     pub(crate) fn keys_rule(&self) -> Option<DrawRule> {
         self.keys_rule.filter(|_| self.keys_edited.is_none())

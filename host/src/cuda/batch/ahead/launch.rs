@@ -112,12 +112,16 @@ impl CudaBatch {
             let added = item.tokens.len();
             let seq = &mut *item.seq;
             let serial = seq.serial;
-            let rule = seq.rule();
+            let (rule, edited) = (seq.rule(), seq.announced.clone());
             let Ok(session) = seq.session_mut() else {
                 continue;
             };
             session.advanced_late(added);
-            session.set_keys_rule(rule);
+            // its key is drawn as its rows in the pass are (`rows_of`)
+            match edited.filter(|_| item.last_chunk) {
+                Some(edited) => session.set_keys_edited(edited),
+                None => session.set_keys_rule(rule),
+            }
             let room = session.len() < session.capacity();
             // the token is the argmax, known when the pass is resolved; the late row writes
             // the first buffer, which its guest reads next
