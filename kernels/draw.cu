@@ -212,34 +212,6 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     if (threadIdx.x == 0) out[row] = token;
 }
 
-// The batched pass's draws: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
-// the 4 words of `draw_row`, then min-p's floor offset (low half) and the repetition penalty
-// (high half) as f32 bits, then the first of its edits in `edits` (low half) and their count
-// (high half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
-// becomes the drawn token's key in place of the argmax key `batch_logits` left (the low word
-// the complement of the token, as `argmax_key`; an undecided row names token v, past the
-// vocabulary, which the host draws again and `batch_feed` never feeds). A row with edits is
-// drawn from a processed copy in its row of `scratch` (`scratch_ld` floats a row: the LM
-// head's product rows, which `batch_logits` has read by now), as `draw_processed`.
-// BATCH_RULE_WORDS is defined by the host.
-__device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
-                                    float repetition);
-extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
-    batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
-               float* scratch, long long scratch_ld, const uint4* edits) {
-    pdl_wait();
-    int row = blockIdx.x;
-    const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
-    if (rule[0] == 0ull || dst[row] == 0ull) return;
-    const float* l = reinterpret_cast<const float*>(dst[row]);
-    float floor_offset = __uint_as_float((u32)rule[4]), repetition = __uint_as_float((u32)(rule[4] >> 32));
-    int first = (int)(u32)rule[5], count = (int)(u32)(rule[5] >> 32);
-    if (count > 0) l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition);
-    int token = draw_row(l, v, rule, floor_offset);
-    if (token < 0) token = v;
-    if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
-}
-
 // A request's processing of one token's logit (`host/src/engine/processing.rs`, one edit a
 // distinct token id, made by the host): x = the id, y its steps, z the bias's bits, w the
 // penalty's bits (its `count * frequency + presence`, rounded as the host rounds it).
@@ -266,6 +238,32 @@ __device__ const float* process_row(const float* logits, float* scratch, int v, 
     }
     __syncthreads();
     return scratch;
+}
+
+// The batched pass's draws: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
+// the 4 words of `draw_row`, then min-p's floor offset (low half) and the repetition penalty
+// (high half) as f32 bits, then the first of its edits in `edits` (low half) and their count
+// (high half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
+// becomes the drawn token's key in place of the argmax key `batch_logits` left (the low word
+// the complement of the token, as `argmax_key`; an undecided row names token v, past the
+// vocabulary, which the host draws again and `batch_feed` never feeds). A row with edits is
+// drawn from a processed copy in its row of `scratch` (`scratch_ld` floats a row: the LM
+// head's product rows, which `batch_logits` has read by now), as `draw_processed`.
+// BATCH_RULE_WORDS is defined by the host.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
+    batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
+               float* scratch, long long scratch_ld, const uint4* edits) {
+    pdl_wait();
+    int row = blockIdx.x;
+    const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
+    if (rule[0] == 0ull || dst[row] == 0ull) return;
+    const float* l = reinterpret_cast<const float*>(dst[row]);
+    float floor_offset = __uint_as_float((u32)rule[4]), repetition = __uint_as_float((u32)(rule[4] >> 32));
+    int first = (int)(u32)rule[5], count = (int)(u32)(rule[5] >> 32);
+    if (count > 0) l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition);
+    int token = draw_row(l, v, rule, floor_offset);
+    if (token < 0) token = v;
+    if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
 }
 
 // The draw of one row's logits after its request's processing (`draw_token` with bias,

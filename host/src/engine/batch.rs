@@ -55,9 +55,7 @@ pub trait SeqState: Send + Sync + 'static {
     /// The token `rule` draws after `edits` changed the last position's logits (see
     /// [`Session::draw_edited`]).
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
-        let mut logits = self.last_logits()?;
-        edits.apply(&mut logits);
-        Ok(super::draw::draw(&logits, rule, self.len()))
+        Ok(edits.draw(self.last_logits()?, rule, self.len()))
     }
 }
 

@@ -229,9 +229,7 @@ pub trait Session: Send + Sync {
         edits: &processing::Edits,
     ) -> Result<u32, EngineError> {
         let position = self.len();
-        let mut logits = self.last_logits()?;
-        edits.apply(&mut logits);
-        Ok(draw::draw(&logits, rule, position))
+        Ok(edits.draw(self.last_logits()?, rule, position))
     }
 }
 

@@ -231,6 +231,13 @@ impl Edits {
         }
     }
 
+    /// The token `rule` draws for `position` from `logits` after these edits: the
+    /// specification of a processed draw.
+    pub fn draw(&self, mut logits: Vec<f32>, rule: &super::draw::DrawRule, position: usize) -> u32 {
+        self.apply(&mut logits);
+        super::draw::draw(&logits, rule, position)
+    }
+
     /// The processed logits, in place: [`Processing::apply`]'s values.
     pub fn apply(&self, logits: &mut [f32]) {
         for e in &self.edits {

@@ -241,11 +241,7 @@ impl CudaSession {
         self.edited_draws = Some(draws);
         match drawn?.first() {
             Some(&id) if id >= 0 && (id as usize) < vocab => Ok(id as u32),
-            _ => {
-                let mut logits = self.logits_now()?;
-                edits.apply(&mut logits);
-                Ok(draw::draw(&logits, rule, position))
-            }
+            _ => Ok(edits.draw(self.logits_now()?, rule, position)),
         }
     }
 
