@@ -411,7 +411,7 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 // The address of `p` (this block's shared memory) in block `rank`'s shared memory.
-__device__ __forceinline__ u32 peer_addr(const float* p, u32 rank) {
+__device__ __forceinline__ u32 peer_addr(const void* p, u32 rank) {
     u32 out = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr(p)), "r"(rank));
@@ -427,6 +427,20 @@ __device__ __forceinline__ float peer_load(u32 addr) {
     float v = 0.0f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ double peer_load_f64(u32 addr) {
+    double v = 0.0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ int peer_load_s32(u32 addr) {
+    int v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
 #endif
     return v;
 }

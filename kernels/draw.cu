@@ -80,14 +80,47 @@ __device__ __noinline__ void draw_walk(Weight weight, int lo, int hi, double bef
     if (pick >= 0) picked = pick;
 }
 
+// The blocks that draw one row: a thread-block cluster of them on sm_90 (the launch's cluster
+// shape), one block elsewhere. Each block publishes its part of a reduction in its shared
+// memory, and after a barrier every block reads all parts in rank order, so every block
+// gets the same bits (a row of one block reads its own part: the one-block result).
+struct DrawRow {
+    u32 rank, blocks;
+    __device__ DrawRow() : rank(cluster_rank()), blocks(cluster_blocks()) {}
+    // Every thread of the row's blocks; orders shared and global memory before it against
+    // after it.
+    __device__ void sync() const {
+        if (blocks > 1)
+            cluster_sync();
+        else
+            __syncthreads();
+    }
+    // Block r's part in `slot` (this block's own without a cluster load).
+    __device__ float part(const float* slot, u32 r) const { return r == rank ? *slot : peer_load(peer_addr(slot, r)); }
+    __device__ double part(const double* slot, u32 r) const {
+        return r == rank ? *slot : peer_load_f64(peer_addr(slot, r));
+    }
+    __device__ int part(const int* slot, u32 r) const { return r == rank ? *slot : peer_load_s32(peer_addr(slot, r)); }
+    // The sum of every block's `*slot` in rank order, and of those before this block's.
+    __device__ double sum(const double* slot, double* before) const {
+        double all = 0.0;
+        for (u32 r = 0; r < blocks; r++) {
+            if (r == rank) *before = all;
+            all += part(slot, r);
+        }
+        return all;
+    }
+};
+
 // The token `rule` (4 words: 1 / temperature and top_p as f64 bits, the seed, the position
-// drawn for) draws from the `v` logits at `l`, for every thread of the block (which must all
-// call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread weighs a contiguous
-// chunk of ids, so the cumulative weight in id order is a scan over the threads' chunks:
-// thread t's range of it is [incl[t - 1], incl[t]), and one weighted thread's range holds a
-// draw's target (or, past every range by rounding, none: then the last weighted id). That
-// chunk is weighed by warp 0 into shared memory and walked in order by one lane (the sums and
-// order of its own thread's walk, in a few loads' time instead of a chain of them).
+// drawn for) draws from the `v` logits at `l`, for every thread of the row's blocks (which
+// must all call it); -1 when MAX_DRAWS draws fell outside the nucleus. Each thread of the row
+// weighs a contiguous chunk of ids, so the cumulative weight in id order is a scan over the
+// threads' chunks: thread t's range of it is [incl[t - 1], incl[t]) (plus the blocks' before
+// it), and one weighted thread's range holds a draw's target (or, past every range by
+// rounding, none: then the last weighted id). That chunk is weighed by warp 0 of its block
+// into shared memory and walked in order by one lane (the sums and order of its own thread's
+// walk, in a few loads' time instead of a chain of them).
 //
 // `floor_offset` is min-p's `T * ln(min_p)` (f32, computed by the host as the rule does), -inf
 // without min-p: a token below the largest logit plus it weighs 0.
@@ -98,118 +131,172 @@ __device__ int draw_row(const float* l, int v, const unsigned long long* rule, f
     __shared__ int iscratch[DRAW_THREADS / 32];
     __shared__ int picked, holder;
     __shared__ double walk[DRAW_WALK];
-    int t = threadIdx.x;
+    // each block's parts, one slot per exchange so that none is written while a peer may
+    // still read it
+    __shared__ float part_max;
+    __shared__ int part_first, part_last;
+    __shared__ double part_total;
+    __shared__ int part_pick[MAX_DRAWS];
+    __shared__ double part_approx[MAX_DRAWS], part_before[MAX_DRAWS];
+    const DrawRow row;
+    int t = threadIdx.x, threads = (int)row.blocks * DRAW_THREADS, g = (int)row.rank * DRAW_THREADS + t;
+    int token = -1;
     float m = -INFINITY;
-    for (int i = t; i < v; i += DRAW_THREADS) m = fmaxf(m, l[i]);  // fmaxf skips NaN
+    for (int i = g; i < v; i += threads) m = fmaxf(m, l[i]);  // fmaxf skips NaN
     m = block_max(m, fscratch);
+    if (t == 0) part_max = m;
+    row.sync();
+    for (u32 r = 0; r < row.blocks; r++) m = fmaxf(m, row.part(&part_max, r));
     if (!(m > -INFINITY && m < INFINITY)) {
         // greedy: the first +inf, or 0 when nothing is above -inf
         int first = 0x7fffffff;
         if (m == INFINITY)
-            for (int i = t; i < v; i += DRAW_THREADS)
+            for (int i = g; i < v; i += threads)
                 if (l[i] == m) first = min(first, i);
         first = draw_block_reduce(first, iscratch, 0x7fffffff, DrawMin());
-        return m == INFINITY ? first : 0;
-    }
-    // (f32 as the rule computes it: a rounded sum, never fused)
-    float floor = __fadd_rn(m, floor_offset);
-    double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
-    unsigned long long seed = rule[2], position = rule[3];
-    int per = (v + DRAW_THREADS - 1) / DRAW_THREADS;
-    int lo = min(t * per, v), hi = min(lo + per, v);
-    double chunk = 0.0;
-    for (int i = lo; i < hi; i++) chunk += draw_weight(l[i], m, it, floor);
-    // inclusive scan of the chunk sums: within the warp, then over the warps' totals
-    int warp = t >> 5, lane = t & 31;
-    double scan = chunk;
+        if (t == 0) part_first = first;
+        row.sync();
+        for (u32 r = 0; r < row.blocks; r++) first = min(first, row.part(&part_first, r));
+        token = m == INFINITY ? first : 0;
+    } else {
+        // (f32 as the rule computes it: a rounded sum, never fused)
+        float floor = __fadd_rn(m, floor_offset);
+        double it = __longlong_as_double((long long)rule[0]), p = __longlong_as_double((long long)rule[1]);
+        unsigned long long seed = rule[2], position = rule[3];
+        int per = (v + threads - 1) / threads;
+        int lo = min(g * per, v), hi = min(lo + per, v);
+        double chunk = 0.0;
+        for (int i = lo; i < hi; i++) chunk += draw_weight(l[i], m, it, floor);
+        // inclusive scan of the chunk sums: within the warp, over the warps' totals, then
+        // over the blocks' totals
+        int warp = t >> 5, lane = t & 31;
+        double scan = chunk;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        double up = __shfl_up_sync(0xffffffffu, scan, off);
-        if (lane >= off) scan += up;
-    }
-    if (lane == 31) dscratch[warp] = scan;
-    __syncthreads();
-    double warps_before = 0.0;
-    for (int w = 0; w < warp; w++) warps_before += dscratch[w];
-    incl[t] = warps_before + scan;
-    __syncthreads();
-    double total = incl[DRAW_THREADS - 1];
-    double before_chunk = t == 0 ? 0.0 : incl[t - 1];
-    double after_chunk = incl[t];
-    // the last id weighing anything, for a target that rounding leaves past every one
-    int last = -1;
-    for (int i = hi - 1; i >= lo; i--)
-        if (draw_weight(l[i], m, it, floor) > 0.0) {
-            last = i;
-            break;
+        for (int off = 1; off < 32; off <<= 1) {
+            double up = __shfl_up_sync(0xffffffffu, scan, off);
+            if (lane >= off) scan += up;
         }
-    last = -draw_block_reduce(-last, iscratch, 0x7fffffff, DrawMin());
-    for (int k = 0; k < MAX_DRAWS; k++) {
-        double target = draw_uniform(seed, position, k) * total;
+        if (lane == 31) dscratch[warp] = scan;
+        __syncthreads();
+        double warps_before = 0.0;
+        for (int w = 0; w < warp; w++) warps_before += dscratch[w];
+        incl[t] = warps_before + scan;
+        // the last id weighing anything, for a target that rounding leaves past every one
+        int last = -1;
+        for (int i = hi - 1; i >= lo; i--)
+            if (draw_weight(l[i], m, it, floor) > 0.0) {
+                last = i;
+                break;
+            }
+        last = -draw_block_reduce(-last, iscratch, 0x7fffffff, DrawMin());
         if (t == 0) {
-            picked = last;
-            holder = -1;
+            part_total = incl[DRAW_THREADS - 1];
+            part_last = last;
         }
-        __syncthreads();
-        // (a chunk weighing nothing can hold the target only by the scan's rounding; its walk
-        // would pick nothing)
-        if (before_chunk <= target && target < after_chunk && chunk > 0.0) holder = t;
-        __syncthreads();
-        int h = holder;
-        if (h >= 0) {
-            int h_lo = min(h * per, v), h_hi = min(h_lo + per, v);
-            bool shared_walk = h_hi - h_lo <= DRAW_WALK;
-            if (shared_walk && warp == 0) {
-                for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it, floor);
-                __syncwarp();
-                if (lane == 0) {
-                    auto staged = [&](int i) { return walk[i - h_lo]; };
-                    draw_walk(staged, h_lo, h_hi, h == 0 ? 0.0 : incl[h - 1], target, picked);
+        row.sync();
+        double blocks_before = 0.0;
+        double total = row.sum(&part_total, &blocks_before);
+        for (u32 r = 0; r < row.blocks; r++) last = max(last, row.part(&part_last, r));
+        double before_chunk = blocks_before + (t == 0 ? 0.0 : incl[t - 1]);
+        double after_chunk = blocks_before + incl[t];
+        for (int k = 0; k < MAX_DRAWS; k++) {
+            double target = draw_uniform(seed, position, k) * total;
+            if (t == 0) {
+                picked = -1;
+                holder = -1;
+            }
+            __syncthreads();
+            // (a chunk weighing nothing can hold the target only by the scan's rounding; its
+            // walk would pick nothing)
+            if (before_chunk <= target && target < after_chunk && chunk > 0.0) holder = t;
+            __syncthreads();
+            int h = holder;
+            if (h >= 0) {
+                int h_lo = min(((int)row.rank * DRAW_THREADS + h) * per, v), h_hi = min(h_lo + per, v);
+                bool shared_walk = h_hi - h_lo <= DRAW_WALK;
+                if (shared_walk && warp == 0) {
+                    for (int i = h_lo + lane; i < h_hi; i += 32) walk[i - h_lo] = draw_weight(l[i], m, it, floor);
+                    __syncwarp();
+                    if (lane == 0) {
+                        auto staged = [&](int i) { return walk[i - h_lo]; };
+                        double h_before = blocks_before + (h == 0 ? 0.0 : incl[h - 1]);
+                        draw_walk(staged, h_lo, h_hi, h_before, target, picked);
+                    }
+                } else if (!shared_walk && t == h) {
+                    // a chunk past DRAW_WALK: its own thread weighs it as it walks
+                    auto weighed = [&](int i) { return draw_weight(l[i], m, it, floor); };
+                    draw_walk(weighed, lo, hi, before_chunk, target, picked);
                 }
-            } else if (!shared_walk && t == h) {
-                // a chunk past DRAW_WALK: its own thread weighs it as it walks
-                auto weighed = [&](int i) { return draw_weight(l[i], m, it, floor); };
-                draw_walk(weighed, lo, hi, before_chunk, target, picked);
             }
-        }
-        __syncthreads();
-        int x = picked;
-        if (p >= 1.0) return x;
-        float lx = l[x];
-        // Whether the tokens more likely than x weigh less than p of the total, decided from
-        // f32 weights where their error bound leaves no doubt, else from the f64 weights: the
-        // same answer either way, without an f64 exponential a token in the usual case.
-        double bound = p * total;
-        if (per <= DRAW_WALK) {  // a thread's f32 sum of at most DRAW_WALK weights
-            float rough = 0.0f;
-            for (int j = t; j < v; j += DRAW_THREADS) {
+            __syncthreads();
+            if (t == 0) part_pick[k] = picked;
+            row.sync();
+            int x = last;
+            for (u32 r = 0; r < row.blocks; r++) {
+                int pick = row.part(&part_pick[k], r);
+                if (pick >= 0) x = pick;
+            }
+            if (p >= 1.0) {
+                token = x;
+                break;
+            }
+            float lx = l[x];
+            // Whether the tokens more likely than x weigh less than p of the total, decided
+            // from f32 weights where their error bound leaves no doubt, else from the f64
+            // weights: the same answer either way, without an f64 exponential a token in the
+            // usual case.
+            double bound = p * total;
+            if (per <= DRAW_WALK) {  // a thread's f32 sum of at most DRAW_WALK weights
+                float rough = 0.0f;
+                for (int j = g; j < v; j += threads) {
+                    float lj = l[j];
+                    if (lj > lx || (lj == lx && j < x)) rough += draw_weight_f32(lj, m, it, floor);
+                }
+                double approx = draw_block_reduce((double)rough, dscratch, 0.0, DrawAdd());
+                if (t == 0) part_approx[k] = approx;
+                row.sync();
+                double unused;
+                approx = row.sum(&part_approx[k], &unused);
+                double margin = DRAW_FILTER_MARGIN * total;
+                if (approx < bound - margin) {
+                    token = x;
+                    break;
+                }
+                if (approx > bound + margin) continue;
+            }
+            double before = 0.0;
+            for (int j = g; j < v; j += threads) {
                 float lj = l[j];
-                if (lj > lx || (lj == lx && j < x)) rough += draw_weight_f32(lj, m, it, floor);
+                if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it, floor);
             }
-            double approx = draw_block_reduce((double)rough, dscratch, 0.0, DrawAdd());
-            double margin = DRAW_FILTER_MARGIN * total;
-            if (approx < bound - margin) return x;
-            if (approx > bound + margin) continue;
+            before = draw_block_reduce(before, dscratch, 0.0, DrawAdd());
+            if (t == 0) part_before[k] = before;
+            row.sync();
+            double unused;
+            if (row.sum(&part_before[k], &unused) < bound) {
+                token = x;
+                break;
+            }
         }
-        double before = 0.0;
-        for (int j = t; j < v; j += DRAW_THREADS) {
-            float lj = l[j];
-            if (lj > lx || (lj == lx && j < x)) before += draw_weight(lj, m, it, floor);
-        }
-        before = draw_block_reduce(before, dscratch, 0.0, DrawAdd());
-        if (before < bound) return x;
     }
-    return -1;
+    // no block leaves while another may still read its parts
+    row.sync();
+    return token;
 }
 
-// One row a block: out[row] = the token rules[4 * row ..] draws from logits[row * stride ..]
-// (`v` of them), -1 when undecided (see `draw_row`).
+// The row a block draws: its cluster's place in the grid (one cluster a row).
+__device__ __forceinline__ int drawn_row() { return blockIdx.x / cluster_blocks(); }
+// Whether this thread writes the row's result: the first of its first block.
+__device__ __forceinline__ bool draw_writer() { return threadIdx.x == 0 && cluster_rank() == 0; }
+
+// One row a cluster (or block): out[row] = the token rules[4 * row ..] draws from
+// logits[row * stride ..] (`v` of them), -1 when undecided (see `draw_row`).
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     draw_token(const float* logits, long long stride, int v, const unsigned long long* rules, int* out) {
     pdl_wait();
-    int row = blockIdx.x;
+    int row = drawn_row();
     int token = draw_row(logits + (size_t)row * (size_t)stride, v, rules + 4 * row);
-    if (threadIdx.x == 0) out[row] = token;
+    if (draw_writer()) out[row] = token;
 }
 
 // A request's processing of one token's logit (`host/src/engine/processing.rs`, one edit a
@@ -221,13 +308,15 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
 
 // `logits` copied to `scratch` (`v` floats) with each edit's token replaced by its processed
 // value (the edits' ids are distinct, so the threads never share one), for every thread of the
-// block; returns `scratch`. The logits the guest reads stay as they are. Each step is the
-// host's f32 operation, rounded alone (never fused), so the processed values are its bits.
+// row's blocks; returns `scratch`. The logits the guest reads stay as they are. Each step is
+// the host's f32 operation, rounded alone (never fused), so the processed values are its bits.
 __device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
                                     float repetition) {
-    for (int i = threadIdx.x; i < v; i += DRAW_THREADS) scratch[i] = logits[i];
-    __syncthreads();
-    for (int e = threadIdx.x; e < n_edits; e += DRAW_THREADS) {
+    const DrawRow row;
+    int threads = (int)row.blocks * DRAW_THREADS, g = (int)row.rank * DRAW_THREADS + threadIdx.x;
+    for (int i = g; i < v; i += threads) scratch[i] = logits[i];
+    row.sync();
+    for (int e = g; e < n_edits; e += threads) {
         uint4 edit = edits[e];
         if (edit.x >= (unsigned)v) continue;
         float l = logits[edit.x];
@@ -236,11 +325,11 @@ __device__ const float* process_row(const float* logits, float* scratch, int v, 
         if (edit.y & EDIT_PENALTY) l = __fsub_rn(l, __uint_as_float(edit.w));
         scratch[edit.x] = l;
     }
-    __syncthreads();
+    row.sync();
     return scratch;
 }
 
-// The batched pass's draws: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
+// The batched pass's draws, a cluster (or block) a row: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
 // the 4 words of `draw_row`, then min-p's floor offset (low half) and the repetition penalty
 // (high half) as f32 bits, then the first of its edits in `edits` (low half) and their count
 // (high half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
@@ -254,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
                float* scratch, long long scratch_ld, const uint4* edits) {
     pdl_wait();
-    int row = blockIdx.x;
+    int row = drawn_row();
     const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
     if (rule[0] == 0ull || dst[row] == 0ull) return;
     const float* l = reinterpret_cast<const float*>(dst[row]);
@@ -263,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     if (count > 0) l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition);
     int token = draw_row(l, v, rule, floor_offset);
     if (token < 0) token = v;
-    if (threadIdx.x == 0) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
+    if (draw_writer()) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
 }
 
 // The draw of one row's logits after its request's processing (`draw_token` with bias,
@@ -273,5 +362,5 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
                    int n_edits, float repetition, float floor_offset, int* out) {
     pdl_wait();
     int token = draw_row(process_row(logits, scratch, v, edits, n_edits, repetition), v, rule, floor_offset);
-    if (threadIdx.x == 0) out[0] = token;
+    if (draw_writer()) out[0] = token;
 }

@@ -5,6 +5,7 @@
 //! both sides multiply the same numbers.
 
 mod draw;
+pub use draw::draw_speed;
 mod lo_rows;
 mod tiles;
 

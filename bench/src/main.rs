@@ -82,6 +82,21 @@ enum Command {
         #[arg(long, default_value_t = wasi_nn_host::runtime::InstancePool::default_keep_resident())]
         keep_resident: usize,
     },
+    /// Time the sampled draw alone (`draw_token`) at each row count over each number of
+    /// blocks a row (flat random logits, top-p 0.95), microseconds a launch.
+    DrawSpeed {
+        /// Rows drawn at once, comma-separated.
+        #[arg(long, default_value = "1,64,128", value_delimiter = ',')]
+        rows: Vec<usize>,
+        /// Blocks a row (above 1: a thread-block cluster, sm_90+), comma-separated.
+        #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
+        blocks: Vec<u32>,
+        #[arg(long, default_value_t = 50257)]
+        vocab: usize,
+        /// Timed runs of 20 launches each (after 3 warm-up runs).
+        #[arg(long, default_value_t = 50)]
+        runs: usize,
+    },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
         /// Models to compare besides the kernel sweep: paths or random:SIZE.
@@ -162,6 +177,12 @@ fn main() -> Result<()> {
             true => check_out_of_memory()?,
             false => check_cuda(&models, prompt, steps, batched_only, seed)?,
         },
+        Command::DrawSpeed {
+            rows,
+            blocks,
+            vocab,
+            runs,
+        } => draw_speed(&rows, &blocks, vocab, runs)?,
         Command::Startup {
             modules,
             runs,
@@ -424,6 +445,25 @@ fn startup(
         }
         .into();
         println!("{line}");
+    }
+    Ok(())
+}
+
+fn draw_speed(rows: &[usize], blocks: &[u32], vocab: usize, runs: usize) -> Result<()> {
+    println!("GPU: {}", wasi_nn_host::cuda::describe()?);
+    let config = model::Gpt2Config {
+        n_layer: 1,
+        n_head: 4,
+        n_embd: 64,
+        n_ctx: 64,
+        vocab_size: vocab,
+    };
+    let weights = model::random_weights(config, 1);
+    let exec = wasi_nn_bench::checks::gpu_executor(&weights, GpuDtype::Bf16)?;
+    for (n, b, us) in
+        wasi_nn_bench::kernels::draw_speed(&exec.launcher()?, vocab, rows, blocks, runs)?
+    {
+        println!("draw rows {n} blocks {b} {us:.1} us");
     }
     Ok(())
 }

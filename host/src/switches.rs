@@ -131,6 +131,10 @@ pub struct Measurement {
     /// Blocks per head and threads of the fused decode kernel (`DECODE_CLUSTER=8x256`; the
     /// launcher checks the values against the kernel's limits).
     pub decode_cluster: Option<(u32, u32)>,
+    /// Blocks that draw one row of a sampled draw, a thread-block cluster on sm_90+
+    /// (`DRAW_CLUSTER=ONE,BATCHED`: a lone row's draw and the batched pass's, each 1 to 8;
+    /// unset: the GPU's default).
+    pub draw_cluster: Option<(u32, u32)>,
     /// Each decode kernel asks L2 for up to this many bytes of the next kernel's weights
     /// while it runs (`L2_PREFETCH=BYTES`, 0 turns it off; default 2 MiB).
     pub l2_prefetch: usize,
@@ -209,6 +213,11 @@ impl Switches {
             let (n, t) = v.split_once('x')?;
             Some((n.parse::<u32>().ok()?, t.parse::<u32>().ok()?))
         });
+        let draw_cluster = var("DRAW_CLUSTER").and_then(|v| {
+            let (one, batched) = v.split_once(',')?;
+            let blocks = |n: &str| Some(n.parse::<u32>().ok()?.clamp(1, 8));
+            Some((blocks(one)?, blocks(batched)?))
+        });
         let parts = var("SKIP").unwrap_or_default();
         let has = |part: &str| parts.split(',').any(|s| s == part);
         let cache_dir = var("CACHE").map(PathBuf::from).or_else(|| {
@@ -246,6 +255,7 @@ impl Switches {
                 fresh_kv: !set("NO_FRESH_KV"),
                 fused_attention: !set("NO_FUSED_ATTENTION"),
                 decode_cluster,
+                draw_cluster,
                 l2_prefetch: number("L2_PREFETCH").unwrap_or(2 << 20),
                 run_ahead: !set("NO_RUN_AHEAD"),
                 early_launch: !set("NO_EARLY_LAUNCH"),
@@ -306,6 +316,7 @@ mod tests {
             (m.batch_wave, m.batch_gemm, m.decode_cluster),
             (None, None, None)
         );
+        assert_eq!(m.draw_cluster, None);
         assert!(!m.skip.attn && !m.skip.head);
     }
 
@@ -317,6 +328,7 @@ mod tests {
             ("GATHER_MARGIN_US", "all"),
             ("NO_GRAPH", ""),
             ("DECODE_CLUSTER", "8x256"),
+            ("DRAW_CLUSTER", "12,0"),
             ("SKIP", "attn,head"),
             ("BATCH_GEMM", "0"),
             ("STEP_TOKENS", "0"),
@@ -331,6 +343,7 @@ mod tests {
         assert_eq!(s.settings.gather_margin, None);
         assert!(!s.measurement.graphs);
         assert_eq!(s.measurement.decode_cluster, Some((8, 256)));
+        assert_eq!(s.measurement.draw_cluster, Some((8, 1)));
         assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
         assert_eq!(s.measurement.batch_gemm, Some(0));
         assert_eq!(s.settings.step_tokens, 1);

@@ -8,7 +8,9 @@
 
 use rand::{Rng, SeedableRng};
 use wasi_nn_host::cuda::buffer::DevBuf;
-use wasi_nn_host::cuda::ops::draw::{edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS};
+use wasi_nn_host::cuda::ops::draw::{
+    edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS, MAX_DRAW_BLOCKS,
+};
 use wasi_nn_host::cuda::ops::Launcher;
 use wasi_nn_host::engine::draw::{draw_by_rejection, DrawRule, Drawn};
 use wasi_nn_host::engine::processing::Processing;
@@ -86,7 +88,16 @@ fn rows(vocab: usize, seed: u64) -> Result<Vec<Row>, EngineError> {
     Ok(rows)
 }
 
-/// `draw_token` on the rows of [`rows`] for the vocabulary sizes `vocabs`.
+/// The blocks a row's draw is checked over: one, and on sm_90+ clusters of 2 and of the most.
+fn block_counts(l: &Launcher) -> Vec<u32> {
+    match l.gpu().cluster_launch() {
+        true => vec![1, 2, MAX_DRAW_BLOCKS],
+        false => vec![1],
+    }
+}
+
+/// `draw_token` on the rows of [`rows`] for the vocabulary sizes `vocabs`, over each of
+/// [`block_counts`].
 pub(super) fn check_draw(
     l: &Launcher,
     vocabs: &[usize],
@@ -102,18 +113,7 @@ pub(super) fn check_draw(
             .collect();
         let logits = DevBuf::from_host(&stream, &logits, "logits")?;
         let rules = DevBuf::from_host(&stream, &words, "rules")?;
-        let out = DevBuf::<i32>::zeros(&stream, rows.len(), "tokens")?;
-        l.draw_token(Draw {
-            logits: logits.ptr(),
-            stride: vocab,
-            rows: rows.len(),
-            vocab,
-            rules: rules.ptr(),
-            out: out.ptr(),
-        })?;
-        let got: Vec<f32> = (out.read(&stream, rows.len())?.iter())
-            .map(|&t| t as f32)
-            .collect();
+        let mut out = DevBuf::<i32>::zeros(&stream, rows.len(), "tokens")?;
         let want: Vec<f32> = (rows.iter())
             .map(
                 |r| match draw_by_rejection(&r.logits, &r.rule, r.position) {
@@ -122,12 +122,27 @@ pub(super) fn check_draw(
                 },
             )
             .collect();
-        report(
-            &format!("draw rows={} V={vocab}", rows.len()),
-            &got,
-            &want,
-            0.0,
-        );
+        for blocks in block_counts(l) {
+            out.write(&stream, 0, &vec![-2; rows.len()])?;
+            let draw = Draw {
+                logits: logits.ptr(),
+                stride: vocab,
+                rows: rows.len(),
+                vocab,
+                rules: rules.ptr(),
+                out: out.ptr(),
+            };
+            l.draw_token_over(draw, blocks)?;
+            let got: Vec<f32> = (out.read(&stream, rows.len())?.iter())
+                .map(|&t| t as f32)
+                .collect();
+            report(
+                &format!("draw rows={} V={vocab} blocks={blocks}", rows.len()),
+                &got,
+                &want,
+                0.0,
+            );
+        }
     }
     Ok(())
 }
@@ -135,8 +150,9 @@ pub(super) fn check_draw(
 /// `draw_processed` on the rows of [`rows`] (GPT-2's vocabulary and the model's), each with
 /// a fresh random processing of its logits (a bias list, a sequence with a prompt and a
 /// generated part, presence, frequency and repetition penalties, each set or not) and min-p on
-/// every other row: the kernel's token must be the reference's draw from the logits that
-/// [`Processing::apply`] gives, and the logits it was given must be left as they were.
+/// every other row, the rows taking [`block_counts`] in turn: the kernel's token must be the
+/// reference's draw from the logits that [`Processing::apply`] gives, and the logits it was
+/// given must be left as they were.
 pub(super) fn check_draw_edited(
     l: &Launcher,
     vocabs: &[usize],
@@ -146,6 +162,7 @@ pub(super) fn check_draw_edited(
     let stream = l.stream().clone();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let bad = |e: &dyn std::fmt::Display| EngineError::device(e.to_string());
+    let counts = block_counts(l);
     for &vocab in vocabs {
         let rows = rows(vocab, seed ^ vocab as u64)?;
         let (mut got, mut want, mut kept) = (Vec::new(), Vec::new(), Vec::new());
@@ -188,7 +205,8 @@ pub(super) fn check_draw_edited(
             let words = edit_words(&edits);
             let edit_buf = DevBuf::from_host(&stream, &words, "edits")?;
             rule_buf.write(&stream, 0, &rule_words(&rule, row.position))?;
-            l.draw_edited(EditedDraw {
+            let blocks = counts[i % counts.len()];
+            let draw = EditedDraw {
                 logits: logits.ptr(),
                 scratch: scratch.ptr(),
                 vocab,
@@ -198,7 +216,8 @@ pub(super) fn check_draw_edited(
                 repetition: edits.repetition,
                 floor_offset: rule.min_p_offset(),
                 out: out.ptr(),
-            })?;
+            };
+            l.draw_edited_over(draw, blocks)?;
             got.push(out.read(&stream, 1)?[0] as f32);
             let mut processed = Vec::new();
             (processing.apply(&row.logits, &sequence, &mut processed)).map_err(|e| bad(&e))?;
@@ -225,4 +244,59 @@ pub(super) fn check_draw_edited(
         );
     }
     Ok(())
+}
+
+/// The draw alone, timed: for each row count and each of `blocks` (those the GPU can launch),
+/// the median over `runs` of 20 launches back to back on rows of flat random logits (top-p
+/// 0.95, temperature 1, as random weights give and users ask), in microseconds a launch.
+pub fn draw_speed(
+    l: &Launcher,
+    vocab: usize,
+    row_counts: &[usize],
+    blocks: &[u32],
+    runs: usize,
+) -> Result<Vec<(usize, u32, f64)>, EngineError> {
+    let stream = l.stream().clone();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let most = row_counts.iter().copied().max().unwrap_or(1);
+    let logits: Vec<f32> = (0..most * vocab)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
+    let bad = |e: &dyn std::fmt::Display| EngineError::device(e.to_string());
+    let rule = DrawRule::new(1.0, 0.95, 1).map_err(|e| bad(&e))?;
+    let words: Vec<u64> = (0..most).flat_map(|r| rule_words(&rule, r)).collect();
+    let logits = DevBuf::from_host(&stream, &logits, "logits")?;
+    let rules = DevBuf::from_host(&stream, &words, "rules")?;
+    let out = DevBuf::<i32>::zeros(&stream, most, "tokens")?;
+    let mut results = Vec::new();
+    for &rows in row_counts {
+        for &b in blocks
+            .iter()
+            .filter(|&&b| b == 1 || l.gpu().cluster_launch())
+        {
+            let draw = Draw {
+                logits: logits.ptr(),
+                stride: vocab,
+                rows,
+                vocab,
+                rules: rules.ptr(),
+                out: out.ptr(),
+            };
+            let mut times = Vec::with_capacity(runs);
+            for run in 0..runs + 3 {
+                stream.synchronize().map_err(|e| bad(&e))?;
+                let t = std::time::Instant::now();
+                for _ in 0..20 {
+                    l.draw_token_over(draw, b)?;
+                }
+                stream.synchronize().map_err(|e| bad(&e))?;
+                if run >= 3 {
+                    times.push(t.elapsed().as_secs_f64() * 1e6 / 20.0);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            results.push((rows, b, times[times.len() / 2]));
+        }
+    }
+    Ok(results)
 }

@@ -8,6 +8,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Rows of a batched step up to which its products run on our kernel by default (sm_90+).
 const BATCH_GEMM_ROWS: usize = 64;
+/// Blocks that draw a row on sm_90+ by default: a lone row's draw over a cluster of 8 (on an
+/// H200 17 us against 36 in one block); a batched pass's rows one block each (at 64 rows 2
+/// blocks took 40 us against 52, at 128 rows 68 against 53; through the service neither
+/// moved 64 or 256 sampled streams; docs/design/kernels.md).
+const DRAW_CLUSTER: (u32, u32) = (8, 1);
 
 /// The GPU and its compiled kernels, shared by every graph in the process.
 pub struct Gpu {
@@ -27,6 +32,11 @@ pub struct Gpu {
     /// Thread-block clusters (sm_90+): decode's LayerNorm, QKV and attention as one kernel per
     /// layer, a cluster per head; `Some(chosen)` with the switch's (blocks, threads) if set.
     pub(crate) clusters: Option<Option<(u32, u32)>>,
+    /// Blocks that draw one row of a sampled draw (a thread-block cluster on sm_90+, one block
+    /// elsewhere): a lone row's draw, and the batched pass's ([`Self::draw_cluster`]).
+    draw_cluster: (u32, u32),
+    /// Kernels may be launched in thread-block clusters (sm_90+).
+    cluster_launch: bool,
     /// Streaming multiprocessors.
     sms: usize,
     /// Dynamic shared memory a block may opt into, on sm_90+ (the persistent decode kernel's
@@ -99,6 +109,10 @@ impl Gpu {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .ctx("multiprocessor count")?;
+        let draw_cluster = match major >= 9 {
+            true => measurement.draw_cluster.unwrap_or(DRAW_CLUSTER),
+            false => (1, 1),
+        };
         let shared_optin = if major >= 9 {
             let bytes = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -117,6 +131,8 @@ impl Gpu {
             pdl: major >= 9 && measurement.pdl,
             tensor_cores: major >= 8,
             clusters,
+            draw_cluster,
+            cluster_launch: major >= 9,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             switches,
             setup: Mutex::new(()),
@@ -182,6 +198,16 @@ impl Gpu {
     /// Dynamic shared memory a block may opt into on sm_90+ (None before).
     pub(crate) fn shared_optin(&self) -> Option<usize> {
         self.shared_optin
+    }
+
+    /// Blocks that draw a row: `(a lone row's draw, the batched pass's)`.
+    pub fn draw_cluster(&self) -> (u32, u32) {
+        self.draw_cluster
+    }
+
+    /// Whether kernels may be launched in thread-block clusters (sm_90+).
+    pub fn cluster_launch(&self) -> bool {
+        self.cluster_launch
     }
 
     /// Streaming multiprocessors.

@@ -1,5 +1,6 @@
 //! `kernels/draw.cu`: the sampled draw of [`crate::engine::draw`] over rows of logits on the
-//! GPU, one block a row.
+//! GPU, a thread-block cluster a row on sm_90+ ([`crate::cuda::Gpu::draw_cluster`]), one block
+//! elsewhere.
 
 use super::batch::RowTable;
 use super::{kernel_args, Launcher};
@@ -9,8 +10,10 @@ use crate::engine::draw::DrawRule;
 use crate::engine::processing::Edits;
 use cudarc::driver::LaunchConfig;
 
-/// Threads of a row's block.
+/// Threads of each block that draws a row.
 pub const DRAW_THREADS: u32 = 1024;
+/// Most blocks that draw one row (a portable cluster's size).
+pub const MAX_DRAW_BLOCKS: u32 = 8;
 /// `MAX_DRAWS` of the rule, as the kernel takes it.
 pub const MAX_DRAWS: u32 = crate::engine::draw::MAX_DRAWS;
 
@@ -101,8 +104,32 @@ pub fn edit_words(edits: &Edits) -> Vec<u32> {
 }
 
 impl Launcher {
-    /// The token `a.rule` draws from `a.logits` after the edits (one row).
+    /// The grid of `rows` rows' draws, `blocks` blocks a row (1 to [`MAX_DRAW_BLOCKS`],
+    /// above 1 on sm_90+ only: a cluster a row).
+    fn draw_grid(&self, rows: usize, blocks: u32) -> Result<LaunchConfig, CudaError> {
+        ensure(
+            (1..=MAX_DRAW_BLOCKS).contains(&blocks)
+                && (blocks == 1 || self.gpu.cluster_launch())
+                && rows
+                    .checked_mul(blocks as usize)
+                    .is_some_and(|n| n <= i32::MAX as usize),
+            "draw's blocks a row",
+        )?;
+        Ok(LaunchConfig {
+            grid_dim: (rows as u32 * blocks, 1, 1),
+            block_dim: (DRAW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// The token `a.rule` draws from `a.logits` after the edits (one row), over the GPU's
+    /// blocks for a lone row.
     pub fn draw_edited(&self, a: EditedDraw) -> Result<(), CudaError> {
+        self.draw_edited_over(a, self.gpu.draw_cluster().0)
+    }
+
+    /// [`Self::draw_edited`] over `blocks` blocks.
+    pub fn draw_edited_over(&self, a: EditedDraw, blocks: u32) -> Result<(), CudaError> {
         ensure(
             a.vocab > 0
                 && a.vocab <= i32::MAX as usize
@@ -114,11 +141,7 @@ impl Launcher {
                 && !a.out.is_empty(),
             "processed draw",
         )?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (DRAW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = self.draw_grid(1, blocks)?;
         let (logits, scratch, v) = (a.logits.addr(), a.scratch.addr(), a.vocab as i32);
         let (rule, edits, count) = (a.rule.addr(), a.edits.addr(), a.count as i32);
         let (repetition, floor_offset, out) = (a.repetition, a.floor_offset, a.out.addr());
@@ -140,14 +163,20 @@ impl Launcher {
             self.launch(
                 &self.kernels.draw_processed,
                 cfg,
-                1,
+                blocks,
                 &mut args,
                 "processed draw",
             )
         }
     }
 
+    /// The tokens `a.rules` draw from `a.logits`, over the GPU's blocks for a lone row.
     pub fn draw_token(&self, a: Draw) -> Result<(), CudaError> {
+        self.draw_token_over(a, self.gpu.draw_cluster().0)
+    }
+
+    /// [`Self::draw_token`] over `blocks` blocks a row.
+    pub fn draw_token_over(&self, a: Draw, blocks: u32) -> Result<(), CudaError> {
         ensure(
             a.rows > 0
                 && a.vocab > 0
@@ -157,17 +186,13 @@ impl Launcher {
                 && a.out.len() >= a.rows,
             "draw",
         )?;
-        let cfg = LaunchConfig {
-            grid_dim: (a.rows as u32, 1, 1),
-            block_dim: (DRAW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = self.draw_grid(a.rows, blocks)?;
         let (logits, stride, v) = (a.logits.addr(), a.stride as i64, a.vocab as i32);
         let (rules, out) = (a.rules.addr(), a.out.addr());
         // SAFETY: logits holds rows rows of `stride` floats (the last `vocab` long), rules
         // 4 words a row, out one int a row (checked above).
         let mut args = kernel_args![&logits, &stride, &v, &rules, &out];
-        unsafe { self.launch(&self.kernels.draw_token, cfg, 1, &mut args, "draw") }
+        unsafe { self.launch(&self.kernels.draw_token, cfg, blocks, &mut args, "draw") }
     }
 
     /// The batched pass's draws: each of the table's rows with a rule in `rules`
@@ -175,7 +200,8 @@ impl Launcher {
     /// row's; zeros: none) and logits kept gets the drawn token's key in `t.keys` instead of
     /// its argmax's (`batch_draw` in `kernels/draw.cu`); a row with edits (in `edits`,
     /// [`EDIT_WORDS`] words each, every row's within it) is drawn from a processed copy in its
-    /// row of `scratch` (`scratch_ld` floats apart). Launched after the pass's LM head.
+    /// row of `scratch` (`scratch_ld` floats apart). Launched after the pass's LM head, over
+    /// the GPU's blocks a row for a batched pass.
     pub fn batch_draw(
         &self,
         t: &RowTable,
@@ -191,11 +217,8 @@ impl Launcher {
                 && scratch.len() >= t.rows * scratch_ld,
             "batched draw",
         )?;
-        let cfg = LaunchConfig {
-            grid_dim: (t.rows as u32, 1, 1),
-            block_dim: (DRAW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let blocks = self.gpu.draw_cluster().1;
+        let cfg = self.draw_grid(t.rows, blocks)?;
         let (dst, rules, keys) = (t.logits.addr(), rules.addr(), t.keys.addr());
         let (v, scratch, ld, edits) = (v as i32, scratch.addr(), scratch_ld as i64, edits.addr());
         // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules
@@ -203,6 +226,14 @@ impl Launcher {
         // keys one u64 a row, scratch rows rows of `ld >= V` floats (checked by `t.check` and
         // above).
         let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &edits];
-        unsafe { self.launch(&self.kernels.batch_draw, cfg, 1, &mut args, "batched draw") }
+        unsafe {
+            self.launch(
+                &self.kernels.batch_draw,
+                cfg,
+                blocks,
+                &mut args,
+                "batched draw",
+            )
+        }
     }
 }
