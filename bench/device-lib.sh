@@ -103,7 +103,8 @@ load() {
 import json, sys
 r = json.loads(sys.stdin.read())
 others = (r.get('other_prompts') or {}).get('gap_ms_p99')
+later = r.get('after_first_wave') or {}
 print('$name', round(r['tokens_per_s']), 'ttft p50/p99', round(r['ttft_ms_p50'], 2), round(r['ttft_ms_p99'], 2),
       'gap p50/p99', round(r['gap_ms_p50'], 3), round(r['gap_ms_p99'], 3), r['texts_equal_single_stream'],
-      'others gap p99', others)"
+      'others gap p99', others, 'after the first wave ttft p50/p99', later.get('ttft_ms_p50'), later.get('ttft_ms_p99'))"
 }

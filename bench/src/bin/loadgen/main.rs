@@ -12,7 +12,9 @@
 //! Prints one JSON line: aggregate tokens/s (`usage.completion_tokens` of every request over
 //! the concurrent phase's wall time) and requests/s; time to first token (from sending the
 //! request to the first streamed piece with text) and the gap between successive streamed
-//! pieces of one stream, as percentiles over all requests; `texts_equal_single_stream`.
+//! pieces of one stream, as percentiles over all requests, and apart for the first wave
+//! (every client's first request, all sent at once) and the requests after it (`first_wave`,
+//! `after_first_wave`); `texts_equal_single_stream`.
 //!
 //! Requests are greedy by default; `--temperature T [--top-p P]` samples, prompt `k` with the
 //! seed `--seed` + k, so its text under load must still equal its text alone. Prompts are
@@ -390,12 +392,18 @@ fn main() -> Result<()> {
     let total = done.len();
 
     let (mut gaps, mut ttfts, mut tokens, mut equal) = (Vec::new(), Vec::new(), 0, 0);
-    // the streams of long prompts, and of the others, apart
+    // the streams of long prompts, and of the others, apart; and the first wave (every
+    // client's first request, all sent at once) apart from the requests after it
     let (mut long, mut others) = (Timings::default(), Timings::default());
+    let (mut first_wave, mut later) = (Timings::default(), Timings::default());
     for d in &done {
         gaps.extend(&d.stream.gaps_ms);
         ttfts.extend(d.stream.ttft_ms);
         tokens += d.stream.tokens;
+        match d.round {
+            0 => first_wave.add(&d.stream),
+            _ => later.add(&d.stream),
+        }
         match source.is_long(d.prompt) {
             true => long.add(&d.stream),
             false => others.add(&d.stream),
@@ -440,6 +448,10 @@ fn main() -> Result<()> {
     if !cut.is_empty() {
         report["prompt_tokens_mean"] = (cut.iter().sum::<usize>() as f64 / cut.len() as f64).into();
         report["prompt_tokens_max"] = cut.iter().max().copied().into();
+    }
+    if !later.ttfts.is_empty() {
+        report["first_wave"] = first_wave.report();
+        report["after_first_wave"] = later.report();
     }
     if !long.ttfts.is_empty() {
         report["long_prompts"] = long.report();
