@@ -11,7 +11,7 @@ const BATCH_GEMM_ROWS: usize = 64;
 /// Blocks that draw a row on sm_90+ by default: a lone row's draw over a cluster of 8 (on an
 /// H200 17 us against 36 in one block); a batched pass's rows one block each (at 64 rows 2
 /// blocks took 40 us against 52, at 128 rows 68 against 53; through the service neither
-/// moved 64 or 256 sampled streams; docs/design/kernels.md).
+/// moved 64 or 256 sampled streams; docs/design/batching.md, known limits).
 const DRAW_CLUSTER: (u32, u32) = (8, 1);
 
 /// The GPU and its compiled kernels, shared by every graph in the process.
