@@ -16,7 +16,6 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::attention::Start;
 use crate::cuda::ops::matmul::Matmul;
 use crate::cuda::ops::Epilogue;
-#[cfg(feature = "dev")]
 use crate::engine::EngineError;
 use crate::engine::GpuDtype;
 use cudarc::driver::CudaGraph;
