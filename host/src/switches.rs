@@ -182,8 +182,9 @@ pub struct Measurement {
 }
 
 /// Parts of a forward pass to leave out (`SKIP=attn,qkv,proj,mlp,head` in the decode graph,
-/// `gemm,pattn,ln,epi` in a prefill; the batched step honours `gemm`, `attn`, `ln`, `epi`
-/// and `head`): a profiling aid; the results are then wrong, only the time counts.
+/// `gemm,pattn,ln,epi` in a prefill; the batched step honours `gemm`, `attn`, `ln`, `epi`,
+/// `head` and `draw`, its sampled draw, whose rows then take their argmax): a profiling aid;
+/// the results are then wrong, only the time counts.
 #[derive(Clone, Debug, Default)]
 pub struct Skip {
     pub attn: bool,
@@ -195,6 +196,7 @@ pub struct Skip {
     pub pattn: bool,
     pub ln: bool,
     pub epi: bool,
+    pub draw: bool,
 }
 
 impl Skip {
@@ -280,6 +282,7 @@ impl Switches {
                     pattn: has("pattn"),
                     ln: has("ln"),
                     epi: has("epi"),
+                    draw: has("draw"),
                 },
             },
         }

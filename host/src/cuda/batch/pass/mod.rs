@@ -578,7 +578,9 @@ impl Pass {
                 false
             }
         };
-        if drawn {
+        // `WASI_NN_HOST_SKIP=draw` leaves the draw out: its rows take their argmax (wrong
+        // results, only the time counts)
+        if drawn && !self.exec.gpu.measurement().skip.draw {
             let scratch = (b.head.ptr(), head_ld(self.exec.config.vocab_size));
             (b.launcher).batch_draw(&table, b.rules.ptr(), scratch, b.edits.ptr())?;
         }
