@@ -269,11 +269,10 @@ pub fn draw_speed(
     let rules = DevBuf::from_host(&stream, &words, "rules")?;
     let out = DevBuf::<i32>::zeros(&stream, most, "tokens")?;
     let mut results = Vec::new();
-    for &rows in row_counts {
-        for &b in blocks
-            .iter()
-            .filter(|&&b| b == 1 || l.gpu().cluster_launch())
-        {
+    let runs = runs.max(1);
+    let launchable = |b: u32| b == 1 || (b <= MAX_DRAW_BLOCKS && l.gpu().cluster_launch());
+    for &rows in row_counts.iter().filter(|&&rows| rows > 0) {
+        for &b in blocks.iter().filter(|&&b| launchable(b)) {
             let draw = Draw {
                 logits: logits.ptr(),
                 stride: vocab,

@@ -68,14 +68,15 @@ impl CudaBatch {
     /// Make `n` idle sessions ready (allocated, set up) for the first contexts. With them,
     /// the batched pass's graphs of every size are captured too, and each session's decode
     /// step: a capture holds up every context on the GPU, so none is left for the first
-    /// requests. One of them runs the prefill path once, whose first use is slow.
+    /// requests. One of them runs the prefill path (at two lengths), whose first use in the
+    /// process is slow; a failure there only costs the first prompt that time.
     pub(crate) fn warm(&self, n: usize) -> Result<(), EngineError> {
         let mut made = (0..n)
             .map(|_| CudaSession::new(self.exec.clone()))
             .collect::<Result<Vec<_>, _>>()?;
         made.iter_mut().for_each(CudaSession::capture_decode);
-        if let Some(first) = made.first_mut() {
-            first.warm_prefill()?;
+        if let Some(Err(e)) = made.first_mut().map(CudaSession::warm_prefill) {
+            tracing::warn!("warming the prefill path failed: {e}");
         }
         let layer_floats = made.first().map(CudaSession::layer_floats);
         self.contexts.keep_idle(made);

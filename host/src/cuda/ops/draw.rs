@@ -1,6 +1,7 @@
 //! `kernels/draw.cu`: the sampled draw of [`crate::engine::draw`] over rows of logits on the
-//! GPU, a thread-block cluster a row on sm_90+ ([`crate::cuda::Gpu::draw_cluster`]), one block
-//! elsewhere.
+//! GPU, each row over the blocks [`crate::cuda::Gpu::draw_cluster`] gives (on sm_90+ a
+//! thread-block cluster of 8 for a lone row, one block a row of a batched pass; one block
+//! elsewhere).
 
 use super::batch::RowTable;
 use super::{kernel_args, Launcher};
@@ -125,7 +126,15 @@ impl Launcher {
     /// The token `a.rule` draws from `a.logits` after the edits (one row), over the GPU's
     /// blocks for a lone row.
     pub fn draw_edited(&self, a: EditedDraw) -> Result<(), CudaError> {
-        self.draw_edited_over(a, self.gpu.draw_cluster().0)
+        let blocks = self.gpu.draw_cluster().0;
+        // a cluster the GPU cannot place (a partition of too few SMs) is refused at launch
+        self.draw_edited_over(a, blocks).or_else(|e| {
+            if blocks > 1 {
+                self.draw_edited_over(a, 1)
+            } else {
+                Err(e)
+            }
+        })
     }
 
     /// [`Self::draw_edited`] over `blocks` blocks.
@@ -172,7 +181,15 @@ impl Launcher {
 
     /// The tokens `a.rules` draw from `a.logits`, over the GPU's blocks for a lone row.
     pub fn draw_token(&self, a: Draw) -> Result<(), CudaError> {
-        self.draw_token_over(a, self.gpu.draw_cluster().0)
+        let blocks = self.gpu.draw_cluster().0;
+        // a cluster the GPU cannot place (a partition of too few SMs) is refused at launch
+        self.draw_token_over(a, blocks).or_else(|e| {
+            if blocks > 1 {
+                self.draw_token_over(a, 1)
+            } else {
+                Err(e)
+            }
+        })
     }
 
     /// [`Self::draw_token`] over `blocks` blocks a row.

@@ -114,19 +114,29 @@ impl CudaSession {
     }
 
     /// Run a prefill of each length a prompt alone is usually cut to (a short one and the
-    /// step's budget) on this session and forget it. A process's first prefill loads the
-    /// prefill path's kernels and cuBLASLt's (about 0.1 s on an H200, seen as the first
-    /// request's time to its first token); warm sessions pay it at start instead.
+    /// step's budget) on this session, eagerly, and forget it, the lengths seen included (so
+    /// no later prompt is captured for them). A process's first prefill loads the prefill
+    /// path's kernels and cuBLASLt's (about 0.1 s on an H200, seen as the first request's
+    /// time to its first token); this pays it at start, for every session of the process.
     pub(crate) fn warm_prefill(&mut self) -> Result<(), EngineError> {
         let budget = self.model.gpu.settings().step_tokens;
-        for n in [128, budget] {
-            let n = n.min(self.capacity).min(self.model.config.vocab_size);
+        let most = self.capacity.min(self.model.config.vocab_size);
+        let mut lengths = vec![128.min(most), budget.min(most)];
+        lengths.sort_unstable();
+        lengths.dedup();
+        lengths.retain(|&n| n > 1);
+        let mut warmed = Ok(());
+        for n in lengths {
             let tokens: Vec<u32> = (0..n as u32).collect();
-            self.extend_chunk(&tokens, false, false)?;
-            self.synchronize()?;
+            warmed = self.extend_chunk(&tokens, false, false);
+            warmed = warmed.and_then(|()| self.synchronize());
             self.reset();
+            if warmed.is_err() {
+                break;
+            }
         }
-        Ok(())
+        self.prefill_seen.clear();
+        warmed
     }
 
     /// Whether this prefill may be captured as a graph (the plan allows it and no capture
