@@ -126,15 +126,14 @@ impl Launcher {
     /// The token `a.rule` draws from `a.logits` after the edits (one row), over the GPU's
     /// blocks for a lone row.
     pub fn draw_edited(&self, a: EditedDraw) -> Result<(), CudaError> {
+        self.lone_row(|blocks| self.draw_edited_over(a, blocks))
+    }
+
+    /// `launch` over the GPU's blocks for a lone row, or over one block where the GPU refuses
+    /// that cluster at launch (a partition of too few SMs).
+    fn lone_row(&self, launch: impl Fn(u32) -> Result<(), CudaError>) -> Result<(), CudaError> {
         let blocks = self.gpu.draw_cluster().0;
-        // a cluster the GPU cannot place (a partition of too few SMs) is refused at launch
-        self.draw_edited_over(a, blocks).or_else(|e| {
-            if blocks > 1 {
-                self.draw_edited_over(a, 1)
-            } else {
-                Err(e)
-            }
-        })
+        launch(blocks).or_else(|e| if blocks > 1 { launch(1) } else { Err(e) })
     }
 
     /// [`Self::draw_edited`] over `blocks` blocks.
@@ -181,15 +180,7 @@ impl Launcher {
 
     /// The tokens `a.rules` draw from `a.logits`, over the GPU's blocks for a lone row.
     pub fn draw_token(&self, a: Draw) -> Result<(), CudaError> {
-        let blocks = self.gpu.draw_cluster().0;
-        // a cluster the GPU cannot place (a partition of too few SMs) is refused at launch
-        self.draw_token_over(a, blocks).or_else(|e| {
-            if blocks > 1 {
-                self.draw_token_over(a, 1)
-            } else {
-                Err(e)
-            }
-        })
+        self.lone_row(|blocks| self.draw_token_over(a, blocks))
     }
 
     /// [`Self::draw_token`] over `blocks` blocks a row.
