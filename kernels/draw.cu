@@ -300,18 +300,29 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
 }
 
 // A request's processing of one token's logit (`host/src/engine/processing.rs`, one edit a
-// distinct token id, made by the host): x = the id, y its steps, z the bias's bits, w the
-// penalty's bits (its `count * frequency + presence`, rounded as the host rounds it).
+// distinct token id, made by the host): x = the id, y its steps (low byte) and the times the
+// token was generated (above it), z the bias's bits, w the penalty's bits (its `count *
+// frequency + presence`, rounded as the host rounds it).
 #define EDIT_BIAS 1u        // add the bias
 #define EDIT_REPETITION 2u  // in the sequence: divided by the repetition penalty above 0, else multiplied
 #define EDIT_PENALTY 4u     // generated: less the penalty
 
+// A row run ahead whose token was fed on the GPU: its edits are the sequence's before that
+// token, and the token's own edit follows here (`Edits::after` on the host): in the sequence,
+// and with penalties generated once more. token < 0: none.
+struct Follow {
+    int token;
+    bool penalties;
+    float presence, frequency;
+};
+
 // `logits` copied to `scratch` (`v` floats) with each edit's token replaced by its processed
-// value (the edits' ids are distinct, so the threads never share one), for every thread of the
-// row's blocks; returns `scratch`. The logits the guest reads stay as they are. Each step is
-// the host's f32 operation, rounded alone (never fused), so the processed values are its bits.
+// value (the edits' ids are distinct, so the threads never share one), then the followed
+// token's, for every thread of the row's blocks; returns `scratch`. The logits the guest
+// reads stay as they are. Each step is the host's f32 operation, rounded alone (never fused),
+// so the processed values are its bits.
 __device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
-                                    float repetition) {
+                                    float repetition, Follow follow) {
     const DrawRow row;
     int threads = (int)row.blocks * DRAW_THREADS, g = (int)row.rank * DRAW_THREADS + threadIdx.x;
     for (int i = g; i < v; i += threads) scratch[i] = logits[i];
@@ -326,22 +337,47 @@ __device__ const float* process_row(const float* logits, float* scratch, int v, 
         scratch[edit.x] = l;
     }
     row.sync();
+    if (follow.token < 0 || follow.token >= v) return scratch;
+    if (row.rank == 0) {
+        // the token's edit before it, if it has one (ids distinct: one writer at most)
+        __shared__ int before;
+        if (threadIdx.x == 0) before = -1;
+        __syncthreads();
+        for (int e = threadIdx.x; e < n_edits; e += DRAW_THREADS)
+            if (edits[e].x == (unsigned)follow.token) before = e;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint4 edit = before >= 0 ? edits[before] : make_uint4((unsigned)follow.token, 0u, 0u, 0u);
+            float l = logits[follow.token];
+            if (edit.y & EDIT_BIAS) l = __fadd_rn(l, __uint_as_float(edit.z));
+            if (repetition != 1.0f) l = l > 0.0f ? __fdiv_rn(l, repetition) : __fmul_rn(l, repetition);
+            if (follow.penalties) {
+                float generated = (float)((edit.y >> 8) + 1u);
+                l = __fsub_rn(l, __fadd_rn(__fmul_rn(generated, follow.frequency), follow.presence));
+            }
+            scratch[follow.token] = l;
+        }
+    }
+    row.sync();
     return scratch;
 }
 
-// The batched pass's draws, a cluster (or block) a row: for each row whose rule is set (rules[BATCH_RULE_WORDS * row] != 0:
-// the 4 words of `draw_row`, then min-p's floor offset (low half) and the repetition penalty
-// (high half) as f32 bits, then the first of its edits in `edits` (low half) and their count
-// (high half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
-// becomes the drawn token's key in place of the argmax key `batch_logits` left (the low word
-// the complement of the token, as `argmax_key`; an undecided row names token v, past the
-// vocabulary, which the host draws again and `batch_feed` never feeds). A row with edits is
-// drawn from a processed copy in its row of `scratch` (`scratch_ld` floats a row: the LM
-// head's product rows, which `batch_logits` has read by now), as `draw_processed`.
-// BATCH_RULE_WORDS is defined by the host.
+// The batched pass's draws, a cluster (or block) a row: for each row whose rule is set
+// (rules[BATCH_RULE_WORDS * row] != 0: the 4 words of `draw_row`, then min-p's floor offset
+// (low half) and the repetition penalty (high half) as f32 bits, then the first of its edits
+// in `edits` (low half) and their count (high half), then the presence and frequency
+// penalties (low, high) as f32 bits, then flags: bit 0 the edits follow the row's token
+// (`tokens[row]`, fed on the GPU), bit 1 the penalties are set) and whose logits were kept
+// (dst[row] != 0, its context's last row), keys[row] becomes the drawn token's key in place
+// of the argmax key `batch_logits` left (the low word the complement of the token, as
+// `argmax_key`; an undecided row names token v, past the vocabulary, which the host draws
+// again and `batch_feed` never feeds). A row with edits is drawn from a processed copy in its
+// row of `scratch` (`scratch_ld` floats a row: the LM head's product rows, which
+// `batch_logits` has read by now), as `draw_processed`. BATCH_RULE_WORDS is defined by the
+// host.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
-               float* scratch, long long scratch_ld, const uint4* edits) {
+               float* scratch, long long scratch_ld, const uint4* edits, const int* tokens) {
     pdl_wait();
     int row = drawn_row();
     const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
@@ -349,7 +385,10 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     const float* l = reinterpret_cast<const float*>(dst[row]);
     float floor_offset = __uint_as_float((u32)rule[4]), repetition = __uint_as_float((u32)(rule[4] >> 32));
     int first = (int)(u32)rule[5], count = (int)(u32)(rule[5] >> 32);
-    if (count > 0) l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition);
+    Follow follow = {(rule[7] & 1ull) ? tokens[row] : -1, (rule[7] & 2ull) != 0ull, __uint_as_float((u32)rule[6]),
+                     __uint_as_float((u32)(rule[6] >> 32))};
+    if (count > 0 || follow.token >= 0)
+        l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition, follow);
     int token = draw_row(l, v, rule, floor_offset);
     if (token < 0) token = v;
     if (draw_writer()) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);
@@ -361,6 +400,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     draw_processed(const float* logits, float* scratch, int v, const unsigned long long* rule, const uint4* edits,
                    int n_edits, float repetition, float floor_offset, int* out) {
     pdl_wait();
-    int token = draw_row(process_row(logits, scratch, v, edits, n_edits, repetition), v, rule, floor_offset);
+    const Follow none = {-1, false, 0.0f, 0.0f};
+    int token = draw_row(process_row(logits, scratch, v, edits, n_edits, repetition, none), v, rule, floor_offset);
     if (draw_writer()) out[0] = token;
 }

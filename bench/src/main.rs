@@ -521,10 +521,13 @@ fn check_cuda(
     for spec in models {
         let weights = model::load_spec(spec)?;
         for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
-            let r = checks::compare_batched_draws(spec, &weights, dtype, 8, steps)?;
-            println!("{}", serde_json::to_string(&r)?);
-            failed += usize::from(!r.passed);
-            total += 1;
+            for processed in [false, true] {
+                let r =
+                    checks::compare_batched_draws(spec, &weights, dtype, (8, steps), processed)?;
+                println!("{}", serde_json::to_string(&r)?);
+                failed += usize::from(!r.passed);
+                total += 1;
+            }
         }
     }
     // Whether a context's rows run late depends on when its prompt meets the others' step (on

@@ -61,9 +61,17 @@ fn contexts_drawing_their_tokens_in_batched_steps_draw_by_the_rule() {
     }
     let weights = wasi_nn_host::model::load_path(&shakespeare_dir()).expect("model");
     for dtype in [GpuDtype::F32, GpuDtype::Bf16] {
-        let r = gpu_check::compare_batched_draws("shakespeare", &weights, dtype, 8, 24)
+        for processed in [false, true] {
+            let r = gpu_check::compare_batched_draws(
+                "shakespeare",
+                &weights,
+                dtype,
+                (8, 24),
+                processed,
+            )
             .expect("batched draws");
-        assert!(r.passed, "{r:?}");
+            assert!(r.passed, "{r:?}");
+        }
     }
 }
 

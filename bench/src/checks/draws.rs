@@ -17,6 +17,9 @@ pub struct DrawCheckReport {
     pub dtype: String,
     pub streams: usize,
     pub steps: usize,
+    /// Every context drew after a processing (penalties, a bias, min-p), announced with
+    /// each step.
+    pub processed: bool,
     /// Draws checked against the rule on the logits read after them.
     pub checked: usize,
     /// Of those, draws that are not the rule's (must be 0).
@@ -26,44 +29,54 @@ pub struct DrawCheckReport {
     pub passed: bool,
 }
 
+/// The rules (temperature, top-p, min-p) of the draw check's contexts, one after the other.
+const RULES: [(f32, f32, f32); 5] = [
+    (1.0, 0.9, 0.0),
+    (0.8, 0.5, 0.0),
+    (1.1, 1.0, 0.0),
+    (1.0, 0.95, 0.05),
+    (0.9, 0.95, 0.0),
+];
+
+/// The processing of context `i` of the draw check: with `processed`, each context's own
+/// (penalties and a bias with the repetition penalty, presence alone, frequency with the
+/// repetition penalty, a bias alone, none but its rule's min-p); else the last rule's
+/// alone.
+fn processing_of(i: usize, processed: bool, vocab: usize) -> Result<Processing, EngineError> {
+    let (penalties, ids, values): ((f32, f32, f32), &[i32], &[f32]) =
+        match (processed, i % RULES.len()) {
+            (false, 4) | (true, 0) => ((0.5, 0.25, 1.2), &[7, 11], &[2.0, -100.0]),
+            (true, 1) => ((0.8, 0.0, 1.0), &[], &[]),
+            (true, 2) => ((0.0, 0.6, 0.9), &[], &[]),
+            (true, 4) => ((0.0, 0.0, 1.0), &[3, 5, 9], &[1.5, -2.0, 4.0]),
+            _ => return Ok(Processing::default()),
+        };
+    Processing::new(penalties, ids, values, 0, vocab)
+        .map_err(|e| EngineError::device(e.to_string()))
+}
+
 /// `streams` contexts, each with its own rule (top-p 0.9 or 0.5, temperature alone, min-p
-/// with top-p, or top-p after a bias and penalties) and seed, draw `steps` tokens in lockstep (a barrier per step). Every other step only draws,
-/// so that the next step is run ahead with the drawn token; the step after it draws and then
-/// reads its logits, and its draw must be the rule's draw from them.
+/// with top-p, or top-p after a bias and penalties; with `processed`, every one after a
+/// processing or with min-p) and seed, draw `steps` tokens in lockstep (a barrier per step).
+/// Every other step only draws, so that the next step is run ahead with the drawn token (its
+/// edits following the token where the context has penalties); the step after it draws and
+/// then reads its logits, and its draw must be the rule's draw from them.
 pub fn compare_batched_draws(
     name: &str,
     weights: &Gpt2Weights,
     dtype: GpuDtype,
-    streams: usize,
-    steps: usize,
+    (streams, steps): (usize, usize),
+    processed: bool,
 ) -> Result<DrawCheckReport, EngineError> {
     let cfg = weights.config;
     let gpu = gpu_executor(weights, dtype)?;
     let before = gpu.batch_counts().unwrap_or_default();
     let barrier = std::sync::Barrier::new(streams);
     let run = |i: usize| -> Result<(usize, usize), EngineError> {
-        // the last two with min-p (drawn after the pass) and with a request's processing
-        // (drawn inside the pass where announced, else after it), from a processed copy of
-        // the logits
-        let rules = [
-            (1.0, 0.9, 0.0),
-            (0.8, 0.5, 0.0),
-            (1.1, 1.0, 0.0),
-            (1.0, 0.95, 0.05),
-            (0.9, 0.95, 0.0),
-        ];
-        let processing = match i % rules.len() {
-            4 => Processing::new(
-                (0.5, 0.25, 1.2),
-                &[7, 11],
-                &[2.0, -100.0],
-                0,
-                cfg.vocab_size,
-            )
-            .map_err(|e| EngineError::device(e.to_string()))?,
-            _ => Processing::default(),
-        };
-        let (temperature, top_p, min_p) = rules[i % rules.len()];
+        // min-p (drawn after the pass) and a request's processing (drawn inside the pass
+        // where announced, else after it) draw from a processed copy of the logits
+        let processing = processing_of(i, processed, cfg.vocab_size)?;
+        let (temperature, top_p, min_p) = RULES[i % RULES.len()];
         let rule = DrawRule {
             temperature,
             top_p,
@@ -82,16 +95,17 @@ pub fn compare_batched_draws(
                 .map_err(|e| EngineError::device(e.to_string()))?
                 .ok_or_else(|| EngineError::device("distinct bias ids have edits"))?;
             // a processed draw announced with its step is made inside the pass; every fourth
-            // is not, and is made after it
-            let announced = (!processing.is_neutral() && step % 4 != 3).then(|| {
+            // is not (but with `processed`), and is made after it
+            let drawn_after = !(processing.is_neutral() && rule.is_plain());
+            let announced = (drawn_after && (processed || step % 4 != 3)).then(|| {
                 let edits = edits.clone();
                 Arc::new(EditedRule { rule, edits })
             });
             s.announce_draw(announced);
             s.extend(&next, false)?;
-            let token = match processing.is_neutral() {
-                true => s.draw(&rule)?,
-                false => s.draw_edited(&rule, &edits)?,
+            let token = match drawn_after {
+                false => s.draw(&rule)?,
+                true => s.draw_edited(&rule, &edits)?,
             };
             if step % 2 == 1 {
                 let mut logits = s.last_logits()?;
@@ -131,6 +145,7 @@ pub fn compare_batched_draws(
         dtype: format!("{dtype:?}").to_lowercase(),
         streams,
         steps,
+        processed,
         checked,
         mismatches,
         ahead_hits,

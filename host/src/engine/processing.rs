@@ -183,6 +183,8 @@ pub struct Edit {
     /// `n * frequency + presence` (step 3, rounded as `apply` rounds it), where it was
     /// generated `n > 0` times and a penalty is set.
     pub penalty: Option<f32>,
+    /// That `n` (0 where no penalty is set), from which the next position's penalty follows.
+    pub generated: u32,
 }
 
 impl Edit {
@@ -212,6 +214,8 @@ pub struct Edits {
     pub edits: Vec<Edit>,
     /// The repetition penalty, the operand of [`Edit::repeated`].
     pub repetition: f32,
+    /// `(presence, frequency)` where either is set: the operands of [`Edit::penalty`].
+    pub penalties: Option<(f32, f32)>,
 }
 
 /// A draw's rule and the edits of the processing before it, for a context's next position:
@@ -222,13 +226,81 @@ pub struct EditedRule {
     pub edits: Edits,
 }
 
+/// How a device draws a context's next token where its guest draws by a rule: by the rule
+/// alone, or by the rule after a processing's edits.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DrawnBy {
+    Rule(super::draw::DrawRule),
+    Edited(std::sync::Arc<EditedRule>),
+}
+
+impl DrawnBy {
+    /// The draw of the next position once `token` is appended (the rule's edits follow it).
+    pub fn after(&self, token: u32) -> DrawnBy {
+        match self {
+            DrawnBy::Rule(rule) => DrawnBy::Rule(*rule),
+            DrawnBy::Edited(e) if !e.edits.follow_tokens() => self.clone(),
+            DrawnBy::Edited(e) => DrawnBy::Edited(std::sync::Arc::new(EditedRule {
+                rule: e.rule,
+                edits: e.edits.after(token),
+            })),
+        }
+    }
+}
+
 impl Edits {
     /// No processing (a draw with min-p alone).
     pub fn none() -> Self {
         Self {
             edits: Vec::new(),
             repetition: 1.0,
+            penalties: None,
         }
+    }
+
+    /// Whether the edits change as tokens are appended (a repetition penalty or penalties;
+    /// a bias list alone stays as it is).
+    pub fn follow_tokens(&self) -> bool {
+        self.repetition != 1.0 || self.penalties.is_some()
+    }
+
+    /// The edits of the next position once `token` is appended to the sequence these are
+    /// for: [`Processing::edits`] of the longer sequence, made from these alone. The token
+    /// counts as generated (it is drawn), so only its own edit changes: it is in the
+    /// sequence (the repetition penalty applies) and generated once more.
+    pub fn after(&self, token: u32) -> Edits {
+        if !self.follow_tokens() {
+            return self.clone();
+        }
+        let repeated = self.repetition != 1.0;
+        self.with_edit(token, |e| {
+            e.repeated |= repeated;
+            if let Some((presence, frequency)) = self.penalties {
+                e.generated += 1;
+                e.penalty = Some(e.generated as f32 * frequency + presence);
+            }
+        })
+    }
+
+    /// A copy with `token`'s edit (a new one where it has none, kept in id order) changed.
+    fn with_edit(&self, token: u32, change: impl FnOnce(&mut Edit)) -> Edits {
+        let mut next = self.clone();
+        let at = match next.edits.binary_search_by_key(&token, |e| e.id) {
+            Ok(at) => at,
+            Err(at) => {
+                let fresh = Edit {
+                    id: token,
+                    bias: None,
+                    repeated: false,
+                    penalty: None,
+                    generated: 0,
+                };
+                next.edits.insert(at, fresh);
+                at
+            }
+        };
+        change(&mut next.edits[at]);
+        next
     }
 
     /// The token `rule` draws for `position` from `logits` after these edits: the
@@ -268,6 +340,7 @@ impl Processing {
                 bias: None,
                 repeated: false,
                 penalty: None,
+                generated: 0,
             })
         }
         for &(id, bias) in &self.bias {
@@ -282,17 +355,21 @@ impl Processing {
                 edit(&mut edits, id).repeated = true;
             }
         }
-        if self.presence != 0.0 || self.frequency != 0.0 {
+        let penalties = (self.presence != 0.0 || self.frequency != 0.0)
+            .then_some((self.presence, self.frequency));
+        if penalties.is_some() {
             let mut generated = sequence[self.generated_from..].to_vec();
             generated.sort_unstable();
             for run in generated.chunk_by(|a, b| a == b) {
-                edit(&mut edits, run[0]).penalty =
-                    Some(run.len() as f32 * self.frequency + self.presence);
+                let e = edit(&mut edits, run[0]);
+                e.generated = run.len() as u32;
+                e.penalty = Some(e.generated as f32 * self.frequency + self.presence);
             }
         }
         Ok(Some(Edits {
             edits: edits.into_values().collect(),
             repetition: self.repetition,
+            penalties,
         }))
     }
 }
@@ -401,6 +478,42 @@ mod tests {
             processing(&[], (0.5, 0.0, 1.0), 3).edits(&[1, 2]),
             Err(ProcessingError::GeneratedFrom { from: 3, len: 2 })
         );
+    }
+
+    /// The edits after a token appended are the longer sequence's own, for random
+    /// processings, sequences and tokens, over several tokens in a row.
+    #[test]
+    fn the_edits_after_a_token_are_the_longer_sequences() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let vocab = 48;
+        for round in 0..300 {
+            let len = rng.random_range(1..30);
+            let mut sequence: Vec<u32> = (0..len)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect();
+            let ids: Vec<i32> = (0..vocab as i32).filter(|_| rng.random_bool(0.1)).collect();
+            let values: Vec<f32> = ids.iter().map(|_| rng.random_range(-5.0..5.0)).collect();
+            let penalties = (
+                [0.0, rng.random_range(-2.0..2.0)][round % 2],
+                [0.0, rng.random_range(-1.0..1.0)][(round / 2) % 2],
+                [1.0, rng.random_range(0.5..2.0)][(round / 4) % 2],
+            );
+            let from = rng.random_range(0..=len);
+            let p = Processing::new(penalties, &ids, &values, from, vocab).expect("valid");
+            let mut edits = p.edits(&sequence).expect("edits").expect("distinct ids");
+            for _ in 0..4 {
+                // often a token already there, so that counts grow
+                let token = match rng.random_bool(0.5) {
+                    true => sequence[rng.random_range(0..sequence.len())],
+                    false => rng.random_range(0..vocab as u32),
+                };
+                edits = edits.after(token);
+                sequence.push(token);
+                let expected = p.edits(&sequence).expect("edits").expect("distinct ids");
+                assert_eq!(edits, expected, "round {round}");
+            }
+        }
     }
 
     #[test]

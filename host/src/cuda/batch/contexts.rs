@@ -8,7 +8,7 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::session::CudaSession;
 use crate::engine::batch::{KvPool, SeqState};
 use crate::engine::draw::DrawRule;
-use crate::engine::processing::{EditedRule, Edits};
+use crate::engine::processing::{DrawnBy, EditedRule, Edits};
 use crate::engine::{EngineError, Session};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -127,6 +127,20 @@ impl CudaSeq {
         *self.rule.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// How its rows' last key is drawn: by the draw its guest announced (for the end of its
+    /// request: `last_chunk`), else by its rule (None: the argmax).
+    pub(crate) fn drawn_by(&self, last_chunk: bool) -> Option<DrawnBy> {
+        match self.announced.as_ref().filter(|_| last_chunk) {
+            Some(edited) => Some(DrawnBy::Edited(edited.clone())),
+            None => self.rule().map(DrawnBy::Rule),
+        }
+    }
+
+    /// Whether its guest draws its tokens (by a rule, or announced after a processing).
+    pub(crate) fn draws(&self) -> bool {
+        self.rule().is_some() || self.announced.is_some()
+    }
+
     fn set_rule(&self, rule: Option<DrawRule>) {
         *self.rule.lock().unwrap_or_else(|p| p.into_inner()) = rule;
     }
@@ -238,11 +252,16 @@ impl SeqState for CudaSeq {
         self.announced = next;
     }
     /// Drawn on the GPU from a processed copy of the logits: inside the pass where the guest
-    /// announced it ([`SeqState::announce_draw`]), else after it. As for a context that reads
-    /// its logits, its steps are not run ahead (the next token's processing depends on the
-    /// token).
+    /// announced it ([`SeqState::announce_draw`]), else after it. Where it was announced, its
+    /// steps are run ahead as a plain rule's are, each drawn after the edits of the sequence
+    /// up to its token ([`Edits::after`]); otherwise not, as for a context that reads its
+    /// logits.
     fn draw_edited(&mut self, rule: &DrawRule, edits: &Edits) -> Result<u32, EngineError> {
-        self.read_logits.store(true, Ordering::Relaxed);
+        let announced =
+            (self.announced.as_ref()).is_some_and(|a| a.rule == *rule && a.edits == *edits);
+        if !announced {
+            self.read_logits.store(true, Ordering::Relaxed);
+        }
         self.set_rule(None);
         let settled = self.settle()?;
         let session = self.session_mut()?;

@@ -216,14 +216,10 @@ impl CudaBatch {
         for (item, row) in items.iter_mut().zip(last_rows) {
             let key = keys.get(row).copied().unwrap_or(0);
             let added = item.tokens.len();
-            let edited = item.seq.announced.clone().filter(|_| item.last_chunk);
-            let rule = item.seq.rule();
+            let drawn = item.seq.drawn_by(item.last_chunk);
             let session = item.seq.session_mut()?;
             session.advanced_in_batch(added, argmax_row(key));
-            match edited {
-                Some(edited) => session.set_keys_edited(edited),
-                None => session.set_keys_rule(rule),
-            }
+            session.set_keys_drawn(drawn);
         }
         Ok(())
     }
@@ -334,7 +330,7 @@ impl CudaBatch {
             return false;
         };
         // (its own decode feeds the argmax: not for a context that draws its tokens)
-        let own = greedy[0] && item.seq.rule().is_none();
+        let own = greedy[0] && !item.seq.draws();
         if !(own && plan.own() == [0] && item.tokens.len() == 1) {
             return false;
         }

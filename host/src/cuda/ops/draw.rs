@@ -30,22 +30,57 @@ pub fn rule_words(rule: &DrawRule, position: usize) -> [u64; 4] {
 }
 
 /// Words of a row's rule in the batched pass's draw: [`rule_words`], then min-p's floor offset
-/// and the repetition penalty, then where the row's edits are.
-pub const BATCH_RULE_WORDS: usize = 6;
+/// and the repetition penalty, then where the row's edits are, then the penalties and how the
+/// edits follow the row's token.
+pub const BATCH_RULE_WORDS: usize = 8;
+
+/// Where a row's edits are in the pass's edits, and how they are applied.
+#[derive(Clone, Copy, Debug)]
+pub struct RowEdits<'e> {
+    /// The first of them, and their count.
+    pub first: u32,
+    pub count: u32,
+    pub edits: &'e Edits,
+    /// They are the edits before the row's token, which is fed on the GPU: the token's own
+    /// edit follows there ([`Edits::after`]).
+    pub follow: bool,
+}
 
 /// A row's rule as the batched pass's draw reads it: [`rule_words`], then
 /// [`DrawRule::min_p_offset`] (low half) and the repetition penalty (high half) as f32 bits,
 /// then the first of the row's edits in the pass's edits (low half) and their count (high
-/// half; 0: drawn from the logits as they are).
+/// half; 0 and no follow: drawn from the logits as they are), then the presence and frequency
+/// penalties as f32 bits, then flags (bit 0: the edits follow the row's token, bit 1: the
+/// penalties are set).
 pub fn batch_rule_words(
     rule: &DrawRule,
     position: usize,
-    edits: Option<(u32, u32, f32)>,
+    edits: Option<RowEdits<'_>>,
 ) -> [u64; BATCH_RULE_WORDS] {
     let [a, b, c, d] = rule_words(rule, position);
-    let (first, count, repetition) = edits.unwrap_or((0, 0, 1.0));
+    let (first, count, repetition, penalties, follow) = match edits {
+        Some(e) => (
+            e.first,
+            e.count,
+            e.edits.repetition,
+            e.edits.penalties,
+            e.follow,
+        ),
+        None => (0, 0, 1.0, None, false),
+    };
     let floor = u64::from(rule.min_p_offset().to_bits()) | u64::from(repetition.to_bits()) << 32;
-    [a, b, c, d, floor, u64::from(first) | u64::from(count) << 32]
+    let (presence, frequency) = penalties.unwrap_or((0.0, 0.0));
+    let flags = u64::from(follow) | u64::from(penalties.is_some()) << 1;
+    [
+        a,
+        b,
+        c,
+        d,
+        floor,
+        u64::from(first) | u64::from(count) << 32,
+        u64::from(presence.to_bits()) | u64::from(frequency.to_bits()) << 32,
+        flags,
+    ]
 }
 
 /// Rows of logits and where their draws go.
@@ -85,15 +120,20 @@ pub struct EditedDraw {
 /// Words of one edit as the kernel reads it.
 pub const EDIT_WORDS: usize = 4;
 
+/// The most times generated an edit's word holds above its steps' byte (a sequence is far
+/// shorter).
+const MAX_GENERATED: u32 = (1 << 24) - 1;
+
 /// Processing's edits as the kernel reads them, [`EDIT_WORDS`] words each: the token id, its
-/// steps (bit 0 the bias, bit 1 the repetition penalty, bit 2 the penalty), the bias's and the
-/// penalty's bits.
+/// steps (bit 0 the bias, bit 1 the repetition penalty, bit 2 the penalty) with the times it
+/// was generated above their byte, the bias's and the penalty's bits.
 pub fn edit_words(edits: &Edits) -> Vec<u32> {
     let mut words = Vec::with_capacity(EDIT_WORDS * edits.edits.len());
     for e in &edits.edits {
         let steps = u32::from(e.bias.is_some())
             | u32::from(e.repeated) << 1
-            | u32::from(e.penalty.is_some()) << 2;
+            | u32::from(e.penalty.is_some()) << 2
+            | e.generated.min(MAX_GENERATED) << 8;
         words.extend([
             e.id,
             steps,
@@ -227,13 +267,18 @@ impl Launcher {
         )?;
         let blocks = self.gpu.draw_cluster().1;
         let cfg = self.draw_grid(t.rows, blocks)?;
-        let (dst, rules, keys) = (t.logits.addr(), rules.addr(), t.keys.addr());
+        let (dst, rules, keys, tokens) = (
+            t.logits.addr(),
+            rules.addr(),
+            t.keys.addr(),
+            t.tokens.addr(),
+        );
         let (v, scratch, ld, edits) = (v as i32, scratch.addr(), scratch_ld as i64, edits.addr());
         // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules
         // BATCH_RULE_WORDS words a row whose edits lie within `edits` (the pass writes both),
-        // keys one u64 a row, scratch rows rows of `ld >= V` floats (checked by `t.check` and
-        // above).
-        let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &edits];
+        // keys one u64 and tokens one int a row, scratch rows rows of `ld >= V` floats
+        // (checked by `t.check` and above; a followed token past V is left alone).
+        let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &edits, &tokens];
         unsafe {
             self.launch(
                 &self.kernels.batch_draw,

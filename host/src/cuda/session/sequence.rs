@@ -9,7 +9,7 @@ use crate::cuda::error::CudaError;
 use crate::cuda::ops::draw::{edit_words, rule_words, Draw, EditedDraw, EDIT_WORDS};
 use crate::cuda::ops::matvec::argmax_row;
 use crate::engine::draw::{self, DrawRule};
-use crate::engine::processing::{EditedRule, Edits};
+use crate::engine::processing::{DrawnBy, EditedRule, Edits};
 use crate::engine::{EngineError, Session};
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
@@ -79,16 +79,16 @@ impl CudaSession {
 
     /// The step run ahead (one position, its logits in `buffer`) is this session's next step:
     /// take its results.
-    /// (`argmax` is the token drawn by `rule` where the context draws its tokens.)
-    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize, rule: Option<DrawRule>) {
-        self.set_keys_rule(rule);
+    /// (`argmax` is the token drawn as `drawn` says where the context draws its tokens.)
+    pub(crate) fn advanced_ahead(&mut self, argmax: u32, buffer: usize, drawn: Option<DrawnBy>) {
+        self.set_keys_drawn(drawn);
         self.read_out.took_batched_ahead(buffer, Some(argmax));
     }
 
     /// The step run ahead is this session's next step, and its pass is still under way: take
     /// its position and logits (in `buffer`) now; its argmax comes with [`Self::set_argmax`].
-    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize, rule: Option<DrawRule>) {
-        self.set_keys_rule(rule);
+    pub(crate) fn advanced_ahead_pending(&mut self, buffer: usize, drawn: Option<DrawnBy>) {
+        self.set_keys_drawn(drawn);
         self.read_out.took_batched_ahead(buffer, None);
     }
 
@@ -116,6 +116,20 @@ impl CudaSession {
     pub(crate) fn set_keys_edited(&mut self, edited: Arc<EditedRule>) {
         self.keys_rule = Some(edited.rule);
         self.keys_edited = Some(edited);
+    }
+
+    /// The batched pass drew the next token as `drawn` says (None: took the argmax).
+    pub(crate) fn set_keys_drawn(&mut self, drawn: Option<DrawnBy>) {
+        match drawn {
+            Some(DrawnBy::Edited(edited)) => self.set_keys_edited(edited),
+            Some(DrawnBy::Rule(rule)) => self.set_keys_rule(Some(rule)),
+            None => self.set_keys_rule(None),
+        }
+    }
+
+    /// The rule and edits the key was drawn by (None: the argmax, or a plain rule).
+    pub(crate) fn keys_edited(&self) -> Option<&Arc<EditedRule>> {
+        self.keys_edited.as_ref()
     }
 
     /// Whether the key is a draw (by a rule, after edits or not), not the argmax.

@@ -147,10 +147,10 @@ fn take_hits(
     take_late_results(ahead, items);
     let mut hit = vec![false; items.len()];
     for (i, item) in items.iter_mut().enumerate() {
-        if let (Some(taken), None) = (early[i], &item.error) {
+        if let (Some(taken), None) = (&early[i], &item.error) {
             if let Ok(session) = item.seq.session_mut() {
                 // its argmax comes when the pass in flight is resolved
-                session.advanced_ahead_pending(taken.buffer, taken.rule);
+                session.advanced_ahead_pending(taken.buffer, taken.rule.clone());
                 hit[i] = true;
                 ahead.counts.hits += 1;
             }
@@ -177,14 +177,18 @@ fn hand_out_in_flight(
             continue;
         }
         let before = row.position.checked_sub(1).map(|p| (row.serial, p));
-        if let Some(result) = before.and_then(|at| ahead.results.get(&at)) {
-            (row.token, row.fed) = (result.argmax, false);
-        } else if let Some(Some(argmax)) = ahead.late_argmax.get(&row.serial) {
-            (row.token, row.fed) = (*argmax, false);
+        let token = match before.and_then(|at| ahead.results.get(&at)) {
+            Some(result) => Some(result.argmax),
+            None => ahead.late_argmax.get(&row.serial).copied().flatten(),
+        };
+        if let Some(token) = token {
+            // the pass drew its key after the token's edit too
+            (row.token, row.fed) = (token, false);
+            row.rule = row.rule.take().map(|rule| rule.after(token));
         }
     }
     for (i, item) in items.iter_mut().enumerate() {
-        let Some(taken) = early[i].filter(|_| hit[i]) else {
+        let Some(taken) = early[i].as_ref().filter(|_| hit[i]) else {
             continue;
         };
         let result = ahead.results.remove(&(item.seq.serial, taken.position));

@@ -33,8 +33,7 @@ impl CudaBatch {
         }
         // a lone decode's own next step feeds its argmax: not for a guest that reads logits
         // or draws its tokens
-        let sampled =
-            item.seq.read_logits.swap(false, Ordering::Relaxed) || item.seq.rule().is_some();
+        let sampled = item.seq.read_logits.swap(false, Ordering::Relaxed) || item.seq.draws();
         let ran = item.seq.session_mut().and_then(|s| {
             match sampled || !self.exec.gpu.measurement().run_ahead {
                 true => Ok(None),
@@ -103,7 +102,7 @@ impl CudaBatch {
                 fed: next.fed.is_some(),
                 row,
                 buffer: next.buffer,
-                rule: next.rule,
+                rule: next.drawn(),
             })
             .collect();
         let mut late_rows = Vec::with_capacity(late.len());
@@ -112,16 +111,13 @@ impl CudaBatch {
             let added = item.tokens.len();
             let seq = &mut *item.seq;
             let serial = seq.serial;
-            let (rule, edited) = (seq.rule(), seq.announced.clone());
+            let rule = seq.drawn_by(item.last_chunk);
             let Ok(session) = seq.session_mut() else {
                 continue;
             };
             session.advanced_late(added);
             // its key is drawn as its rows in the pass are (`rows_of`)
-            match edited.filter(|_| item.last_chunk) {
-                Some(edited) => session.set_keys_edited(edited),
-                None => session.set_keys_rule(rule),
-            }
+            session.set_keys_drawn(rule.clone());
             let room = session.len() < session.capacity();
             // the token is the argmax, known when the pass is resolved; the late row writes
             // the first buffer, which its guest reads next

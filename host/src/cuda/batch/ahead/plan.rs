@@ -8,6 +8,7 @@ use crate::cuda::batch::contexts::CudaSeq;
 use crate::cuda::batch::pass::Pass;
 use crate::cuda::session::LOGITS_BUFFERS;
 use crate::engine::batch::{SeqState, StepItem};
+use crate::engine::processing::DrawnBy;
 use crate::engine::{EngineError, Session};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::Ordering;
@@ -63,7 +64,7 @@ pub(crate) fn early_hits(
             .map(|r| InFlightHit {
                 position: r.position,
                 buffer: r.buffer,
-                rule: r.rule,
+                rule: r.rule.clone(),
             });
         any |= hit.is_some() || ahead.results.get(&at).is_some_and(|g| same(g.token));
         hits.push(hit);
@@ -103,7 +104,7 @@ pub(crate) fn note_guests(
             greedy: eligible[i],
             targets: RowTargets::of(session),
             argmax: argmax[i],
-            rule: item.seq.rule(),
+            rule: item.seq.drawn_by(item.last_chunk),
         };
         ahead.guests.insert(serial, at);
         serials.push(serial);
@@ -168,12 +169,18 @@ pub(crate) fn plan_rows(
         let Some(buffer) = (0..LOGITS_BUFFERS).find(|&b| !busy[b]) else {
             continue;
         };
+        // the token, and how it was drawn: by the row before (its edits after its own token)
+        // or by the guest
         let before = position.checked_sub(1).map(|p| (serial, p));
-        let (token, fed) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
-            Some((Some(row), _)) => (0, Some(row.row)),
-            Some((None, Some(guess))) => (guess.argmax, None),
+        let (token, fed, rule) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
+            // (a row whose own token is still unknown holds the edits before it: no base)
+            Some((Some(row), _)) if row.fed && matches!(row.rule, Some(DrawnBy::Edited(_))) => {
+                continue
+            }
+            Some((Some(row), _)) => (0, Some(row.row), &row.rule),
+            Some((None, Some(guess))) => (guess.argmax, None, &guess.rule),
             _ => match (ahead_of_guest, guest.argmax) {
-                (0, Some(token)) => (token, None),
+                (0, Some(token)) => (token, None, &guest.rule),
                 _ => continue,
             },
         };
@@ -183,7 +190,7 @@ pub(crate) fn plan_rows(
             position,
             targets: guest.targets,
             buffer,
-            rule: guest.rule,
+            rule: rule.clone(),
         };
         picks.push((serial, next));
     }
@@ -194,13 +201,13 @@ pub(crate) fn plan_rows(
 /// its own stream), or the token its rows drew.
 pub(crate) fn host_next_token(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
     let session = item.seq.session().ok()?;
-    match item.seq.rule() {
-        // its rows' keys are its draws; a step on its own stream took the argmax: no guess
-        Some(rule) => (session.keys_rule() == Some(rule))
-            .then(|| session.drawn_known())
-            .flatten(),
-        None => session.argmax_now().ok(),
-    }
+    // its rows' keys are its draws; a step on its own stream took the argmax: no guess
+    let drawn = match item.seq.drawn_by(item.last_chunk) {
+        Some(DrawnBy::Rule(rule)) => session.keys_rule() == Some(rule),
+        Some(DrawnBy::Edited(edited)) => session.keys_edited() == Some(&edited),
+        None => return session.argmax_now().ok(),
+    };
+    drawn.then(|| session.drawn_known()).flatten()
 }
 
 /// Forget everything run ahead for a context (its guest came back with something else): its
@@ -224,12 +231,12 @@ pub(crate) fn forget_ahead(ahead: &mut Ahead, serial: u64) {
 /// it takes that result (a hit).
 pub(crate) fn take_result(ahead: &mut Ahead, item: &mut StepItem<'_, CudaSeq>) -> bool {
     let at = (item.seq.serial, item.seq.len());
-    let Some(&guess) = ahead.results.get(&at) else {
+    let Some(guess) = ahead.results.get(&at) else {
         return false;
     };
     let same = item.tokens == [guess.token] && item.first_chunk && !item.all_positions;
     if let (true, None, Ok(session)) = (same, &item.error, item.seq.session_mut()) {
-        session.advanced_ahead(guess.argmax, guess.buffer, guess.rule);
+        session.advanced_ahead(guess.argmax, guess.buffer, guess.rule.clone());
         ahead.results.remove(&at);
         ahead.counts.hits += 1;
         true
@@ -275,11 +282,14 @@ pub(crate) fn take_precomputed(ahead: &mut Ahead, seq: &mut CudaSeq, token: u32)
         return false;
     };
     let at = (serial, session.len());
-    let Some(result) = (ahead.results.get(&at).copied()).filter(|r| r.token == token) else {
+    let Some(result) = ahead.results.remove(&at) else {
         return false;
     };
-    ahead.results.remove(&at);
-    session.advanced_ahead(result.argmax, result.buffer, result.rule);
+    if result.token != token {
+        ahead.results.insert(at, result);
+        return false;
+    }
+    session.advanced_ahead(result.argmax, result.buffer, result.rule.clone());
     ahead.counts.hits += 1;
     ahead.counts.taken += 1;
     // a guest that read logits samples: no more steps run ahead for it
@@ -287,8 +297,9 @@ pub(crate) fn take_precomputed(ahead: &mut Ahead, seq: &mut CudaSeq, token: u32)
     if let Some(guest) = ahead.guests.get_mut(&serial) {
         (guest.len, guest.readable) = (session.len(), session.readable());
         guest.greedy &= !sampled;
-        // its next step may run ahead before it is back
+        // its next step may run ahead before it is back, drawn as this one was
         guest.argmax = Some(result.argmax);
+        guest.rule = result.rule;
     }
     true
 }
@@ -347,7 +358,7 @@ mod tests {
         known: Option<u32>,
         depth: usize,
     ) -> Option<NextStep> {
-        let ready: FxHashMap<(u64, usize), AheadResult> = ready.iter().copied().collect();
+        let ready: FxHashMap<(u64, usize), AheadResult> = ready.iter().cloned().collect();
         guest.argmax = guest.argmax.or(known);
         let guests: FxHashMap<u64, GuestState> = [(7, guest)].into_iter().collect();
         let mut plan = plan_rows(in_flight, &ready, &guests, &[7], depth);
@@ -424,9 +435,60 @@ mod tests {
             min_p: 0.0,
         };
         let mut drawing = guest(10, 2);
-        drawing.rule = Some(rule);
+        drawing.rule = Some(DrawnBy::Rule(rule));
         let next = plan_7(&[], &[], drawing, Some(33), 2).expect("a step");
-        assert_eq!((next.token, next.rule), (33, Some(rule)));
+        assert_eq!((next.token, &next.rule), (33, &Some(DrawnBy::Rule(rule))));
         assert_eq!(next.rows().rule, Some(rule));
+        assert!(next.rows().edited.is_none());
+    }
+
+    /// A guest that draws after a processing with penalties gets steps run ahead whose edits
+    /// follow their tokens: made on the host where the token is known, and left to the pass
+    /// (the edits before the token, `follow`) where it is fed on the GPU.
+    #[test]
+    fn a_processed_draw_runs_ahead_with_its_edits_following_the_tokens() {
+        use crate::engine::processing::{EditedRule, Processing};
+        use std::sync::Arc;
+        let rule = crate::engine::draw::DrawRule {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: 3,
+            min_p: 0.0,
+        };
+        let processing = Processing::new((0.5, 0.25, 1.0), &[7], &[2.0], 2, 64).expect("valid");
+        let sequence = [1, 2, 33, 4];
+        let edits_of = |s: &[u32]| processing.edits(s).expect("edits").expect("distinct");
+        let at_guest = Arc::new(EditedRule {
+            rule,
+            edits: edits_of(&sequence),
+        });
+        let mut drawing = guest(4, 2);
+        drawing.rule = Some(DrawnBy::Edited(at_guest.clone()));
+        // the guest's own draw (33) known: the step's edits are the longer sequence's
+        let next = plan_7(&[], &[], drawing, Some(33), 2).expect("a step");
+        let rows = next.rows();
+        let longer = edits_of(&[1, 2, 33, 4, 33]);
+        assert_eq!(rows.edited.as_ref().map(|e| &e.edits), Some(&longer));
+        assert_eq!((rows.rule, rows.follow), (Some(rule), false));
+        // its step at 4 in flight, drawn after 33: the next step is fed from that row, its
+        // edits those of the row before its token, which the pass makes follow it
+        let mut in_flight = row(7, 4, 3, 0);
+        in_flight.rule = next.drawn();
+        let mut waiting = guest(4, 2);
+        waiting.rule = Some(DrawnBy::Edited(at_guest));
+        let fed = plan_7(&[in_flight], &[], waiting, None, 2).expect("a step");
+        let rows = fed.rows();
+        assert_eq!((fed.position, fed.fed, rows.follow), (5, Some(3), true));
+        assert_eq!(rows.edited.as_ref().map(|e| &e.edits), Some(&longer));
+        // once the fed token is known (12), the row was drawn after it too
+        let known = fed.drawn().map(|d| d.after(12));
+        let twelve = edits_of(&[1, 2, 33, 4, 33, 12]);
+        assert_eq!(
+            known,
+            Some(DrawnBy::Edited(Arc::new(EditedRule {
+                rule,
+                edits: twelve
+            })))
+        );
     }
 }

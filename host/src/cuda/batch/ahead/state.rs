@@ -6,7 +6,7 @@ use crate::cuda::batch::pass::Rows;
 use crate::cuda::buffer::HostCopy;
 use crate::cuda::ops::matvec::argmax_row;
 use crate::cuda::session::{CudaSession, LOGITS_BUFFERS};
-use crate::engine::draw::DrawRule;
+use crate::engine::processing::DrawnBy;
 use cudarc::driver::CudaEvent;
 use rustc_hash::FxHashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -23,8 +23,9 @@ pub(crate) struct AheadRow {
     pub(crate) row: usize,
     /// The session's logits buffer it writes.
     pub(crate) buffer: usize,
-    /// The rule its key was drawn by (None: the argmax).
-    pub(crate) rule: Option<DrawRule>,
+    /// How its key was drawn (None: the argmax). While `fed`, a rule's edits are those before
+    /// the token, which the pass made follow it ([`NextStep::drawn`]).
+    pub(crate) rule: Option<DrawnBy>,
 }
 
 /// Where a context's rows go: what a row run ahead for it needs without its session.
@@ -62,9 +63,9 @@ pub(crate) struct GuestState {
     /// The argmax of its guest's last position when known on the host (after its step, or a
     /// result its guest took without one): the token of the step after it.
     pub(crate) argmax: Option<u32>,
-    /// The rule its guest draws its tokens by: the keys of its rows are the draws, and
-    /// `argmax` is the token drawn (None: the argmax).
-    pub(crate) rule: Option<DrawRule>,
+    /// How its guest draws its tokens, at its position: the keys of its rows are the draws,
+    /// and `argmax` is the token drawn (None: the argmax).
+    pub(crate) rule: Option<DrawnBy>,
 }
 
 /// A context's rows in a pass run ahead whose step did not wait for them (see the module
@@ -90,12 +91,27 @@ pub(crate) struct NextStep {
     /// The logits buffer it writes: neither the one its guest reads nor one another step run
     /// ahead for it writes.
     pub(crate) buffer: usize,
-    /// Its token's next token is drawn by this rule (None: the argmax).
-    pub(crate) rule: Option<DrawRule>,
+    /// How this step's token was drawn (None: the argmax): this step's draw is the same, its
+    /// edits following this step's token.
+    pub(crate) rule: Option<DrawnBy>,
 }
 
 impl NextStep {
+    /// How its row's key is drawn: the rule, its edits after the step's token; or, the token
+    /// fed on the GPU and not known yet, the edits before it, which the pass makes follow it.
+    pub(crate) fn drawn(&self) -> Option<DrawnBy> {
+        match (&self.rule, self.fed) {
+            (Some(rule), None) => Some(rule.after(self.token)),
+            (rule, _) => rule.clone(),
+        }
+    }
+
     pub(crate) fn rows(&self) -> Rows<'_> {
+        let (rule, edited) = match self.drawn() {
+            Some(DrawnBy::Rule(rule)) => (Some(rule), None),
+            Some(DrawnBy::Edited(edited)) => (Some(edited.rule), Some(edited)),
+            None => (None, None),
+        };
         Rows {
             k: self.targets.k,
             v: self.targets.v,
@@ -104,9 +120,9 @@ impl NextStep {
             tokens: std::slice::from_ref(&self.token),
             fed: self.fed,
             layer_floats: self.targets.layer_floats,
-            rule: self.rule,
-            // (a context drawn after a processing is not run ahead)
-            edited: None,
+            rule,
+            follow: self.fed.is_some() && edited.is_some(),
+            edited,
             chunk: false,
         }
     }
@@ -129,21 +145,21 @@ pub(crate) struct InFlight {
 
 /// The result of a step run ahead for one context (at the position it is kept under), kept
 /// until its guest comes back to that position.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct AheadResult {
     pub(crate) token: u32,
-    /// The next token: the argmax, or the draw by `rule`.
+    /// The next token: the argmax, or the draw as `rule` says.
     pub(crate) argmax: u32,
     pub(crate) buffer: usize,
-    pub(crate) rule: Option<DrawRule>,
+    pub(crate) rule: Option<DrawnBy>,
 }
 
 /// An item's row in the pass in flight, which it takes (see [`CudaBatch::early_hits`]).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct InFlightHit {
     pub(crate) position: usize,
     pub(crate) buffer: usize,
-    pub(crate) rule: Option<DrawRule>,
+    pub(crate) rule: Option<DrawnBy>,
 }
 
 /// What the run-ahead layer keeps between steps (under [`RunAhead`]'s lock).

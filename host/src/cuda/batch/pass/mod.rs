@@ -16,7 +16,9 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{
     tiles_fit, AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
 };
-use crate::cuda::ops::draw::{batch_rule_words, edit_words, BATCH_RULE_WORDS, EDIT_WORDS};
+use crate::cuda::ops::draw::{
+    batch_rule_words, edit_words, RowEdits, BATCH_RULE_WORDS, EDIT_WORDS,
+};
 use crate::cuda::ops::Launcher;
 use crate::cuda::session::max_edits;
 use crate::cuda::session::CudaSession;
@@ -233,6 +235,11 @@ pub(crate) struct Rows<'t> {
     /// Or by this rule after a processing's edits (made for the sequence these rows end),
     /// which goes before `rule`.
     pub(crate) edited: Option<Arc<EditedRule>>,
+    /// `edited`'s edits are those of the sequence before the lone token fed on the GPU
+    /// (`fed`): the draw makes that token's edit follow ([`Edits::after`]).
+    ///
+    /// [`Edits::after`]: crate::engine::processing::Edits::after
+    pub(crate) follow: bool,
     /// The tokens are (a chunk of) a prompt longer than a pass takes whole
     /// ([`Pass::batched_prompt`]), which alone runs through the prefill path: the rows before
     /// the last are multiplied as bf16, as a prefill's are (see [`RowTable::lo_rows`]). A
@@ -255,6 +262,7 @@ impl<'t> Rows<'t> {
             layer_floats: session.layer_floats(),
             rule,
             edited: None,
+            follow: false,
             chunk: false,
         }
     }
@@ -453,6 +461,12 @@ impl Pass {
         if inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(EngineError::device("a batched input of no tokens"));
         }
+        // a draw that makes its edits follow the row's token reads it where the GPU fed it
+        if (inputs.iter()).any(|i| i.follow && (i.fed.is_none() || i.tokens.len() != 1)) {
+            return Err(EngineError::device(
+                "edits that follow a token not fed on the GPU",
+            ));
+        }
         // the table and the captured graphs hold the buffers' rows (callers cut steps to fit)
         let stride = b.rows;
         if n > stride {
@@ -507,7 +521,12 @@ impl Pass {
                     let first = edits.len() / EDIT_WORDS;
                     edits.extend(edit_words(&edited.edits));
                     let count = edits.len() / EDIT_WORDS - first;
-                    let at = (first as u32, count as u32, edited.edits.repetition);
+                    let at = RowEdits {
+                        first: first as u32,
+                        count: count as u32,
+                        edits: &edited.edits,
+                        follow: input.follow,
+                    };
                     Some(batch_rule_words(&edited.rule, position, Some(at)))
                 }
                 (None, Some(rule)) => Some(batch_rule_words(rule, position, None)),
