@@ -142,7 +142,10 @@ impl Bench {
             max_chunks,
             blas: switches
                 .cublas
-                .then(|| Blas::new(&stream, t, c, switches.cublaslt))
+                .then(|| {
+                    let plans = switches.cublaslt.then(std::sync::Arc::default);
+                    Blas::new(&stream, t, c, plans.as_ref())
+                })
                 .flatten(),
             kv16: l.dtype().kv_bytes() == 2,
             tensor_cores: plan.tensor_cores,

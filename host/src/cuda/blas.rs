@@ -5,7 +5,7 @@
 
 pub(crate) mod lt;
 
-pub use lt::{Epilogue as LtEpilogue, Shape};
+pub use lt::{Epilogue as LtEpilogue, LtPlans, Shape};
 
 use super::buffer::{Act, Bf16, DevBuf, DevPtr, Stored};
 use super::error::CudaError;
@@ -59,8 +59,14 @@ impl Blas {
         unsafe { cudarc::cublas::sys::is_culib_present() }
     }
 
-    /// cuBLAS on `stream` when the library loads, with cuBLASLt when `lt` and it loads.
-    pub fn new(stream: &Arc<CudaStream>, rows: usize, c: usize, with_lt: bool) -> Option<Blas> {
+    /// cuBLAS on `stream` when the library loads, with cuBLASLt when it loads and `lt` gives
+    /// the GPU's plans.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        rows: usize,
+        c: usize,
+        lt: Option<&Arc<LtPlans>>,
+    ) -> Option<Blas> {
         if !Self::loadable() {
             return None;
         }
@@ -74,12 +80,17 @@ impl Blas {
         let x_bf16 = scratch(rows * 4 * c, "GEMM scratch")?;
         let fc_bf16 = scratch(rows * 4 * c, "GEMM scratch")?;
         let qkv_bf16 = scratch(rows * 3 * c, "GEMM scratch")?;
-        let (lt, lt_workspace) = match with_lt {
-            false => (None, None),
-            true => match DevBuf::<u8>::zeros(stream, LT_WORKSPACE_BYTES, "cuBLASLt workspace") {
-                Ok(ws) => (lt::Lt::new((ws.ptr().addr(), LT_WORKSPACE_BYTES)), Some(ws)),
-                Err(_) => (None, None),
-            },
+        let (lt, lt_workspace) = match lt {
+            None => (None, None),
+            Some(plans) => {
+                match DevBuf::<u8>::zeros(stream, LT_WORKSPACE_BYTES, "cuBLASLt workspace") {
+                    Ok(ws) => {
+                        let workspace = (ws.ptr().addr(), LT_WORKSPACE_BYTES);
+                        (lt::Lt::new(workspace, plans.clone()), Some(ws))
+                    }
+                    Err(_) => (None, None),
+                }
+            }
         };
         Some(Blas {
             handle,

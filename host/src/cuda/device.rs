@@ -46,6 +46,9 @@ pub struct Gpu {
     /// allocation, frees and cuBLAS set-up in one thread must not meet a capture in another
     /// (seen: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED under 64 concurrent requests).
     setup: Mutex<()>,
+    /// The cuBLASLt products' plans, shared by the sessions' handles: the heuristic that
+    /// picks an algorithm runs once for the GPU, not once a session.
+    pub(crate) lt_plans: Arc<crate::cuda::blas::LtPlans>,
 }
 
 impl Gpu {
@@ -136,6 +139,7 @@ impl Gpu {
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             switches,
             setup: Mutex::new(()),
+            lt_plans: Arc::default(),
         })
     }
 

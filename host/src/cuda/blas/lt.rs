@@ -1,13 +1,21 @@
 //! cuBLASLt products with fused epilogues, for the bf16 prefill: `D (+)= W x + bias`, optionally
-//! followed by GELU, with a bf16 or f32 result. A plan (descriptor, layouts and the algorithm the
-//! heuristic picks) is built once per shape and reused; a shape cuBLASLt has no algorithm for is
-//! remembered as such and the caller takes its other path.
+//! followed by GELU, with a bf16 or f32 result. A plan (descriptor, layouts and algorithm) is
+//! built once per shape for the whole GPU ([`LtPlans`], shared by its sessions) and reused; a
+//! shape cuBLASLt has no algorithm for is remembered as such and the caller takes its other
+//! path.
+//!
+//! The heuristic that picks an algorithm costs milliseconds of the host a shape (on an H200, a
+//! lone ~200-token prompt of a length not seen before launched its prefill in 12-17 ms against
+//! ~1 ms), and a prompt's length is a product's rows. So the heuristic runs once for each
+//! bucket of row counts ([`bucket_rows`]) at the bucket's top, and a shape takes its bucket's
+//! algorithm where cuBLASLt's check accepts it for the shape's own rows, else its own
+//! heuristic's.
 
 use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// What follows the product (before it is added to D when accumulating).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -67,7 +75,7 @@ struct Plan {
 
 impl Drop for Plan {
     fn drop(&mut self) {
-        // SAFETY: created by `Plan::new` and destroyed once, here.
+        // SAFETY: created by `Plan::describe` and destroyed once, here.
         unsafe {
             let _ = lt::destroy_matmul_desc(self.desc);
             for layout in self.layouts {
@@ -94,9 +102,19 @@ fn attr<T>(
     .is_ok()
 }
 
+/// The row count whose heuristic the products of `rows` rows take their algorithm from: the
+/// next power of two up to 64, then the next multiple of 64.
+pub(crate) fn bucket_rows(rows: usize) -> usize {
+    match rows {
+        0..=64 => rows.next_power_of_two(),
+        _ => rows.next_multiple_of(64),
+    }
+}
+
 impl Plan {
-    /// None when cuBLASLt cannot do this shape (no algorithm, unsupported bias type, ...).
-    fn new(handle: sys::cublasLtHandle_t, s: Shape, workspace_bytes: usize) -> Option<Plan> {
+    /// The descriptor and layouts of `s` (the algorithm still to be chosen); None when
+    /// cuBLASLt refuses them (an unsupported bias type, ...).
+    fn describe(s: Shape) -> Option<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
@@ -124,10 +142,10 @@ impl Plan {
                 }
             }
         }
-        let mut plan = Plan {
+        let plan = Plan {
             desc,
             layouts: [layouts[0], layouts[1], layouts[2]],
-            // SAFETY: plain data, filled in by the heuristic below before any use.
+            // SAFETY: plain data, filled in by the heuristic or the bucket's before any use.
             algo: unsafe { std::mem::zeroed() },
         };
         let epilogue = match s.epilogue {
@@ -142,9 +160,15 @@ impl Plan {
                 A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                 &(if s.bias_bf16 { CUDA_R_16BF } else { CUDA_R_32F } as i32),
             );
-        if !ok {
-            return None;
-        }
+        ok.then_some(plan)
+    }
+
+    /// The heuristic's first algorithm for this plan within `workspace_bytes`.
+    fn heuristic(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        workspace_bytes: usize,
+    ) -> Option<sys::cublasLtMatmulAlgo_t> {
         let pref = lt::create_matmul_pref().ok()?;
         let ws = workspace_bytes as u64;
         // SAFETY: `pref` was just created; `ws` is a u64 as the attribute wants.
@@ -159,11 +183,11 @@ impl Plan {
             .and_then(|()| {
                 lt::get_matmul_algo_heuristic(
                     handle,
-                    desc,
-                    plan.layouts[0],
-                    plan.layouts[1],
-                    plan.layouts[2],
-                    plan.layouts[2],
+                    self.desc,
+                    self.layouts[0],
+                    self.layouts[1],
+                    self.layouts[2],
+                    self.layouts[2],
                     pref,
                 )
                 .ok()
@@ -171,41 +195,112 @@ impl Plan {
         };
         // SAFETY: created above, destroyed once.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        plan.algo = found?.algo;
-        Some(plan)
+        Some(found?.algo)
+    }
+
+    /// Whether cuBLASLt runs `algo` for this plan's shape within `workspace_bytes`.
+    fn accepts(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        workspace_bytes: usize,
+    ) -> bool {
+        // SAFETY: plain data, written by the check.
+        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the plan's descriptor and layouts are alive; `algo` and `result` are live
+        // values of their types.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                handle,
+                self.desc,
+                self.layouts[0],
+                self.layouts[1],
+                self.layouts[2],
+                self.layouts[2],
+                algo,
+                &mut result,
+            )
+        };
+        status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && result.workspaceSize <= workspace_bytes
     }
 }
 
-/// A cuBLASLt handle with its plans; the caller owns the workspace.
+/// The plans of one GPU's cuBLASLt products, shared by its sessions (each with its own handle
+/// and workspace), and the algorithms the heuristic chose for each bucket of rows.
+#[derive(Default)]
+pub struct LtPlans {
+    cache: Mutex<PlanCache>,
+}
+
+#[derive(Default)]
+struct PlanCache {
+    plans: HashMap<Shape, Option<Plan>>,
+    /// By shape with its rows at their bucket's top ([`bucket_rows`]).
+    algos: HashMap<Shape, Option<sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the plans' descriptors and layouts are only used under the `cache` lock (a plan's
+// bias pointer is set and the product enqueued while it is held); an algorithm is plain data.
+unsafe impl Send for LtPlans {}
+unsafe impl Sync for LtPlans {}
+
+impl PlanCache {
+    /// The plan of `s`, made on first use: its bucket's algorithm where cuBLASLt accepts it,
+    /// else its own heuristic's (None: cuBLASLt has none).
+    fn plan(
+        &mut self,
+        handle: sys::cublasLtHandle_t,
+        s: Shape,
+        workspace_bytes: usize,
+    ) -> Option<&Plan> {
+        let PlanCache { plans, algos } = self;
+        let plan = plans.entry(s).or_insert_with(|| {
+            let mut plan = Plan::describe(s)?;
+            let bucket = Shape {
+                rows: bucket_rows(s.rows),
+                ..s
+            };
+            let shared = *algos.entry(bucket).or_insert_with(|| {
+                Plan::describe(bucket).and_then(|b| b.heuristic(handle, workspace_bytes))
+            });
+            plan.algo = match shared.filter(|a| plan.accepts(handle, a, workspace_bytes)) {
+                Some(algo) => algo,
+                None => plan.heuristic(handle, workspace_bytes)?,
+            };
+            Some(plan)
+        });
+        plan.as_ref()
+    }
+}
+
+/// A cuBLASLt handle and the GPU's plans; the caller owns the workspace.
 pub(crate) struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: (u64, usize),
-    plans: Mutex<HashMap<Shape, Option<Plan>>>,
+    plans: Arc<LtPlans>,
 }
 
-// SAFETY: the handle and the plans' descriptors are only used under the `plans` lock (a plan's
-// bias pointer is set and the product enqueued while it is held).
+// SAFETY: the handle is only used under the plans' lock (see `LtPlans`).
 unsafe impl Send for Lt {}
 unsafe impl Sync for Lt {}
 
 impl Drop for Lt {
     fn drop(&mut self) {
-        if let Ok(mut plans) = self.plans.lock() {
-            plans.clear();
-        }
-        // SAFETY: created by `Lt::new`, destroyed once after its plans.
+        // SAFETY: created by `Lt::new`, destroyed once; the plans' objects do not depend on it.
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }
 }
 
 impl Lt {
     /// None when libcublasLt cannot be loaded (cudarc panics then) or refuses a handle.
-    pub(crate) fn new(workspace: (u64, usize)) -> Option<Lt> {
+    pub(crate) fn new(workspace: (u64, usize), plans: Arc<LtPlans>) -> Option<Lt> {
         let handle = std::panic::catch_unwind(lt::create_handle).ok()?.ok()?;
         Some(Lt {
             handle,
             workspace,
-            plans: Mutex::new(HashMap::new()),
+            plans,
         })
     }
 
@@ -226,14 +321,10 @@ impl Lt {
                 "cuBLASLt product: its output overlaps its input",
             ));
         }
-        let mut plans = self
-            .plans
+        let mut cache = (self.plans.cache)
             .lock()
             .map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))?;
-        let plan = plans
-            .entry(shape)
-            .or_insert_with(|| Plan::new(self.handle, shape, self.workspace.1));
-        let Some(plan) = plan.as_ref() else {
+        let Some(plan) = cache.plan(self.handle, shape, self.workspace.1) else {
             return Ok(false);
         };
         let bias_ptr = bias as *const c_void;
@@ -273,6 +364,21 @@ impl Lt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_buckets_are_powers_of_two_then_multiples_of_64() {
+        let tops: Vec<usize> = [1, 2, 3, 5, 33, 64, 65, 128, 129, 200, 1000]
+            .map(bucket_rows)
+            .to_vec();
+        assert_eq!(tops, [1, 2, 4, 8, 64, 64, 128, 128, 192, 256, 1024]);
+        for rows in 1..3000 {
+            let top = bucket_rows(rows);
+            assert!(
+                top >= rows && bucket_rows(top) == top,
+                "{rows} in a bucket topped by {top}"
+            );
+        }
+    }
 
     #[test]
     fn an_output_over_its_input_is_refused() {

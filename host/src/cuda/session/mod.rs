@@ -173,7 +173,10 @@ impl CudaSession {
         let switches = gpu.measurement();
         let blas = switches
             .cublas
-            .then(|| Blas::new(&stream, capacity, c, switches.cublaslt))
+            .then(|| {
+                let lt = switches.cublaslt.then_some(&gpu.lt_plans);
+                Blas::new(&stream, capacity, c, lt)
+            })
             .flatten();
         let plan = PrefillPlan::choose(&model, blas.as_ref());
         let launcher = Launcher::new(

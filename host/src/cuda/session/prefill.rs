@@ -9,6 +9,7 @@
 //! replayed after that.
 
 use super::CudaSession;
+use crate::cuda::blas::lt::bucket_rows;
 use crate::cuda::blas::Blas;
 use crate::cuda::buffer::{Act, DevBuf};
 use crate::cuda::error::{CudaError, DriverContext};
@@ -19,6 +20,9 @@ use crate::cuda::ops::Epilogue;
 use crate::engine::EngineError;
 use crate::engine::GpuDtype;
 use cudarc::driver::CudaGraph;
+
+/// The longest prompt [`CudaSession::warm_prefill`] runs at start: GPT-2's context.
+const WARM_PREFILL_MOST: usize = 1024;
 
 /// Captured prefills kept per session (by prompt length), and so twice that many lengths
 /// remembered: a length is captured the second time it is seen.
@@ -113,18 +117,20 @@ impl CudaSession {
         self.prefill_kernels(n, Start::Host(start), all_positions)
     }
 
-    /// Run a prefill of each length a prompt alone is usually cut to (a short one and the
-    /// step's budget) on this session, eagerly, and forget it, the lengths seen included (so
-    /// no later prompt is captured for them). A process's first prefill loads the prefill
-    /// path's kernels and cuBLASLt's (about 0.1 s on an H200, seen as the first request's
-    /// time to its first token); this pays it at start, for every session of the process.
+    /// Run a prefill of each length that tops a bucket of cuBLASLt's row counts
+    /// ([`bucket_rows`]: 2, 4, ... 64, 128, 192, ...) up to [`WARM_PREFILL_MOST`] tokens on this
+    /// session, eagerly, and forget it, the lengths seen included (so no later prompt is
+    /// captured for them). A process's first prefill loads the prefill path's kernels and
+    /// cuBLASLt's (about 0.1 s on an H200), and the first prompt of each bucket of lengths
+    /// runs cuBLASLt's heuristic for its products (12-17 ms); this pays both at start, for
+    /// every session of the GPU, instead of in the first requests' time to their first token.
     pub(crate) fn warm_prefill(&mut self) -> Result<(), EngineError> {
-        let budget = self.model.gpu.settings().step_tokens;
-        let most = self.capacity.min(self.model.config.vocab_size);
-        let mut lengths = vec![128.min(most), budget.min(most)];
-        lengths.sort_unstable();
-        lengths.dedup();
-        lengths.retain(|&n| n > 1);
+        let most = (self.capacity)
+            .min(self.model.config.vocab_size)
+            .min(WARM_PREFILL_MOST);
+        let lengths: Vec<usize> = std::iter::successors(Some(2), |&n| Some(bucket_rows(n + 1)))
+            .take_while(|&n| n <= most)
+            .collect();
         let mut warmed = Ok(());
         for n in lengths {
             let tokens: Vec<u32> = (0..n as u32).collect();

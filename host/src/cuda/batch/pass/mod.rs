@@ -148,7 +148,7 @@ impl StepBuffers {
         let cfg = exec.config;
         let c = cfg.n_embd;
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
-        let blas = Blas::new(&stream, 2 * rows, c, false)
+        let blas = Blas::new(&stream, 2 * rows, c, None)
             .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
         let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
         let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
