@@ -60,7 +60,11 @@ impl CudaBatch {
         greedy: &[bool],
     ) -> Result<InFlight, EngineError> {
         let begun = Instant::now();
-        let mut inputs: Vec<Rows<'_>> = picks.iter().map(|(_, next)| next.rows()).collect();
+        // each row's draw, made once for its rows and its record (edits after a token are a copy)
+        let drawn: Vec<_> = picks.iter().map(|(_, next)| next.drawn()).collect();
+        let mut inputs: Vec<Rows<'_>> = (picks.iter().zip(&drawn))
+            .map(|((_, next), drawn)| next.rows(drawn.clone()))
+            .collect();
         for &i in late {
             inputs.push(self.rows_of(&items[i])?);
         }
@@ -92,17 +96,16 @@ impl CudaBatch {
             "pass run ahead launched"
         );
         let mut last = last_rows.into_iter();
-        let rows: Vec<AheadRow> = picks
-            .iter()
+        let rows: Vec<AheadRow> = (picks.iter().zip(drawn))
             .zip(last.by_ref())
-            .map(|((serial, next), row)| AheadRow {
+            .map(|(((serial, next), drawn), row)| AheadRow {
                 serial: *serial,
                 position: next.position,
                 token: next.token,
                 fed: next.fed.is_some(),
                 row,
                 buffer: next.buffer,
-                rule: next.drawn(),
+                rule: drawn,
             })
             .collect();
         let mut late_rows = Vec::with_capacity(late.len());

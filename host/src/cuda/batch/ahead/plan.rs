@@ -377,7 +377,7 @@ mod tests {
         assert_eq!((next.position, next.fed), (11, Some(3)));
         // neither the buffer the guest reads nor the one the step in flight writes
         assert_eq!(next.buffer, 2);
-        assert_eq!(next.rows().logits, 12);
+        assert_eq!(next.rows(next.drawn()).logits, 12);
         // one step ahead at most: nothing
         assert!(plan_7(&in_flight, &[], guest(10, 0), None, 1).is_none());
     }
@@ -438,8 +438,8 @@ mod tests {
         drawing.rule = Some(DrawnBy::Rule(rule));
         let next = plan_7(&[], &[], drawing, Some(33), 2).expect("a step");
         assert_eq!((next.token, &next.rule), (33, &Some(DrawnBy::Rule(rule))));
-        assert_eq!(next.rows().rule, Some(rule));
-        assert!(next.rows().edited.is_none());
+        assert_eq!(next.rows(next.drawn()).rule, Some(rule));
+        assert!(next.rows(next.drawn()).edited.is_none());
     }
 
     /// A guest that draws after a processing with penalties gets steps run ahead whose edits
@@ -466,7 +466,7 @@ mod tests {
         drawing.rule = Some(DrawnBy::Edited(at_guest.clone()));
         // the guest's own draw (33) known: the step's edits are the longer sequence's
         let next = plan_7(&[], &[], drawing, Some(33), 2).expect("a step");
-        let rows = next.rows();
+        let rows = next.rows(next.drawn());
         let longer = edits_of(&[1, 2, 33, 4, 33]);
         assert_eq!(rows.edited.as_ref().map(|e| &e.edits), Some(&longer));
         assert_eq!((rows.rule, rows.follow), (Some(rule), false));
@@ -477,7 +477,7 @@ mod tests {
         let mut waiting = guest(4, 2);
         waiting.rule = Some(DrawnBy::Edited(at_guest));
         let fed = plan_7(&[in_flight], &[], waiting, None, 2).expect("a step");
-        let rows = fed.rows();
+        let rows = fed.rows(fed.drawn());
         assert_eq!((fed.position, fed.fed, rows.follow), (5, Some(3), true));
         assert_eq!(rows.edited.as_ref().map(|e| &e.edits), Some(&longer));
         // once the fed token is known (12), the row was drawn after it too

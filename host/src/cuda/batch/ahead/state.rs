@@ -106,8 +106,10 @@ impl NextStep {
         }
     }
 
-    pub(crate) fn rows(&self) -> Rows<'_> {
-        let (rule, edited) = match self.drawn() {
+    /// Its rows, drawn as `drawn` says ([`Self::drawn`], which the caller keeps for the row's
+    /// record too: edits after a token are a copy).
+    pub(crate) fn rows(&self, drawn: Option<DrawnBy>) -> Rows<'_> {
+        let (rule, edited) = match drawn {
             Some(DrawnBy::Rule(rule)) => (Some(rule), None),
             Some(DrawnBy::Edited(edited)) => (Some(edited.rule), Some(edited)),
             None => (None, None),
