@@ -758,6 +758,14 @@ impl GraphSet {
             .filter_map(|e| e.kv_pool())
             .reduce(|(used, cap), (u, c)| (used + u, cap + c))
     }
+    /// What the batchers of the executors inserted with [`GraphSet::insert_executor`] have
+    /// done, summed (`None`: none batches).
+    pub fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
+        self.executors
+            .values()
+            .filter_map(|e| e.batch_counts())
+            .reduce(crate::engine::batch::BatchCounts::with)
+    }
 }
 
 impl GraphRegistry for GraphSet {

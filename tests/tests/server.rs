@@ -875,6 +875,11 @@ fn tokenizer_models_health_metrics_and_request_ids() {
         assert!(moved >= at_least, "{name} moved by {moved}\n{after}");
     }
     assert!(after.contains("wasi_nn_guests_running"));
+    // the run-ahead outcomes are there whether the device runs ahead or not
+    for outcome in ["hit", "miss", "late"] {
+        let line = format!("wasi_nn_run_ahead_total{{outcome=\"{outcome}\"}}");
+        assert!(after.contains(&line), "no {line}\n{after}");
+    }
     // the gauges an inference gateway's endpoint picker reads, by vLLM's names, equal ours;
     // the KV pools are held by open contexts only (none is open between requests here,
     // unless another test's runs)

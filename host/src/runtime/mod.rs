@@ -572,6 +572,12 @@ impl Host {
         self.graphs.kv_pool()
     }
 
+    /// What the preloaded graphs' batchers have done, summed over the graphs (`None`: none
+    /// batches).
+    pub fn batch_counts(&self) -> Option<crate::engine::batch::BatchCounts> {
+        self.graphs.batch_counts()
+    }
+
     /// The device override (`--device`), if any; without one the guest's execution target
     /// picks the device of the graphs it loads from bytes.
     pub fn device_override(&self) -> Option<Device> {

@@ -51,6 +51,7 @@ pub(super) async fn health(State(service): State<Arc<Service>>) -> Response {
 pub(super) async fn metrics_text(State(service): State<Arc<Service>>) -> Response {
     // read when scraped: the pools change with every context opened or dropped
     metrics::kv_usage(service.host.kv_pool());
+    metrics::run_ahead(service.host.batch_counts().map(|c| c.speculation));
     match metrics::render() {
         Ok(text) => (
             [(

@@ -43,6 +43,12 @@ const PICKER_KV_USAGE: [&str; 2] = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_
 pub(crate) const CYCLE_SECONDS: &str = "wasi_nn_cycle_seconds_total";
 pub(crate) const CYCLE_COUNT: &str = "wasi_nn_cycle_count_total";
 
+/// Steps run ahead for contexts before their guests came back, by outcome: `hit` (the guest
+/// came back with the token the step was run with, and took its result), `miss` (it came
+/// back with another, and the step was thrown away), `late` (a context's rows ran in a pass
+/// its step did not wait for).
+pub(crate) const RUN_AHEAD: &str = "wasi_nn_run_ahead_total";
+
 /// Bytes in use on the process's heaps, by allocator: `jemalloc` (the CLI's allocator, so
 /// the Rust side's allocations; about 0 for an embedder on another allocator) and `libc`
 /// (glibc's malloc: what C libraries such as the CUDA driver, cuBLAS and NVRTC hold).
@@ -104,6 +110,10 @@ fn describe() {
         metrics::describe_histogram!(name, metrics::Unit::Seconds, help);
     }
     metrics::describe_gauge!(GUESTS_RUNNING, "guest instances generating now");
+    metrics::describe_counter!(
+        RUN_AHEAD,
+        "steps run ahead for contexts before their guests came back, by outcome"
+    );
     metrics::describe_gauge!(QUEUED, "requests waiting for guests");
     metrics::describe_gauge!(
         KV_USAGE,
@@ -219,6 +229,14 @@ pub(crate) fn kv_usage(pool: Option<(usize, usize)>) {
     metrics::gauge!(KV_USAGE).set(share);
     for name in PICKER_KV_USAGE {
         metrics::gauge!(name).set(share);
+    }
+}
+
+/// The batchers' run-ahead outcomes so far (`None`: nothing batches; zeros then).
+pub(crate) fn run_ahead(counts: Option<crate::engine::batch::SpeculationCounts>) {
+    let c = counts.unwrap_or_default();
+    for (outcome, value) in [("hit", c.hits), ("miss", c.misses), ("late", c.deferred)] {
+        metrics::counter!(RUN_AHEAD, "outcome" => outcome).absolute(value);
     }
 }
 
