@@ -1,19 +1,22 @@
 //! Where the guests' token cycle went during the load: the service's `wasi_nn_cycle_*`
-//! counters read before and after, as the mean time of each part and the parts' shares.
+//! counters read before and after, as the mean time of each part and the parts' shares; and
+//! how running ahead went (`wasi_nn_run_ahead_total`, by outcome).
 
 use std::collections::BTreeMap;
 
 const SECONDS: &str = "wasi_nn_cycle_seconds_total";
 const COUNT: &str = "wasi_nn_cycle_count_total";
+const RUN_AHEAD: &str = "wasi_nn_run_ahead_total";
 
-/// Each part's (count, seconds) from a `/metrics` text.
+/// Each part's (count, seconds) from a `/metrics` text, and each run-ahead outcome's count.
 #[derive(Debug, Default, Clone, PartialEq)]
-pub struct Totals(BTreeMap<String, (f64, f64)>);
+pub struct Totals(BTreeMap<String, (f64, f64)>, BTreeMap<String, f64>);
 
 impl Totals {
     /// The cycle counters of a Prometheus text (none when the service has none).
     pub fn parse(text: &str) -> Self {
         let mut totals = BTreeMap::<String, (f64, f64)>::new();
+        let mut outcomes = BTreeMap::<String, f64>::new();
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let Some((key, value)) = line.rsplit_once(' ') else {
                 continue;
@@ -21,6 +24,13 @@ impl Totals {
             let Ok(value) = value.parse::<f64>() else {
                 continue;
             };
+            if let Some(rest) = key
+                .strip_prefix(RUN_AHEAD)
+                .and_then(|r| r.strip_prefix("{outcome=\""))
+            {
+                outcomes.insert(rest.trim_end_matches("\"}").to_owned(), value);
+                continue;
+            }
             let (name, part) = match key.split_once("{part=\"") {
                 Some((name, rest)) => (name, rest.trim_end_matches("\"}")),
                 None => continue,
@@ -32,7 +42,7 @@ impl Totals {
                 _ => {}
             }
         }
-        Self(totals)
+        Self(totals, outcomes)
     }
 
     /// Read from the service at `url` (empty when it can't be read).
@@ -43,6 +53,20 @@ impl Totals {
             .ok()
             .and_then(|mut r| r.body_mut().read_to_string().ok());
         text.map_or_else(Self::default, |t| Self::parse(&t))
+    }
+
+    /// How many steps run ahead each outcome counted from `before` to `self` (`hit`, `miss`,
+    /// `late`); `None` when the service counts none.
+    pub fn run_ahead_since(&self, before: &Self) -> Option<serde_json::Value> {
+        let moved = (self.1.iter())
+            .map(|(outcome, &n)| {
+                (
+                    outcome.clone(),
+                    (n - before.1.get(outcome).copied().unwrap_or(0.0)).into(),
+                )
+            })
+            .collect::<serde_json::Map<_, _>>();
+        (!moved.is_empty()).then(|| moved.into())
     }
 
     /// Each part's mean in microseconds and share of the parts' time, from `before` to `self`;
@@ -105,5 +129,26 @@ mod tests {
         assert_eq!(report["guest"]["share"], 0.25);
         assert_eq!(after.since(&after), None);
         assert_eq!(Totals::parse("no metrics here"), Totals::default());
+        assert_eq!(after.run_ahead_since(&before), None);
+    }
+
+    #[test]
+    fn run_ahead_outcomes_that_moved() {
+        let before = Totals::parse(
+            "wasi_nn_run_ahead_total{outcome=\"hit\"} 10\n\
+             wasi_nn_run_ahead_total{outcome=\"miss\"} 2\n",
+        );
+        let after = Totals::parse(
+            "# TYPE wasi_nn_run_ahead_total counter\n\
+             wasi_nn_run_ahead_total{outcome=\"hit\"} 110\n\
+             wasi_nn_run_ahead_total{outcome=\"miss\"} 7\n\
+             wasi_nn_run_ahead_total{outcome=\"late\"} 3\n",
+        );
+        let moved = after.run_ahead_since(&before).expect("counted");
+        assert_eq!(
+            (moved["hit"].as_f64(), moved["miss"].as_f64()),
+            (Some(100.0), Some(5.0))
+        );
+        assert_eq!(moved["late"].as_f64(), Some(3.0));
     }
 }

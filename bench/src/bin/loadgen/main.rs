@@ -378,7 +378,11 @@ fn main() -> Result<()> {
         .map(|joined| joined.map_err(|_| anyhow::anyhow!("a client panicked")))
         .collect::<Result<_>>()?;
     let seconds = start.elapsed().as_secs_f64();
-    let cycle = cycle::Totals::fetch(&agent(), &args.url).since(&cycle_before);
+    let totals = cycle::Totals::fetch(&agent(), &args.url);
+    let (cycle, run_ahead) = (
+        totals.since(&cycle_before),
+        totals.run_ahead_since(&cycle_before),
+    );
     let (mut done, mut failed) = (Vec::new(), failures::Failures::default());
     for outcomes in results {
         for outcome in outcomes {
@@ -459,6 +463,9 @@ fn main() -> Result<()> {
     }
     if let Some(cycle) = cycle {
         report["cycle"] = cycle;
+    }
+    if let Some(run_ahead) = run_ahead {
+        report["run_ahead"] = run_ahead;
     }
     if args.keep_going {
         let sent: Vec<f64> = done.iter().map(|d| d.sent_s).collect();
