@@ -68,8 +68,9 @@ impl CudaBatch {
     /// Make `n` idle sessions ready (allocated, set up) for the first contexts. With them,
     /// the batched pass's graphs of every size are captured too, and each session's decode
     /// step: a capture holds up every context on the GPU, so none is left for the first
-    /// requests. One of them runs the prefill path (at two lengths), whose first use in the
-    /// process is slow; a failure there only costs the first prompt that time.
+    /// requests. One of them runs the prefill path at each bucket of cuBLASLt's row counts
+    /// ([`CudaSession::warm_prefill`]), whose first use in the process is slow; a failure
+    /// there only costs the first prompts that time.
     pub(crate) fn warm(&self, n: usize) -> Result<(), EngineError> {
         let mut made = (0..n)
             .map(|_| CudaSession::new(self.exec.clone()))

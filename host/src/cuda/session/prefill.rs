@@ -125,15 +125,14 @@ impl CudaSession {
     /// runs cuBLASLt's heuristic for its products (12-17 ms); this pays both at start, for
     /// every session of the GPU, instead of in the first requests' time to their first token.
     pub(crate) fn warm_prefill(&mut self) -> Result<(), EngineError> {
-        let most = (self.capacity)
-            .min(self.model.config.vocab_size)
-            .min(WARM_PREFILL_MOST);
+        let most = self.capacity.min(WARM_PREFILL_MOST);
+        let vocab = self.model.config.vocab_size.max(1) as u32;
         let lengths: Vec<usize> = std::iter::successors(Some(2), |&n| Some(bucket_rows(n + 1)))
             .take_while(|&n| n <= most)
             .collect();
         let mut warmed = Ok(());
         for n in lengths {
-            let tokens: Vec<u32> = (0..n as u32).collect();
+            let tokens: Vec<u32> = (0..n as u32).map(|t| t % vocab).collect();
             warmed = self.extend_chunk(&tokens, false, false);
             warmed = warmed.and_then(|()| self.synchronize());
             self.reset();

@@ -173,7 +173,9 @@ pub(crate) fn plan_rows(
         // or by the guest
         let before = position.checked_sub(1).map(|p| (serial, p));
         let (token, fed, rule) = match before.map(|at| (flight.get(&at), ready.get(&at))) {
-            // (a row whose own token is still unknown holds the edits before it: no base)
+            // (a row whose own token is still unknown holds the edits before it: no base; the
+            // pass in flight has none today, its fed rows learn their tokens or go when it
+            // is handed out, but a base must never be one)
             Some((Some(row), _)) if row.fed && matches!(row.rule, Some(DrawnBy::Edited(_))) => {
                 continue
             }
