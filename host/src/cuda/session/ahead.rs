@@ -75,7 +75,7 @@ impl CudaSession {
         let taken = self.read_out.take_own_ahead(token);
         if taken {
             // its key is the argmax
-            self.set_keys_rule(None);
+            self.set_keys_drawn(None);
         }
         taken
     }

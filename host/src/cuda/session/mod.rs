@@ -99,11 +99,10 @@ pub struct CudaSession {
     drawn_host: Mutex<HostCopy<i32>>,
     /// A processed draw's buffers, made at the session's first.
     edited_draws: Option<sequence::EditedDraws>,
-    /// The rule the batched pass drew the last position's next token by (its key is the
-    /// draw's, not the argmax's); None when the argmax is known, or nothing.
-    keys_rule: Option<crate::engine::draw::DrawRule>,
-    /// The processing's edits the batched pass drew that key after, with `keys_rule`.
-    keys_edited: Option<Arc<crate::engine::processing::EditedRule>>,
+    /// How the batched pass drew the last position's next token (its key is the draw's, not
+    /// the argmax's): by a rule, or by a rule after a processing's edits; None when the key
+    /// is the argmax, or there is none.
+    keys_drawn: Option<crate::engine::processing::DrawnBy>,
     /// Whether a repeated prompt shape may be captured now (not while other contexts share
     /// the step: a capture holds them up).
     may_capture: bool,
@@ -211,8 +210,7 @@ impl CudaSession {
             drawn: DevBuf::zeros(&stream, 1, "draw buffer")?,
             drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
             edited_draws: None,
-            keys_rule: None,
-            keys_edited: None,
+            keys_drawn: None,
             may_capture: true,
             max_chunks,
             capacity,

@@ -39,7 +39,7 @@ impl CudaSession {
         continued: bool,
     ) -> Result<(), EngineError> {
         self.admit(tokens)?;
-        self.set_keys_rule(None);
+        self.set_keys_drawn(None);
         self.read_out.chunk_started(all_positions, continued);
         if tokens.len() == 1 && !all_positions {
             self.decode(tokens[0])?;
@@ -105,41 +105,35 @@ impl CudaSession {
         )?)
     }
 
-    /// The batched pass drew the next token by `rule` (the key it brought back is the
-    /// draw's), or took the argmax (None).
-    pub(crate) fn set_keys_rule(&mut self, rule: Option<DrawRule>) {
-        self.keys_rule = rule;
-        self.keys_edited = None;
-    }
-
-    /// The batched pass drew the next token by `edited`'s rule after its edits.
-    pub(crate) fn set_keys_edited(&mut self, edited: Arc<EditedRule>) {
-        self.keys_rule = Some(edited.rule);
-        self.keys_edited = Some(edited);
-    }
-
     /// The batched pass drew the next token as `drawn` says (None: took the argmax).
     pub(crate) fn set_keys_drawn(&mut self, drawn: Option<DrawnBy>) {
-        match drawn {
-            Some(DrawnBy::Edited(edited)) => self.set_keys_edited(edited),
-            Some(DrawnBy::Rule(rule)) => self.set_keys_rule(Some(rule)),
-            None => self.set_keys_rule(None),
-        }
+        self.keys_drawn = drawn;
     }
 
     /// The rule and edits the key was drawn by (None: the argmax, or a plain rule).
     pub(crate) fn keys_edited(&self) -> Option<&Arc<EditedRule>> {
-        self.keys_edited.as_ref()
+        match &self.keys_drawn {
+            Some(DrawnBy::Edited(edited)) => Some(edited),
+            _ => None,
+        }
+    }
+
+    /// How the key was drawn (None: it is the argmax).
+    pub(crate) fn keys_drawn(&self) -> Option<&DrawnBy> {
+        self.keys_drawn.as_ref()
     }
 
     /// Whether the key is a draw (by a rule, after edits or not), not the argmax.
     pub(crate) fn key_drawn(&self) -> bool {
-        self.keys_rule.is_some()
+        self.keys_drawn.is_some()
     }
 
     /// The plain rule the key was drawn by (None: the argmax, or a draw after edits).
     pub(crate) fn keys_rule(&self) -> Option<DrawRule> {
-        self.keys_rule.filter(|_| self.keys_edited.is_none())
+        match self.keys_drawn {
+            Some(DrawnBy::Rule(rule)) => Some(rule),
+            _ => None,
+        }
     }
 
     /// The token the batched pass drew for the next position, when it is known on the host
@@ -151,7 +145,7 @@ impl CudaSession {
     /// The argmax of the last logits: known on the host, or its key read from the GPU (or,
     /// where the batched pass drew the token instead, found in the logits).
     pub(crate) fn argmax_now(&self) -> Result<u32, EngineError> {
-        if self.keys_rule.is_some() {
+        if self.key_drawn() {
             return Ok(crate::engine::argmax(&self.logits_now()?));
         }
         if let Some(id) = self.read_out.argmax() {
@@ -218,7 +212,7 @@ impl CudaSession {
             )));
         }
         // the batched pass drew it already, by the same rule after the same edits
-        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), &self.keys_edited) {
+        if let (Some(token), Some(drawn_by)) = (self.read_out.argmax(), self.keys_edited()) {
             if drawn_by.rule == *rule && drawn_by.edits == *edits && (token as usize) < vocab {
                 return Ok(token);
             }
@@ -276,7 +270,7 @@ impl CudaSession {
 
     /// Forget the sequence (length 0) and its outputs, for the next context to reuse it.
     pub(crate) fn reset(&mut self) {
-        self.set_keys_rule(None);
+        self.set_keys_drawn(None);
         self.read_out.reset();
     }
 }

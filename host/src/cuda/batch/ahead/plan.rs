@@ -204,12 +204,12 @@ pub(crate) fn plan_rows(
 pub(crate) fn host_next_token(item: &StepItem<'_, CudaSeq>) -> Option<u32> {
     let session = item.seq.session().ok()?;
     // its rows' keys are its draws; a step on its own stream took the argmax: no guess
-    let drawn = match item.seq.drawn_by(item.last_chunk) {
-        Some(DrawnBy::Rule(rule)) => session.keys_rule() == Some(rule),
-        Some(DrawnBy::Edited(edited)) => session.keys_edited() == Some(&edited),
-        None => return session.argmax_now().ok(),
+    let Some(drawn) = item.seq.drawn_by(item.last_chunk) else {
+        return session.argmax_now().ok();
     };
-    drawn.then(|| session.drawn_known()).flatten()
+    (session.keys_drawn() == Some(&drawn))
+        .then(|| session.drawn_known())
+        .flatten()
 }
 
 /// Forget everything run ahead for a context (its guest came back with something else): its
