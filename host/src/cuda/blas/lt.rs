@@ -228,7 +228,10 @@ impl Plan {
 }
 
 /// The plans of one GPU's cuBLASLt products, shared by its sessions (each with its own handle
-/// and workspace), and the algorithms the heuristic chose for each bucket of rows.
+/// and workspace), and the algorithms the heuristic chose for each bucket of rows. The
+/// heuristic and cuBLASLt's check run outside the lock (two sessions meeting a new shape at
+/// once may both run them; the first plan made is kept), so a session that meets a new shape
+/// does not hold up the others' products.
 #[derive(Default)]
 pub struct LtPlans {
     cache: Mutex<PlanCache>,
@@ -242,36 +245,53 @@ struct PlanCache {
 }
 
 // SAFETY: the plans' descriptors and layouts are only used under the `cache` lock (a plan's
-// bias pointer is set and the product enqueued while it is held); an algorithm is plain data.
+// bias pointer is set and the product enqueued while it is held; one made outside it is
+// used only once it is in the cache); an algorithm is plain data.
 unsafe impl Send for LtPlans {}
 unsafe impl Sync for LtPlans {}
 
-impl PlanCache {
-    /// The plan of `s`, made on first use: its bucket's algorithm where cuBLASLt accepts it,
-    /// else its own heuristic's (None: cuBLASLt has none).
-    fn plan(
-        &mut self,
+impl LtPlans {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, PlanCache>, CudaError> {
+        (self.cache.lock()).map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))
+    }
+
+    /// The cache, holding the plan of `s` (made on first use, outside the lock: its bucket's
+    /// algorithm where cuBLASLt accepts it, else its own heuristic's; None: cuBLASLt has none).
+    fn with_plan(
+        &self,
         handle: sys::cublasLtHandle_t,
         s: Shape,
         workspace_bytes: usize,
-    ) -> Option<&Plan> {
-        let PlanCache { plans, algos } = self;
-        let plan = plans.entry(s).or_insert_with(|| {
-            let mut plan = Plan::describe(s)?;
-            let bucket = Shape {
+    ) -> Result<std::sync::MutexGuard<'_, PlanCache>, CudaError> {
+        let bucket = {
+            let cache = self.lock()?;
+            if cache.plans.contains_key(&s) {
+                return Ok(cache);
+            }
+            Shape {
                 rows: bucket_rows(s.rows),
                 ..s
-            };
-            let shared = *algos.entry(bucket).or_insert_with(|| {
-                Plan::describe(bucket).and_then(|b| b.heuristic(handle, workspace_bytes))
-            });
+            }
+        };
+        let known = self.lock()?.algos.get(&bucket).copied();
+        let shared = match known {
+            Some(algo) => algo,
+            None => {
+                let algo =
+                    Plan::describe(bucket).and_then(|b| b.heuristic(handle, workspace_bytes));
+                *self.lock()?.algos.entry(bucket).or_insert(algo)
+            }
+        };
+        let plan = Plan::describe(s).and_then(|mut plan| {
             plan.algo = match shared.filter(|a| plan.accepts(handle, a, workspace_bytes)) {
                 Some(algo) => algo,
                 None => plan.heuristic(handle, workspace_bytes)?,
             };
             Some(plan)
         });
-        plan.as_ref()
+        let mut cache = self.lock()?;
+        cache.plans.entry(s).or_insert(plan);
+        Ok(cache)
     }
 }
 
@@ -282,7 +302,7 @@ pub(crate) struct Lt {
     plans: Arc<LtPlans>,
 }
 
-// SAFETY: the handle is only used under the plans' lock (see `LtPlans`).
+// SAFETY: the handle is used by one session, from one thread at a time.
 unsafe impl Send for Lt {}
 unsafe impl Sync for Lt {}
 
@@ -321,10 +341,8 @@ impl Lt {
                 "cuBLASLt product: its output overlaps its input",
             ));
         }
-        let mut cache = (self.plans.cache)
-            .lock()
-            .map_err(|_| CudaError::unavailable("cuBLASLt plans poisoned"))?;
-        let Some(plan) = cache.plan(self.handle, shape, self.workspace.1) else {
+        let cache = (self.plans).with_plan(self.handle, shape, self.workspace.1)?;
+        let Some(Some(plan)) = cache.plans.get(&shape) else {
             return Ok(false);
         };
         let bias_ptr = bias as *const c_void;
