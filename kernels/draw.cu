@@ -396,31 +396,46 @@ __device__ const float* process_row(const float* logits, float* scratch, int v, 
 
 // The batched pass's draws, a cluster (or block) a row: for each row whose rule is set
 // (rules[BATCH_RULE_WORDS * row] != 0: the 4 words of `draw_row`, then min-p's floor offset
-// (low half) and the repetition penalty (high half) as f32 bits, then the first of its edits
-// in `edits` (low half) and their count (high half), then the presence and frequency
-// penalties (low, high) as f32 bits, then flags: bit 0 the edits follow the row's token
-// (`tokens[row]`, fed on the GPU), bit 1 the penalties are set) and whose logits were kept
-// (dst[row] != 0, its context's last row), keys[row] becomes the drawn token's key in place
-// of the argmax key `batch_logits` left (the low word the complement of the token, as
-// `argmax_key`; an undecided row names token v, past the vocabulary, which the host draws
-// again and `batch_feed` never feeds). A row with edits is drawn from a processed copy in its
-// row of `scratch` (`scratch_ld` floats a row: the LM head's product rows, which
+// (low half) and the repetition penalty (high half) as f32 bits, then the device address of
+// the row's edits (its context's, kept on the GPU), then the presence and frequency penalties
+// (low, high) as f32 bits, then flags (bit 0 the edits follow the row's token (`tokens[row]`,
+// fed on the GPU), bit 1 the penalties are set) with the count of the edits above them, then
+// the first of the row's changes to its edits in `changes` (low half) and their count (high
+// half)) and whose logits were kept (dst[row] != 0, its context's last row), keys[row]
+// becomes the drawn token's key in place of the argmax key `batch_logits` left (the low word
+// the complement of the token, as `argmax_key`; an undecided row names token v, past the
+// vocabulary, which the host draws again and `batch_feed` never feeds). A change is two
+// uint4: its slot (x) among the edits, then the edit; the row's blocks write its changes
+// first (a slot past the count is left alone). A row with edits is drawn from a processed
+// copy in its row of `scratch` (`scratch_ld` floats a row: the LM head's product rows, which
 // `batch_logits` has read by now), as `draw_processed`. BATCH_RULE_WORDS is defined by the
 // host.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     batch_draw(const unsigned long long* dst, const unsigned long long* rules, unsigned long long* keys, int v,
-               float* scratch, long long scratch_ld, const uint4* edits, const int* tokens) {
+               float* scratch, long long scratch_ld, const uint4* changes, const int* tokens) {
     pdl_wait();
     int row = drawn_row();
     const unsigned long long* rule = rules + BATCH_RULE_WORDS * row;
     if (rule[0] == 0ull || dst[row] == 0ull) return;
     const float* l = reinterpret_cast<const float*>(dst[row]);
     float floor_offset = __uint_as_float((u32)rule[4]), repetition = __uint_as_float((u32)(rule[4] >> 32));
-    int first = (int)(u32)rule[5], count = (int)(u32)(rule[5] >> 32);
+    uint4* edits = reinterpret_cast<uint4*>(rule[5]);
+    int count = (int)(u32)(rule[7] >> 32);
+    int first = (int)(u32)rule[8], changed = (int)(u32)(rule[8] >> 32);
     Follow follow = {(rule[7] & 1ull) ? tokens[row] : -1, (rule[7] & 2ull) != 0ull, __uint_as_float((u32)rule[6]),
                      __uint_as_float((u32)(rule[6] >> 32))};
+    if (changed > 0) {
+        const DrawRow blocks;
+        int threads = (int)blocks.blocks * DRAW_THREADS, g = (int)blocks.rank * DRAW_THREADS + threadIdx.x;
+        for (int i = g; i < changed; i += threads) {
+            uint4 at = changes[2 * (size_t)(first + i)];
+            if (at.x < (unsigned)count) edits[at.x] = changes[2 * (size_t)(first + i) + 1];
+        }
+        __threadfence();
+        blocks.sync();
+    }
     if (count > 0 || follow.token >= 0)
-        l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits + first, count, repetition, follow);
+        l = process_row(l, scratch + (size_t)row * (size_t)scratch_ld, v, edits, count, repetition, follow);
     int token = draw_row(l, v, rule, floor_offset);
     if (token < 0) token = v;
     if (draw_writer()) keys[row] = (1ull << 32) | (unsigned long long)(0xffffffffu - (u32)token);

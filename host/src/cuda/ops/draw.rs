@@ -8,7 +8,7 @@ use super::{kernel_args, Launcher};
 use crate::cuda::buffer::DevPtr;
 use crate::cuda::error::{ensure, CudaError};
 use crate::engine::draw::DrawRule;
-use crate::engine::processing::Edits;
+use crate::engine::processing::{Edit, Edits};
 use cudarc::driver::LaunchConfig;
 
 /// Threads of each block that draws a row.
@@ -30,16 +30,22 @@ pub fn rule_words(rule: &DrawRule, position: usize) -> [u64; 4] {
 }
 
 /// Words of a row's rule in the batched pass's draw: [`rule_words`], then min-p's floor offset
-/// and the repetition penalty, then where the row's edits are, then the penalties and how the
-/// edits follow the row's token.
-pub const BATCH_RULE_WORDS: usize = 8;
+/// and the repetition penalty, then where the row's edits are, then the penalties, then how
+/// the edits follow the row's token and their count, then the changes the row's draw makes to
+/// its edits first.
+pub const BATCH_RULE_WORDS: usize = 9;
 
-/// Where a row's edits are in the pass's edits, and how they are applied.
+/// A row's edits, kept on the GPU for its context ([`ResidentEdits`]), and how they are applied.
+///
+/// [`ResidentEdits`]: crate::cuda::session::ResidentEdits
 #[derive(Clone, Copy, Debug)]
 pub struct RowEdits<'e> {
-    /// The first of them, and their count.
-    pub first: u32,
+    /// The device address of the context's edits, and how many of them apply.
+    pub region: u64,
     pub count: u32,
+    /// The first of the row's changes to them in the pass's changes, and how many: the draw
+    /// writes them before it reads the edits.
+    pub changes: (u32, u32),
     pub edits: &'e Edits,
     /// They are the edits before the row's token, which is fed on the GPU: the token's own
     /// edit follows there ([`Edits::after`]).
@@ -48,25 +54,27 @@ pub struct RowEdits<'e> {
 
 /// A row's rule as the batched pass's draw reads it: [`rule_words`], then
 /// [`DrawRule::min_p_offset`] (low half) and the repetition penalty (high half) as f32 bits,
-/// then the first of the row's edits in the pass's edits (low half) and their count (high
-/// half; 0 and no follow: drawn from the logits as they are), then the presence and frequency
+/// then the device address of the row's edits (0: none), then the presence and frequency
 /// penalties as f32 bits, then flags (bit 0: the edits follow the row's token, bit 1: the
-/// penalties are set).
+/// penalties are set) with the count of the edits in the high half (0 and no follow: drawn
+/// from the logits as they are), then the first of the row's changes in the pass's changes
+/// (low half) and their count (high half).
 pub fn batch_rule_words(
     rule: &DrawRule,
     position: usize,
     edits: Option<RowEdits<'_>>,
 ) -> [u64; BATCH_RULE_WORDS] {
     let [a, b, c, d] = rule_words(rule, position);
-    let (first, count, repetition, penalties, follow) = match edits {
+    let (region, count, changes, repetition, penalties, follow) = match edits {
         Some(e) => (
-            e.first,
+            e.region,
             e.count,
+            e.changes,
             e.edits.repetition,
             e.edits.penalties,
             e.follow,
         ),
-        None => (0, 0, 1.0, None, false),
+        None => (0, 0, (0, 0), 1.0, None, false),
     };
     let floor = u64::from(rule.min_p_offset().to_bits()) | u64::from(repetition.to_bits()) << 32;
     let (presence, frequency) = penalties.unwrap_or((0.0, 0.0));
@@ -77,9 +85,10 @@ pub fn batch_rule_words(
         c,
         d,
         floor,
-        u64::from(first) | u64::from(count) << 32,
+        region,
         u64::from(presence.to_bits()) | u64::from(frequency.to_bits()) << 32,
-        flags,
+        flags | u64::from(count) << 32,
+        u64::from(changes.0) | u64::from(changes.1) << 32,
     ]
 }
 
@@ -124,24 +133,25 @@ pub const EDIT_WORDS: usize = 4;
 /// shorter).
 const MAX_GENERATED: u32 = (1 << 24) - 1;
 
-/// Processing's edits as the kernel reads them, [`EDIT_WORDS`] words each: the token id, its
+/// One of processing's edits as the kernel reads it, [`EDIT_WORDS`] words: the token id, its
 /// steps (bit 0 the bias, bit 1 the repetition penalty, bit 2 the penalty) with the times it
 /// was generated above their byte, the bias's and the penalty's bits.
+pub fn edit_word(e: &Edit) -> [u32; EDIT_WORDS] {
+    let steps = u32::from(e.bias.is_some())
+        | u32::from(e.repeated) << 1
+        | u32::from(e.penalty.is_some()) << 2
+        | e.generated.min(MAX_GENERATED) << 8;
+    [
+        e.id,
+        steps,
+        e.bias.unwrap_or(0.0).to_bits(),
+        e.penalty.unwrap_or(0.0).to_bits(),
+    ]
+}
+
+/// Processing's edits as the kernel reads them ([`edit_word`] each).
 pub fn edit_words(edits: &Edits) -> Vec<u32> {
-    let mut words = Vec::with_capacity(EDIT_WORDS * edits.edits.len());
-    for e in &edits.edits {
-        let steps = u32::from(e.bias.is_some())
-            | u32::from(e.repeated) << 1
-            | u32::from(e.penalty.is_some()) << 2
-            | e.generated.min(MAX_GENERATED) << 8;
-        words.extend([
-            e.id,
-            steps,
-            e.bias.unwrap_or(0.0).to_bits(),
-            e.penalty.unwrap_or(0.0).to_bits(),
-        ]);
-    }
-    words
+    edits.edits.iter().flat_map(edit_word).collect()
 }
 
 impl Launcher {
@@ -255,7 +265,7 @@ impl Launcher {
         t: &RowTable,
         rules: DevPtr<u64>,
         (scratch, scratch_ld): (DevPtr<f32>, usize),
-        edits: DevPtr<u32>,
+        changes: DevPtr<u32>,
     ) -> Result<(), CudaError> {
         t.check("batched draw")?;
         let v = self.config.vocab_size;
@@ -273,12 +283,15 @@ impl Launcher {
             t.keys.addr(),
             t.tokens.addr(),
         );
-        let (v, scratch, ld, edits) = (v as i32, scratch.addr(), scratch_ld as i64, edits.addr());
+        let (v, scratch, ld, changes) =
+            (v as i32, scratch.addr(), scratch_ld as i64, changes.addr());
         // SAFETY: dst holds rows logits addresses (0 or a session's V-float buffer), rules
-        // BATCH_RULE_WORDS words a row whose edits lie within `edits` (the pass writes both),
-        // keys one u64 and tokens one int a row, scratch rows rows of `ld >= V` floats
-        // (checked by `t.check` and above; a followed token past V is left alone).
-        let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &edits, &tokens];
+        // BATCH_RULE_WORDS words a row whose changes lie within `changes` and whose edits'
+        // address is its context's region of at least their count (the pass writes both, and
+        // the kernel writes no slot past the count), keys one u64 and tokens one int a row,
+        // scratch rows rows of `ld >= V` floats (checked by `t.check` and above; a followed
+        // token past V is left alone).
+        let mut args = kernel_args![&dst, &rules, &keys, &v, &scratch, &ld, &changes, &tokens];
         unsafe {
             self.launch(
                 &self.kernels.batch_draw,

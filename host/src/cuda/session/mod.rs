@@ -29,9 +29,11 @@ mod persistent;
 mod prefill;
 mod prefill_layers;
 mod read_out;
+mod resident_edits;
 mod sequence;
 
 pub use prefill::PrefillPlan;
+pub(crate) use resident_edits::{Change, ResidentEdits};
 
 use super::blas::Blas;
 use super::buffer::{DevBuf, DevPtr, HostCopy};
@@ -99,6 +101,8 @@ pub struct CudaSession {
     drawn_host: Mutex<HostCopy<i32>>,
     /// A processed draw's buffers, made at the session's first.
     edited_draws: Option<sequence::EditedDraws>,
+    /// Its processing's edits on the GPU for the batched pass's draws.
+    resident_edits: Arc<ResidentEdits>,
     /// How the batched pass drew the last position's next token (its key is the draw's, not
     /// the argmax's): by a rule, or by a rule after a processing's edits; None when the key
     /// is the argmax, or there is none.
@@ -210,6 +214,7 @@ impl CudaSession {
             drawn: DevBuf::zeros(&stream, 1, "draw buffer")?,
             drawn_host: Mutex::new(HostCopy::new(&stream, 1)?),
             edited_draws: None,
+            resident_edits: Arc::new(ResidentEdits::new(&stream, max_edits(capacity))?),
             keys_drawn: None,
             may_capture: true,
             max_chunks,
@@ -343,6 +348,11 @@ impl CudaSession {
             self.v_cache.ptr().addr(),
             self.logits[0].ptr().addr(),
         )
+    }
+
+    /// Its processing's edits on the GPU, for the batched pass's draws.
+    pub(crate) fn resident_edits(&self) -> &Arc<ResidentEdits> {
+        &self.resident_edits
     }
 
     /// Floats between two layers of the KV cache.

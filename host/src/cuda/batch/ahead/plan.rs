@@ -190,7 +190,7 @@ pub(crate) fn plan_rows(
             token,
             fed,
             position,
-            targets: guest.targets,
+            targets: guest.targets.clone(),
             buffer,
             rule: rule.clone(),
         };
@@ -317,6 +317,7 @@ mod tests {
             layer_floats: 3,
             capacity,
             logits: [10, 11, 12],
+            edits: None,
         }
     }
 

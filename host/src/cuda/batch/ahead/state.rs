@@ -5,11 +5,11 @@ use super::clock::PassClock;
 use crate::cuda::batch::pass::Rows;
 use crate::cuda::buffer::HostCopy;
 use crate::cuda::ops::matvec::argmax_row;
-use crate::cuda::session::{CudaSession, LOGITS_BUFFERS};
+use crate::cuda::session::{CudaSession, ResidentEdits, LOGITS_BUFFERS};
 use crate::engine::processing::DrawnBy;
 use cudarc::driver::CudaEvent;
 use rustc_hash::FxHashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// A row of a step run ahead: which context, at which position, with which token.
@@ -29,13 +29,15 @@ pub(crate) struct AheadRow {
 }
 
 /// Where a context's rows go: what a row run ahead for it needs without its session.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct RowTargets {
     pub(crate) k: u64,
     pub(crate) v: u64,
     pub(crate) layer_floats: usize,
     pub(crate) capacity: usize,
     pub(crate) logits: [u64; LOGITS_BUFFERS],
+    /// The context's edits on the GPU, for a processed draw (None only in tests without one).
+    pub(crate) edits: Option<Arc<ResidentEdits>>,
 }
 
 impl RowTargets {
@@ -47,6 +49,7 @@ impl RowTargets {
             layer_floats: session.layer_floats(),
             capacity: session.capacity(),
             logits: std::array::from_fn(|b| session.logits_at(b)),
+            edits: Some(session.resident_edits().clone()),
         }
     }
 }
@@ -124,6 +127,7 @@ impl NextStep {
             layer_floats: self.targets.layer_floats,
             rule,
             follow: self.fed.is_some() && edited.is_some(),
+            resident: edited.as_ref().and(self.targets.edits.clone()),
             edited,
             chunk: false,
         }

@@ -16,12 +16,10 @@ use crate::cuda::loaded::LoadedModel;
 use crate::cuda::ops::batch::{
     tiles_fit, AttentionTiles, RowTable, BATCH_ATT_SPAN, BATCH_ATT_SPLITS,
 };
-use crate::cuda::ops::draw::{
-    batch_rule_words, edit_words, RowEdits, BATCH_RULE_WORDS, EDIT_WORDS,
-};
+use crate::cuda::ops::draw::{batch_rule_words, RowEdits, BATCH_RULE_WORDS, EDIT_WORDS};
 use crate::cuda::ops::Launcher;
-use crate::cuda::session::max_edits;
 use crate::cuda::session::CudaSession;
+use crate::cuda::session::{max_edits, Change, ResidentEdits};
 use crate::cuda::weights::head_rows;
 use crate::engine::draw::DrawRule;
 use crate::engine::processing::EditedRule;
@@ -127,9 +125,9 @@ pub(crate) struct StepBuffers {
     /// The rows' draw rules (`[BATCH_RULE_WORDS * R]`, see `batch_draw`): a row whose
     /// context draws its tokens gets the drawn token's key instead of the argmax's.
     rules: DevBuf<u64>,
-    /// The edits of the rows drawn after a processing ([`EDIT_WORDS`] words each, room for
-    /// the most edits of every row).
-    edits: DevBuf<u32>,
+    /// The changes the pass's draws make to their contexts' edits on the GPU (2 x
+    /// [`EDIT_WORDS`] words each, room for the most edits of every row).
+    changes: DevBuf<u32>,
     /// Page-locked landing of `keys` for a pass waited for (a pageable copy would queue
     /// behind the guests' in the driver's staging buffer).
     keys_host: HostCopy<u64>,
@@ -165,9 +163,9 @@ impl StepBuffers {
             addrs: DevBuf::zeros(&stream, 3 * rows, "batched step table")?,
             keys: DevBuf::zeros(&stream, rows, "batched step table")?,
             rules: DevBuf::zeros(&stream, BATCH_RULE_WORDS * rows, "batched step table")?,
-            edits: DevBuf::zeros(
+            changes: DevBuf::zeros(
                 &stream,
-                EDIT_WORDS * rows * max_edits(cfg.n_ctx),
+                2 * EDIT_WORDS * rows * max_edits(cfg.n_ctx),
                 "batched step table",
             )?,
             keys_host: HostCopy::new(&stream, rows)?,
@@ -240,6 +238,9 @@ pub(crate) struct Rows<'t> {
     ///
     /// [`Edits::after`]: crate::engine::processing::Edits::after
     pub(crate) follow: bool,
+    /// The context's edits on the GPU, where `edited` is set: the draw takes them there, and
+    /// the pass uploads only what changed.
+    pub(crate) resident: Option<Arc<ResidentEdits>>,
     /// The tokens are (a chunk of) a prompt longer than a pass takes whole
     /// ([`Pass::batched_prompt`]), which alone runs through the prefill path: the rows before
     /// the last are multiplied as bf16, as a prefill's are (see [`RowTable::lo_rows`]). A
@@ -263,6 +264,7 @@ impl<'t> Rows<'t> {
             rule,
             edited: None,
             follow: false,
+            resident: Some(session.resident_edits().clone()),
             chunk: false,
         }
     }
@@ -452,6 +454,24 @@ impl Pass {
         b: &mut StepBuffers,
         inputs: &[Rows<'_>],
     ) -> Result<(usize, Vec<usize>), EngineError> {
+        let mut touched = Vec::new();
+        let launched = self.launch_rows_changing(b, inputs, &mut touched);
+        // the changes to the contexts' edits reach the GPU with the pass's draw: without it,
+        // what the host holds they are would be wrong
+        if launched.is_err() || self.exec.gpu.measurement().skip.draw {
+            touched.iter().for_each(|r| r.forget());
+        }
+        launched
+    }
+
+    /// [`Self::launch_rows`], noting in `touched` the contexts whose edits on the GPU the
+    /// pass's draw changes.
+    fn launch_rows_changing<'i>(
+        &self,
+        b: &mut StepBuffers,
+        inputs: &'i [Rows<'_>],
+        touched: &mut Vec<&'i ResidentEdits>,
+    ) -> Result<(usize, Vec<usize>), EngineError> {
         let n: usize = inputs.iter().map(|i| i.tokens.len()).sum();
         // a pass of no rows would capture its bucket's graph with no context's cache layout
         if n == 0 {
@@ -488,7 +508,8 @@ impl Pass {
             true => vec![0u64; BATCH_RULE_WORDS * padded],
             false => Vec::new(),
         };
-        let mut edits = Vec::new();
+        // the changes to the rows' edits on the GPU, and the contexts whose edits they change
+        let mut changes = Vec::new();
         let vocab = self.exec.config.vocab_size;
         // each input's last row first, then the rows before it of whole prompts, then of
         // chunks of longer prompts (`order`)
@@ -518,12 +539,21 @@ impl Pass {
             let position = input.start + last + 1;
             let words = match (&input.edited, &input.rule) {
                 (Some(edited), _) => {
-                    let first = edits.len() / EDIT_WORDS;
-                    edits.extend(edit_words(&edited.edits));
-                    let count = edits.len() / EDIT_WORDS - first;
+                    let resident = (input.resident.as_deref())
+                        .ok_or_else(|| EngineError::device("a processed draw without its edits"))?;
+                    let first = changes.len();
+                    touched.push(resident);
+                    let Some(count) = resident.update(&edited.edits.edits, &mut changes) else {
+                        return Err(EngineError::device(format!(
+                            "a processed draw of {} edits, more than {}",
+                            edited.edits.edits.len(),
+                            resident.region().1
+                        )));
+                    };
                     let at = RowEdits {
-                        first: first as u32,
-                        count: count as u32,
+                        region: resident.region().0,
+                        count,
+                        changes: (first as u32, (changes.len() - first) as u32),
                         edits: &edited.edits,
                         follow: input.follow,
                     };
@@ -568,15 +598,16 @@ impl Pass {
         if drawn {
             b.rules.write(&stream, 0, &rules)?;
         }
-        if !edits.is_empty() {
-            if edits.len() > b.edits.len() {
+        if !changes.is_empty() {
+            let words: Vec<u32> = changes.iter().flat_map(Change::words).collect();
+            if words.len() > b.changes.len() {
                 return Err(EngineError::device(format!(
-                    "a batched pass's draws with {} edits, room for {}",
-                    edits.len() / EDIT_WORDS,
-                    b.edits.len() / EDIT_WORDS
+                    "a batched pass's draws with {} changes to their edits, room for {}",
+                    changes.len(),
+                    b.changes.len() / (2 * EDIT_WORDS)
                 )));
             }
-            b.edits.write(&stream, 0, &edits)?;
+            b.changes.write(&stream, 0, &words)?;
         }
         self.capture(b, key, layer_floats);
         let rows = (logit_rows, self.lo_rows(padded, logit_rows));
@@ -601,7 +632,7 @@ impl Pass {
         // results, only the time counts)
         if drawn && !self.exec.gpu.measurement().skip.draw {
             let scratch = (b.head.ptr(), head_ld(self.exec.config.vocab_size));
-            (b.launcher).batch_draw(&table, b.rules.ptr(), scratch, b.edits.ptr())?;
+            (b.launcher).batch_draw(&table, b.rules.ptr(), scratch, b.changes.ptr())?;
         }
         tracing::trace!(
             rows = n,
