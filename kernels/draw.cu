@@ -316,29 +316,13 @@ struct Follow {
     float presence, frequency;
 };
 
-// `n` floats from `src` to `dst` by `threads` threads (this one is `g`), COPY_ROUNDS loads in
-// flight a thread, 16 bytes each where both are aligned: a loop of one load and one store a
-// step waits out each load's latency in turn, ~200 of them for a row of GPT-2's logits.
+// Elements from..n - 1 of `src` into `dst` by `threads` threads (this one is `g`), COPY_ROUNDS
+// loads in flight a thread, all issued before their stores.
 #define COPY_ROUNDS 8
-__device__ void copy_row(float* __restrict__ dst, const float* __restrict__ src, int n, int g, int threads) {
-    int done = 0;
-    if (((reinterpret_cast<size_t>(dst) | reinterpret_cast<size_t>(src)) & 15) == 0) {
-        const float4* s = reinterpret_cast<const float4*>(src);
-        float4* d = reinterpret_cast<float4*>(dst);
-        int quads = n / 4;
-        for (int i = g; i < quads; i += COPY_ROUNDS * threads) {
-            float4 held[COPY_ROUNDS];
-#pragma unroll
-            for (int u = 0; u < COPY_ROUNDS; u++)
-                if (i + u * threads < quads) held[u] = s[i + u * threads];
-#pragma unroll
-            for (int u = 0; u < COPY_ROUNDS; u++)
-                if (i + u * threads < quads) d[i + u * threads] = held[u];
-        }
-        done = 4 * quads;
-    }
-    for (int i = done + g; i < n; i += COPY_ROUNDS * threads) {
-        float held[COPY_ROUNDS];
+template <typename T>
+__device__ void copy_rounds(T* __restrict__ dst, const T* __restrict__ src, int from, int n, int g, int threads) {
+    for (int i = from + g; i < n; i += COPY_ROUNDS * threads) {
+        T held[COPY_ROUNDS];
 #pragma unroll
         for (int u = 0; u < COPY_ROUNDS; u++)
             if (i + u * threads < n) held[u] = src[i + u * threads];
@@ -346,6 +330,17 @@ __device__ void copy_row(float* __restrict__ dst, const float* __restrict__ src,
         for (int u = 0; u < COPY_ROUNDS; u++)
             if (i + u * threads < n) dst[i + u * threads] = held[u];
     }
+}
+// `n` floats from `src` to `dst` by `threads` threads (this one is `g`), 16 bytes a load where
+// both are aligned: a loop of one load and one store a step waits out each load's latency in
+// turn, ~200 of them for a row of GPT-2's logits.
+__device__ void copy_row(float* __restrict__ dst, const float* __restrict__ src, int n, int g, int threads) {
+    int done = 0;
+    if (((reinterpret_cast<size_t>(dst) | reinterpret_cast<size_t>(src)) & 15) == 0) {
+        copy_rounds(reinterpret_cast<float4*>(dst), reinterpret_cast<const float4*>(src), 0, n / 4, g, threads);
+        done = n / 4 * 4;
+    }
+    copy_rounds(dst, src, done, n, g, threads);
 }
 
 // `logits` copied to `scratch` (`v` floats) with each edit's token replaced by its processed
