@@ -99,9 +99,13 @@ impl Held {
             }
         }
         if stale || i < self.by_id.len() {
+            // every edit again, in their (id) order: slot k holds the k-th
             out.truncate(first);
-            self.by_id.clear();
-            added = edits.to_vec();
+            self.by_id = (edits.iter().zip(0..))
+                .map(|(e, slot)| (*e, slot))
+                .collect();
+            out.extend(self.by_id.iter().map(|&(edit, slot)| Change { slot, edit }));
+            return self.by_id.len() as u32;
         }
         for e in added {
             let slot = self.by_id.len() as u32;
