@@ -8,7 +8,9 @@
 //! The slots are in the order the edits arrived, not by id: the kernel applies each edit on
 //! its own and finds a followed token's edit by scanning them, so their order does not
 //! matter. Edits are never taken out one by one: a row whose edits lack one the GPU holds
-//! (another request on the context, another bias list) writes all of its edits again.
+//! (another request on the context, another bias list) writes all of its edits again. A
+//! context has one input in a pass at most (its rows are its next positions, which depend on
+//! the pass before), so no two rows of a pass write one context's edits.
 
 use crate::cuda::buffer::DevBuf;
 use crate::cuda::error::CudaError;
