@@ -199,10 +199,11 @@ impl CudaBatch {
     /// chunk when its request is a prompt longer than a pass takes whole ([`Rows::chunk`]).
     fn rows_of<'t>(&self, item: &StepItem<'t, CudaSeq>) -> Result<Rows<'t>, EngineError> {
         let chunk = item.request_tokens > self.pass.batched_prompt();
-        let rows = Rows::of(item.seq.session()?, item.tokens, item.seq.rule());
+        let session = item.seq.session()?;
+        let rows = Rows::of(session, item.tokens, item.seq.rule());
         // the announced draw is for the end of the request: its last chunk
         let edited = item.seq.announced.clone().filter(|_| item.last_chunk);
-        Ok(rows.chunked(chunk).edited(edited))
+        Ok(rows.chunked(chunk).edited(edited, session))
     }
 
     /// The tokens of `items` (each admitted, at most [`Pass::max_rows`] together) as one

@@ -264,14 +264,20 @@ impl<'t> Rows<'t> {
             rule,
             edited: None,
             follow: false,
-            resident: Some(session.resident_edits().clone()),
+            resident: None,
             chunk: false,
         }
     }
 
-    /// The same rows, drawn by `edited` where set (see [`Rows::edited`]).
-    pub(crate) fn edited(self, edited: Option<Arc<EditedRule>>) -> Self {
-        Self { edited, ..self }
+    /// The same rows, drawn by `edited` where set (see [`Rows::edited`]), with `session`'s
+    /// edits on the GPU.
+    pub(crate) fn edited(self, edited: Option<Arc<EditedRule>>, session: &CudaSession) -> Self {
+        let resident = edited.as_ref().map(|_| session.resident_edits().clone());
+        Self {
+            edited,
+            resident,
+            ..self
+        }
     }
 
     /// The same rows, marked as a chunk of a longer prompt or not (see [`Rows::chunk`]).
