@@ -245,6 +245,9 @@ impl BackendGraph for Gpt2Graph {
     }
 }
 
+#[cfg(test)]
+mod announced_edits;
+
 /// One execution context: its own KV cache, inputs and last outputs.
 pub struct Gpt2Context {
     config: Gpt2Config,
@@ -271,6 +274,10 @@ pub struct Gpt2Context {
     /// The draw after a processing the last compute announced to the session (for its
     /// sequence and the inputs then; any input set since clears it).
     announced: Option<Arc<EditedRule>>,
+    /// The processing and edits the last compute announced, and the length of its sequence:
+    /// the next compute, one drawn token longer under the same processing, makes its edits
+    /// from these ([`Processing::edits_after`]) instead of from the whole sequence.
+    edits_made: Option<(Processing, usize, Arc<EditedRule>)>,
     /// Positions the last compute took from the cache instead of computing.
     last_reused: usize,
     /// The guest's own time between its calls, for [`guest_cycle`].
@@ -294,6 +301,7 @@ impl Gpt2Context {
             processing: ProcessingInputs::default(),
             drawn: None,
             announced: None,
+            edits_made: None,
             last_reused: 0,
             clock: GuestClock::default(),
         })
@@ -397,7 +405,7 @@ impl Gpt2Context {
     /// Run the forward pass over the current inputs, reusing the cached prefix.
     pub fn run(&mut self) -> Result<(), Gpt2Error> {
         let tokens = self.tokens.as_ref().ok_or(Gpt2Error::NoInput)?;
-        let len = tokens.len();
+        let (len, cached_len) = (tokens.len(), self.cached.len());
         // At least the last position is recomputed: its logits are the output.
         let mut keep = common_prefix(&self.cached, tokens).min(len - 1);
         if let Some(from) = self.logits_from {
@@ -417,8 +425,13 @@ impl Gpt2Context {
         self.range_logits = None;
         self.drawn = None;
         let want_range = self.logits_from.is_some();
-        // the draw output 4 will be asked for, so that a batching device makes it in the step
-        self.announced = self.edited_rule(tokens);
+        // the draw output 4 will be asked for, so that a batching device makes it in the step;
+        // the last compute's edits hold for the sequence it computed, all of it kept here
+        let made = self.edits_made.take();
+        let kept = made.filter(|(_, made_len, _)| *made_len == cached_len && keep == cached_len);
+        let announced = self.edited_rule(tokens, kept);
+        self.announced = announced.as_ref().map(|(_, edited)| edited.clone());
+        self.edits_made = announced.map(|(processing, edited)| (processing, len, edited));
         self.session.announce_draw(self.announced.clone());
         let extended = guest_cycle::timed(Part::Step, || {
             self.session.extend(&tokens[keep..], want_range)
@@ -427,6 +440,7 @@ impl Gpt2Context {
             // The cache may hold part of the failed step; start over next time.
             self.session.truncate(0);
             self.cached.clear();
+            self.edits_made = None;
             return Err(e.into());
         }
         self.cached.extend_from_slice(&tokens[keep..]);
@@ -440,7 +454,14 @@ impl Gpt2Context {
     /// The draw output 4 would make after a processing for the sequence `tokens`, or None: no
     /// sampling set, a plain rule (the device draws it with the step anyway), or inputs that
     /// output 4 will refuse.
-    fn edited_rule(&self, tokens: &[u32]) -> Option<Arc<EditedRule>> {
+    /// `made`: the last compute's processing, sequence length and edits, where `tokens`
+    /// begins with that sequence; the edits are made from them where `tokens` is one token
+    /// longer under the same processing. Returns the processing too, for the next compute.
+    fn edited_rule(
+        &self,
+        tokens: &[u32],
+        made: Option<(Processing, usize, Arc<EditedRule>)>,
+    ) -> Option<(Processing, Arc<EditedRule>)> {
         let (temperature, top_p, min_p) = self.sampling?;
         let rule = (DrawRule::new(temperature, top_p, self.seed).ok()?)
             .with_min_p(min_p)
@@ -449,8 +470,15 @@ impl Gpt2Context {
         if processing.is_neutral() && rule.is_plain() {
             return None;
         }
-        let edits = processing.edits(tokens).ok()??;
-        Some(Arc::new(EditedRule { rule, edits }))
+        let following = made.and_then(|(before, len, before_edits)| {
+            let same = before == processing && len + 1 == tokens.len();
+            same.then(|| processing.edits_after(&before_edits.edits, tokens))?
+        });
+        let edits = match following {
+            Some(edits) => edits,
+            None => processing.edits(tokens).ok()??,
+        };
+        Some((processing, Arc::new(EditedRule { rule, edits })))
     }
 
     /// The last position's logits (fetched from the device once per compute).

@@ -374,6 +374,16 @@ impl Processing {
     }
 }
 
+impl Processing {
+    /// [`Self::edits`] of `sequence` made from `before`, the edits of `sequence` without its
+    /// last token ([`Edits::after`]), where that token counts as generated (its position is
+    /// at or past `generated_from`); None where it does not (the caller makes them whole).
+    pub fn edits_after(&self, before: &Edits, sequence: &[u32]) -> Option<Edits> {
+        let (&last, earlier) = sequence.split_last()?;
+        (earlier.len() >= self.generated_from).then(|| before.after(last))
+    }
+}
+
 /// The distinct ids of `sequence`, in increasing order.
 fn distinct(sequence: &[u32]) -> Vec<u32> {
     let mut ids = sequence.to_vec();
@@ -514,6 +524,20 @@ mod tests {
                 assert_eq!(edits, expected, "round {round}");
             }
         }
+    }
+
+    #[test]
+    fn edits_after_follow_a_generated_token_only() {
+        let p = processing(&[(0, 1.0)], (0.5, 0.25, 2.0), 3);
+        // position 1 is before generated_from: a prompt token, which no penalty counts
+        assert_eq!(p.edits_after(&Edits::none(), &[1, 2]), None);
+        let before = p.edits(&[1, 2, 4]).expect("edits").expect("distinct ids");
+        let longer = [1, 2, 4, 4];
+        assert_eq!(
+            p.edits_after(&before, &longer),
+            p.edits(&longer).expect("edits")
+        );
+        assert_eq!(p.edits_after(&before, &[]), None);
     }
 
     #[test]
