@@ -3,7 +3,7 @@
 # graphs), on the GPU machine:
 #   bash bench/first-requests.sh [BIN_DIR [SERVERS]]   (default .device/bin, 2 fresh servers)
 # Each server: the seconds from start until it answers (the first on a machine also compiles
-# the kernels, whose PTX is cached on disk after: 23 s against 2.5-3 on an H200), then eight
+# the kernels, cached on disk after: 23.6 s against 2.3-2.9 on an H200), then eight
 # one-token greedy completions one after the other, of prompts cut from TinyShakespeare at
 # lengths 900, 700, 1000, 900, 450, 1300, 700 and 1600 characters (the 4th and 7th repeat a
 # length: its graph is captured then), each with its seconds to the first byte and in all,

@@ -14,6 +14,6 @@ if ! ls "$dir"/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.* >/dev/null 2>&1; then
 fi
 cargo build --quiet --release -p wasi-nn-host
 export LD_LIBRARY_PATH="$PWD/$dir/x/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for arch in compute_80 compute_90; do
+for arch in compute_80 compute_90 sm_90; do
   target/release/wasi-nn-host compile-kernels --arch "$arch"
 done

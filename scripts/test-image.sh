@@ -129,6 +129,12 @@ uid=$($sudo awk '/^Uid:/ { print $2 }' "/proc/$pid/status")
 # NVRTC of the image compiles the kernels (no GPU needed); no driver: the clear error.
 nvrtc=$("${docker[@]}" run --rm --entrypoint /opt/wasi-nn/bin/wasi-nn-host "$tag" compile-kernels --arch compute_90) ||
   fail "compile-kernels in the image: $nvrtc"
+# and machine code for an architecture, into a folder (as the GPU image's kernels/ is made)
+cubin=$("${docker[@]}" run --rm --entrypoint sh "$tag" -c \
+  'wasi-nn-host compile-kernels --arch sm_90 --into /tmp/k && ls /tmp/k') ||
+  fail "compile-kernels --arch sm_90 in the image: $cubin"
+grep -q 'bytes of CUBIN' <<<"$cubin" && grep -q -- '-sm_90\.cubin$' <<<"$cubin" ||
+  fail "compile-kernels --arch sm_90 made no CUBIN: $cubin"
 if out=$("${docker[@]}" run --rm --name "$container-gpu" -e NVIDIA_VISIBLE_DEVICES=void "$tag" \
   --device cuda --port "$(free_port)" 2>&1); then
   fail "--device cuda started without a driver"

@@ -85,13 +85,18 @@ enum Command {
         #[arg(long)]
         llmc: bool,
     },
-    /// Compile every CUDA kernel with NVRTC (no GPU needed), e.g. --arch compute_90.
+    /// Compile every CUDA kernel with NVRTC (no GPU needed): PTX for an architecture such as
+    /// compute_90, machine code (CUBIN) for one such as sm_90.
     CompileKernels {
         #[arg(long, default_value = "compute_90")]
         arch: String,
-        /// Also write the PTX to this file (e.g. for `ptxas -v`).
+        /// Also write the image to this file (the PTX e.g. for `ptxas -v`).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Also write it into this folder under the name a GPU of that architecture looks
+        /// for (`WASI_NN_HOST_PREBUILT=DIR`: its first start skips the compile).
+        #[arg(long)]
+        into: Option<PathBuf>,
     },
 }
 
@@ -158,15 +163,36 @@ fn main() -> Result<()> {
             seed,
             llmc,
         } => random_checkpoint(&size, &out, dtype, seed, llmc)?,
-        Command::CompileKernels { arch, out } => {
-            let ptx = wasi_nn_host::cuda::compile_kernels(&arch)?;
-            if let Some(out) = out {
-                std::fs::write(&out, &ptx).with_context(|| format!("writing {}", out.display()))?;
-            }
+        Command::CompileKernels { arch, out, into } => compile_kernels(&arch, out, into)?,
+    }
+    Ok(())
+}
+
+/// `wasi-nn-host compile-kernels`: the image for `arch`, written where asked, and a line
+/// saying what was made.
+fn compile_kernels(arch: &str, out: Option<PathBuf>, into: Option<PathBuf>) -> Result<()> {
+    use wasi_nn_host::cuda::nvrtc::KernelImage;
+    let (image, name) = wasi_nn_host::cuda::compile_kernels(arch)?;
+    let into = into.map(|dir| dir.join(&name));
+    if let Some(dir) = into.as_ref().and_then(|file| file.parent()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    for file in out.iter().chain(&into) {
+        std::fs::write(file, image.bytes())
+            .with_context(|| format!("writing {}", file.display()))?;
+    }
+    match &image {
+        KernelImage::Ptx(ptx) => {
             let kernels = ptx.lines().filter(|l| l.contains(".entry")).count();
             println!(
                 "compiled {kernels} kernels for {arch} ({} bytes of PTX)",
                 ptx.len()
+            );
+        }
+        KernelImage::Cubin(bytes) => {
+            println!(
+                "compiled the kernels for {arch} ({} bytes of CUBIN)",
+                bytes.len()
             );
         }
     }

@@ -59,9 +59,13 @@ pub struct Settings {
     /// Batch-invariant batched steps (`BATCH_INVARIANT`): a context's logits are the same
     /// bits whatever contexts share its steps, and alone (bf16 on sm_80+).
     pub batch_invariant: bool,
-    /// Where compiled kernels (PTX) are cached (`CACHE=DIR`; default
+    /// Where compiled kernels (CUBIN, or PTX) are cached (`CACHE=DIR`; default
     /// `$XDG_CACHE_HOME/wasi-nn-host` or `~/.cache/wasi-nn-host`).
     pub cache_dir: Option<PathBuf>,
+    /// A folder of kernels compiled ahead (`PREBUILT=DIR`, written by `wasi-nn-host
+    /// compile-kernels --arch sm_XY --into DIR`; the container image sets it), read before
+    /// the cache.
+    pub prebuilt_dir: Option<PathBuf>,
     /// How a host thread waits for the GPU (`SYNC=yield|spin|block|auto`; default yield, an
     /// unknown value too).
     pub sync: GpuWait,
@@ -175,6 +179,9 @@ pub struct Measurement {
     pub persistent_trace: bool,
     /// Compile the `.cu` files of this folder instead of the built-in ones (`KERNELS=DIR`).
     pub kernels_dir: Option<PathBuf>,
+    /// The kernels loaded as machine code for the GPU's architecture (`NO_CUBIN`: as PTX,
+    /// which the driver compiles at load).
+    pub cubin: bool,
     /// wasmtime writes `/tmp/perf-PID.map`, naming the guests' compiled functions for `perf`
     /// (`PERF_MAP`; `bench/host-profile.sh` sets it).
     pub perf_map: bool,
@@ -245,6 +252,7 @@ impl Switches {
                 ),
                 batch_invariant: set("BATCH_INVARIANT"),
                 cache_dir,
+                prebuilt_dir: var("PREBUILT").map(PathBuf::from),
                 sync: GpuWait::parse(var("SYNC").as_deref()),
             },
             measurement: Measurement {
@@ -271,6 +279,7 @@ impl Switches {
                 persistent_slot: number("PERSISTENT_SLOT"),
                 persistent_trace: set("PERSISTENT_TRACE"),
                 kernels_dir: var("KERNELS").map(PathBuf::from),
+                cubin: !set("NO_CUBIN"),
                 perf_map: set("PERF_MAP"),
                 skip: Skip {
                     attn: has("attn"),

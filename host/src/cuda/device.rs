@@ -2,6 +2,7 @@
 //! ([`crate::switches`]), the module of our kernels once loaded, and graph capture.
 
 use super::error::{CudaError, DriverContext};
+use super::nvrtc::KernelImage;
 use crate::switches::{GpuWait, Measurement, Settings, Switches};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -162,25 +163,31 @@ impl Gpu {
         &self.switches.measurement
     }
 
-    /// The architecture the kernels are compiled for (`compute_XY`).
+    /// The architecture of the kernels' PTX (`compute_XY`).
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// The compute capability as the architectures name it (`"90"`: `sm_90`, `compute_90`).
+    pub fn compute_capability(&self) -> &str {
+        self.arch.trim_start_matches("compute_")
     }
 
     /// The kernels' module: `load` compiles and loads it at the first call (the PTX); later
     /// calls share it.
     pub(crate) fn module(
         &self,
-        load: impl FnOnce(&Self) -> Result<String, CudaError>,
+        load: impl FnOnce(&Self) -> Result<KernelImage, CudaError>,
     ) -> Result<Arc<CudaModule>, CudaError> {
         let _setup = self.setup_lock();
         if let Some(module) = self.module.get() {
             return Ok(module.clone());
         }
-        let ptx = load(self)?;
-        let module = (self.ctx)
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .ctx("loading the kernels")?;
+        let image = match load(self)? {
+            KernelImage::Cubin(bytes) => cudarc::nvrtc::Ptx::from_binary(bytes),
+            KernelImage::Ptx(text) => cudarc::nvrtc::Ptx::from_src(text),
+        };
+        let module = (self.ctx).load_module(image).ctx("loading the kernels")?;
         Ok(self.module.get_or_init(|| module).clone())
     }
 

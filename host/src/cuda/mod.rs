@@ -56,11 +56,15 @@ pub use session::CudaSession;
 use crate::engine::{EngineError, GpuDtype};
 use crate::model::Gpt2Config;
 
-/// Compile every kernel to PTX for `arch` (e.g. `compute_90`) with NVRTC, no GPU needed
-/// (`WASI_NN_HOST_KERNELS=DIR` compiles the files in DIR instead of the built-in copies).
-pub fn compile_kernels(arch: &str) -> Result<String, CudaError> {
+/// Compile every kernel with NVRTC for `arch`, no GPU needed: PTX for `compute_XY`, machine
+/// code for `sm_XY` (`WASI_NN_HOST_KERNELS=DIR` compiles the files in DIR instead of the
+/// built-in copies). Returns the image and the name the host looks for it by in a prebuilt
+/// folder or its cache.
+pub fn compile_kernels(arch: &str) -> Result<(nvrtc::KernelImage, String), CudaError> {
     let kernels_dir = crate::switches::get().measurement.kernels_dir.as_deref();
-    nvrtc::compile_kernels(arch, ops::DEFINES, kernels_dir)
+    let image = nvrtc::compile_image(arch, ops::DEFINES, kernels_dir)?;
+    let source = nvrtc::kernel_source(kernels_dir)?;
+    Ok((image, nvrtc::image_file_name(&source, arch, ops::DEFINES)))
 }
 
 /// The first GPU's (`cuda:0`) name and free memory, or why there is no usable GPU; for

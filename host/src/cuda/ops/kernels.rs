@@ -5,7 +5,7 @@ use super::attention::{self, valid_cluster};
 use super::{batch_gemm, persistent, DEFINES};
 use crate::cuda::device::Gpu;
 use crate::cuda::error::{CudaError, DriverContext};
-use crate::cuda::nvrtc::cached_ptx;
+use crate::cuda::nvrtc::{cached_image, cached_ptx, KernelImage};
 use crate::engine::GpuDtype;
 use cudarc::driver::CudaFunction;
 
@@ -49,8 +49,22 @@ impl Kernels {
     pub(crate) fn load(gpu: &Gpu, dtype: GpuDtype) -> Result<Self, CudaError> {
         let module = gpu.module(|gpu| {
             let kernels_dir = gpu.measurement().kernels_dir.as_deref();
-            let cache_dir = gpu.settings().cache_dir.as_deref();
-            cached_ptx(gpu.arch(), DEFINES, kernels_dir, cache_dir)
+            let settings = gpu.settings();
+            let (prebuilt, cache_dir) = (
+                settings.prebuilt_dir.as_deref(),
+                settings.cache_dir.as_deref(),
+            );
+            match gpu.measurement().cubin {
+                true => cached_image(
+                    gpu.compute_capability(),
+                    DEFINES,
+                    kernels_dir,
+                    (prebuilt, cache_dir),
+                ),
+                false => {
+                    cached_ptx(gpu.arch(), DEFINES, kernels_dir, cache_dir).map(KernelImage::Ptx)
+                }
+            }
         })?;
         let suffix = match dtype {
             GpuDtype::F32 => "f32",
