@@ -4,6 +4,7 @@
 #   unpack .device/bin /tmp/b          # binaries built elsewhere, xz-compressed or not
 #   step WASI_NN_HOST_X=1 -- --dtype bf16 --model random:124M --context 128
 #   serve /tmp/b random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...
+#   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
 # Each prints one line a measurement; what it ran comes first, so a log reads on its own.
 
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -107,4 +108,29 @@ later = r.get('after_first_wave') or {}
 print('$name', round(r['tokens_per_s']), 'ttft p50/p99', round(r['ttft_ms_p50'], 2), round(r['ttft_ms_p99'], 2),
       'gap p50/p99', round(r['gap_ms_p50'], 3), round(r['gap_ms_p99'], 3), r['texts_equal_single_stream'],
       'others gap p99', others, 'after the first wave ttft p50/p99', later.get('ttft_ms_p50'), later.get('ttft_ms_p99'))"
+}
+
+# Every kernel's time at the GPU's own clocks (ncu, `--clock-control none`) over a command:
+#   kernel_times NAME SKIP COUNT REGEX -- COMMAND...
+# the launches matching REGEX after the first SKIP, COUNT of them, into $OUT/ncu-NAME.csv.xz;
+# prints each kernel and grid's launches, mean time and share, largest share first.
+kernel_times() {
+  local name=$1 skip=$2 count=$3 regex=$4
+  shift 4
+  [ "${1:-}" = -- ] && shift
+  timeout "${NCU_TIMEOUT:-300}" /usr/local/cuda/bin/ncu --clock-control none --kernel-name "regex:$regex" \
+    --launch-skip "$skip" --launch-count "$count" --metrics gpu__time_duration.sum --csv "$@" \
+    > "$OUT/ncu-$name.csv" 2>>"$OUT/ncu.err"
+  python3 - "$OUT/ncu-$name.csv" <<'PY'
+import csv, sys, collections
+rows = csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))
+next(rows, None)
+times = collections.defaultdict(list)
+for r in rows:
+    times[(r[4][:60], r[8])].append(float(r[-1].replace(',', '')))
+total = sum(sum(v) for v in times.values()) or 1.0
+for (kernel, grid), v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+    print(kernel, grid, len(v), f"{sum(v) / len(v) / 1000:.2f} us", f"{100 * sum(v) / total:.1f}%")
+PY
+  xz -f -T0 "$OUT/ncu-$name.csv"
 }
