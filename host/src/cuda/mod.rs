@@ -62,9 +62,7 @@ use crate::model::Gpt2Config;
 /// folder or its cache.
 pub fn compile_kernels(arch: &str) -> Result<(nvrtc::KernelImage, String), CudaError> {
     let kernels_dir = crate::switches::get().measurement.kernels_dir.as_deref();
-    let image = nvrtc::compile_image(arch, ops::DEFINES, kernels_dir)?;
-    let source = nvrtc::kernel_source(kernels_dir)?;
-    Ok((image, nvrtc::image_file_name(&source, arch, ops::DEFINES)))
+    nvrtc::compile_image(arch, ops::DEFINES, kernels_dir)
 }
 
 /// The first GPU's (`cuda:0`) name and free memory, or why there is no usable GPU; for

@@ -68,20 +68,24 @@ fn options(arch: &str, defines: &Defines) -> Vec<String> {
     options
 }
 
-fn compile_source(source: String, arch: &str, defines: &Defines) -> Result<String, CudaError> {
+/// NVRTC's image of `source` for `arch`: machine code for `sm_XY`, PTX for `compute_XY`.
+fn compile_source(source: String, arch: &str, defines: &Defines) -> Result<KernelImage, CudaError> {
+    match is_machine_code(arch) {
+        true => compile_cubin(source, arch, defines).map(KernelImage::Cubin),
+        false => compile_ptx(source, arch, defines).map(KernelImage::Ptx),
+    }
+}
+
+fn compile_ptx(source: String, arch: &str, defines: &Defines) -> Result<String, CudaError> {
     let opts = cudarc::nvrtc::CompileOptions {
         options: options(arch, defines),
         ..Default::default()
     };
-    let missing = || CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH");
     // cudarc panics when libnvrtc cannot be loaded: look for it first (no panic message on
     // stderr), and turn a panic that still comes into the same error.
-    // SAFETY: only tries to open the library by its usual names.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(missing());
-    }
+    require_nvrtc()?;
     let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts))
-        .map_err(|_| missing())?;
+        .map_err(|_| no_nvrtc())?;
     Ok(compiled?.to_src())
 }
 
@@ -103,27 +107,26 @@ impl KernelImage {
     }
 }
 
-/// The kernels compiled for `arch`: machine code for `sm_XY`, PTX for `compute_XY`.
+/// The kernels compiled for `arch` (machine code for `sm_XY`, PTX for `compute_XY`), and the
+/// name it has in a cache or a prebuilt folder.
 pub fn compile_image(
     arch: &str,
     defines: &Defines,
     kernels_dir: Option<&Path>,
-) -> Result<KernelImage, CudaError> {
+) -> Result<(KernelImage, String), CudaError> {
     let source = kernel_source(kernels_dir)?;
-    match arch.starts_with("sm_") {
-        true => compile_cubin(source, arch, defines).map(KernelImage::Cubin),
-        false => compile_source(source, arch, defines).map(KernelImage::Ptx),
-    }
+    let name = image_file_name(&source, arch, defines);
+    Ok((compile_source(source, arch, defines)?, name))
 }
 
 /// The name a compiled image of `source` for `arch` has in a cache or a prebuilt folder: a
 /// hash of the source and NVRTC's options (the defines and the architecture).
-pub fn image_file_name(source: &str, arch: &str, defines: &Defines) -> String {
+fn image_file_name(source: &str, arch: &str, defines: &Defines) -> String {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     source.hash(&mut hasher);
     options(arch, defines).hash(&mut hasher);
-    let kind = if arch.starts_with("sm_") {
+    let kind = if is_machine_code(arch) {
         "cubin"
     } else {
         "ptx"
@@ -131,51 +134,66 @@ pub fn image_file_name(source: &str, arch: &str, defines: &Defines) -> String {
     format!("kernels-{:016x}-{arch}.{kind}", hasher.finish())
 }
 
-/// The kernels for a GPU of compute capability `cc` (`"90"`): its CUBIN from `prebuilt` or
-/// `cache_dir` where the same source was compiled before with the same defines, else compiled
-/// by NVRTC (and written to `cache_dir`); where NVRTC cannot make one (an NVRTC older than
-/// the GPU), PTX as [`cached_ptx`] gives it.
+fn is_machine_code(arch: &str) -> bool {
+    arch.starts_with("sm_")
+}
+
+/// The kernels for a GPU of compute capability `cc` (`"90"`): machine code (`sm_XY`) where
+/// `cubin`, else or where NVRTC cannot make it (an NVRTC older than the GPU) PTX
+/// (`compute_XY`), which the driver compiles at load. Each from `prebuilt` or `cache_dir`
+/// where the same source was compiled before with the same defines, else compiled and
+/// written to `cache_dir`.
 pub(crate) fn cached_image(
     cc: &str,
+    cubin: bool,
+    defines: &Defines,
+    kernels_dir: Option<&Path>,
+    dirs: (Option<&Path>, Option<&Path>),
+) -> Result<KernelImage, CudaError> {
+    let ptx = format!("compute_{cc}");
+    if cubin {
+        let sm = format!("sm_{cc}");
+        match cached_arch(&sm, defines, kernels_dir, dirs) {
+            Ok(image) => return Ok(image),
+            Err(e) => tracing::warn!("no CUBIN for {sm} ({e}); the driver compiles PTX instead"),
+        }
+    }
+    cached_arch(&ptx, defines, kernels_dir, dirs)
+}
+
+/// The kernels for `arch`, found in `prebuilt` or `cache_dir`, else compiled (and written to
+/// `cache_dir`).
+fn cached_arch(
+    arch: &str,
     defines: &Defines,
     kernels_dir: Option<&Path>,
     (prebuilt, cache_dir): (Option<&Path>, Option<&Path>),
 ) -> Result<KernelImage, CudaError> {
-    let sm = format!("sm_{cc}");
     let source = kernel_source(kernels_dir)?;
-    let name = image_file_name(&source, &sm, defines);
-    let found = [prebuilt, cache_dir]
-        .into_iter()
-        .flatten()
-        .find_map(|dir| std::fs::read(dir.join(&name)).ok());
-    if let Some(cubin) = found {
-        return Ok(KernelImage::Cubin(cubin));
-    }
-    match compile_cubin(source, &sm, defines) {
-        Ok(cubin) => {
-            if let Some(dir) = cache_dir {
-                // A cache we cannot write is only slower.
-                let _ = std::fs::create_dir_all(dir);
-                let _ = std::fs::write(dir.join(&name), &cubin);
-            }
-            Ok(KernelImage::Cubin(cubin))
+    let name = image_file_name(&source, arch, defines);
+    let read = |dir: &Path| {
+        let bytes = std::fs::read(dir.join(&name)).ok()?;
+        match is_machine_code(arch) {
+            true => Some(KernelImage::Cubin(bytes)),
+            false => String::from_utf8(bytes).ok().map(KernelImage::Ptx),
         }
-        Err(e) => {
-            tracing::warn!("no CUBIN for {sm} ({e}); the driver compiles PTX instead");
-            let compute = format!("compute_{cc}");
-            cached_ptx(&compute, defines, kernels_dir, cache_dir).map(KernelImage::Ptx)
-        }
+    };
+    if let Some(image) = [prebuilt, cache_dir].into_iter().flatten().find_map(read) {
+        return Ok(image);
     }
+    let image = compile_source(source, arch, defines)?;
+    if let Some(dir) = cache_dir {
+        // A cache we cannot write is only slower.
+        let _ = std::fs::create_dir_all(dir);
+        let _ = std::fs::write(dir.join(&name), image.bytes());
+    }
+    Ok(image)
 }
 
 /// NVRTC's CUBIN of `source` for `arch` (`sm_XY`).
 fn compile_cubin(source: String, arch: &str, defines: &Defines) -> Result<Vec<u8>, CudaError> {
-    use cudarc::nvrtc::{result, sys, CompileError};
-    let missing = || CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH");
-    // SAFETY: only tries to open the library by its usual names.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(missing());
-    }
+    use cudarc::nvrtc::{result, CompileError};
+    require_nvrtc()?;
     let source = std::ffi::CString::new(source)
         .map_err(|_| CudaError::unavailable("the kernels' source holds a NUL byte"))?;
     let options = options(arch, defines);
@@ -190,7 +208,20 @@ fn compile_cubin(source: String, arch: &str, defines: &Defines) -> Result<Vec<u8
         destroyed.map_err(CompileError::DestroyError)?;
         Ok(cubin)
     })
-    .map_err(|_| missing())?
+    .map_err(|_| no_nvrtc())?
+}
+
+fn no_nvrtc() -> CudaError {
+    CudaError::unavailable("NVRTC (libnvrtc) was not found; set LD_LIBRARY_PATH")
+}
+
+/// Whether libnvrtc can be opened (cudarc panics at its first call where it cannot).
+fn require_nvrtc() -> Result<(), CudaError> {
+    // SAFETY: only tries to open the library by its usual names.
+    match unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        true => Ok(()),
+        false => Err(no_nvrtc()),
+    }
 }
 
 /// Compiles `prog` with `options` and reads its CUBIN back.
@@ -225,29 +256,6 @@ unsafe fn cubin_of(
         .result()
         .map_err(CompileError::GetPtxError)?;
     Ok(cubin)
-}
-
-/// PTX for `arch`, from `cache_dir` when the same source was compiled before with the same
-/// defines (and written there otherwise).
-pub(crate) fn cached_ptx(
-    arch: &str,
-    defines: &Defines,
-    kernels_dir: Option<&Path>,
-    cache_dir: Option<&Path>,
-) -> Result<String, CudaError> {
-    let source = kernel_source(kernels_dir)?;
-    let name = image_file_name(&source, arch, defines);
-    let file = cache_dir.map(|d| d.join(name));
-    if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
-        return Ok(ptx);
-    }
-    let ptx = compile_source(source, arch, defines)?;
-    if let Some(file) = file {
-        // A cache we cannot write is only slower.
-        let _ = file.parent().map(std::fs::create_dir_all);
-        let _ = std::fs::write(&file, &ptx);
-    }
-    Ok(ptx)
 }
 
 #[cfg(test)]
@@ -287,7 +295,7 @@ mod tests {
             std::fs::create_dir_all(dir).expect("a temporary folder");
             std::fs::write(dir.join(&name), bytes).expect("a file");
         }
-        let image = |dirs| match cached_image("90", DEFINES, None, dirs) {
+        let image = |dirs| match cached_image("90", true, DEFINES, None, dirs) {
             Ok(KernelImage::Cubin(bytes)) => bytes,
             _ => panic!("a CUBIN from the folders"),
         };

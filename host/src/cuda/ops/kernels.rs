@@ -5,7 +5,7 @@ use super::attention::{self, valid_cluster};
 use super::{batch_gemm, persistent, DEFINES};
 use crate::cuda::device::Gpu;
 use crate::cuda::error::{CudaError, DriverContext};
-use crate::cuda::nvrtc::{cached_image, cached_ptx, KernelImage};
+use crate::cuda::nvrtc::cached_image;
 use crate::engine::GpuDtype;
 use cudarc::driver::CudaFunction;
 
@@ -50,21 +50,12 @@ impl Kernels {
         let module = gpu.module(|gpu| {
             let kernels_dir = gpu.measurement().kernels_dir.as_deref();
             let settings = gpu.settings();
-            let (prebuilt, cache_dir) = (
+            let dirs = (
                 settings.prebuilt_dir.as_deref(),
                 settings.cache_dir.as_deref(),
             );
-            match gpu.measurement().cubin {
-                true => cached_image(
-                    gpu.compute_capability(),
-                    DEFINES,
-                    kernels_dir,
-                    (prebuilt, cache_dir),
-                ),
-                false => {
-                    cached_ptx(gpu.arch(), DEFINES, kernels_dir, cache_dir).map(KernelImage::Ptx)
-                }
-            }
+            let cubin = gpu.measurement().cubin;
+            cached_image(gpu.compute_capability(), cubin, DEFINES, kernels_dir, dirs)
         })?;
         let suffix = match dtype {
             GpuDtype::F32 => "f32",
