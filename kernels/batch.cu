@@ -310,43 +310,50 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
               spans);
 }
 
-// `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), its
-// loads issued early: right after the wait on the previous kernel, while the query is formed,
-// the first chunk's keys go into registers (thread j: position j, 8 loads of 16 bytes) and its
-// values into shared memory (cp.async); the next chunk's keys while this chunk's scores are
-// reduced, its values once this chunk's are summed. The row's own position, which the block
-// appends, is scored and summed from shared memory instead of read back. Every sum is the
-// generic kernel's, in its order: the results are bitwise its results.
+// `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), each
+// of the block's warps running an online softmax of its own, so that no block-wide barrier
+// stands between one piece of positions and the next: the span is cut into pieces of
+// BW_PIECE positions and warp w takes pieces w, w + BW_WARPS, ... Lane j scores position j of
+// a piece (its key in registers, 8 loads of 16 bytes), the warp's max and sum come from
+// shuffles, then lane j sums dimensions 2j and 2j + 1 over the piece's values, staged in the
+// warp's part of `vbuf` (cp.async, zeros past the span). A piece's keys are asked for as soon
+// as the piece before has used its own, its values once the piece before has been summed.
+// The warps' maxima, sums and values meet once, in warp order, at the end. The row's own
+// position, which the block appends, is scored and summed from shared memory instead of read
+// back. Which warp takes which position depends on the row alone, so the result does too.
 #define BA_HD 64
-static_assert(BA_CHUNK == 2 * BA_HD, "the value sums take one thread per (dimension pair, group of four)");
-// Thread j's key of a chunk (position pos) into registers, when it has one to score.
+#define BW_PIECE 32
+#define BW_WARPS (ATT_THREADS / 32)
+static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane scores a position and sums a dimension pair");
+// Thread j's key of a piece (position pos) into registers, when it has one to score.
 __device__ __forceinline__ void ba_load_key(uint4 kw[BA_HD / 8], const kv16_t* kc, int c, int pos, bool valid) {
     if (!valid) return;
     const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)pos * c);
 #pragma unroll
     for (int i = 0; i < BA_HD / 8; i++) kw[i] = src[i];
 }
-// The values of positions base..base + count - 1 into `vbuf` (one row of 64 fp16 each), but
-// `own`'s, as one cp.async group.
-__device__ __forceinline__ void ba_stage_values(u32 (*vbuf)[BA_HD / 2], const kv16_t* vc, int c, int base, int count,
-                                                int own) {
-    for (int i = threadIdx.x; i < BA_CHUNK * (BA_HD / 8); i += blockDim.x) {
-        int jj = i / (BA_HD / 8), ch = (i % (BA_HD / 8)) * 8;
-        if (jj < count && base + jj != own) cp_async16(&vbuf[jj][ch / 2], vc + (size_t)(base + jj) * c + ch, true);
+// The values of positions base..base + count - 1 into the warp's `vbuf` (one row of 64 fp16
+// each), zeros for the rest of the piece and for `own`, as one cp.async group of the lane.
+__device__ __forceinline__ void bw_stage_values(u32 (*vbuf)[BA_HD / 2], const kv16_t* vc, int c, int base, int count,
+                                                int own, int lane) {
+#pragma unroll
+    for (int u = 0; u < BW_PIECE * (BA_HD / 8) / 32; u++) {
+        int i = lane + 32 * u, jj = i / (BA_HD / 8), ch = (i % (BA_HD / 8)) * 8;
+        bool in = jj < count && base + jj != own;
+        cp_async16(&vbuf[jj][ch / 2], vc + (in ? (size_t)(base + jj) * c + ch : 0), in);
     }
     cp_async_commit();
 }
-// `vbuf` ([BA_CHUNK][BA_HD / 2] words) is in dynamic shared memory, which the tiles of
-// `bt_attend` share.
+// `vbuf` ([BW_WARPS * BW_PIECE][BA_HD / 2] words) is in dynamic shared memory, which the
+// tiles of `bt_attend` share.
 __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, float* partial, const float* tmp,
                                     const bf16_t* bias, int split_in, const int* positions,
                                     const unsigned long long* k_caches, const unsigned long long* v_caches,
                                     long long layer_off, int c, int rows, int split_out, int append, int span_len) {
     __shared__ float qs[BA_HD];
     __shared__ float own_k[BA_HD], own_v[BA_HD];  // the appended position, as the cache keeps it
-    __shared__ float p[BA_CHUNK];
-    __shared__ float acc_s[4][BA_HD];
-    __shared__ float scratch[32];
+    __shared__ float warp_acc[BW_WARPS][BA_HD];
+    __shared__ float warp_run[BW_WARPS][2];  // each warp's max and sum
     const int hd = BA_HD;
     int h = blockIdx.x, len, spans, first, end;
     float* part;
@@ -354,11 +361,19 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
     kv16_t* kc = reinterpret_cast<kv16_t*>(k_caches[r]) + layer_off + h * hd;
     kv16_t* vc = reinterpret_cast<kv16_t*>(v_caches[r]) + layer_off + h * hd;
     int own = append && end == len ? len - 1 : -1;
-    int j = threadIdx.x;  // this thread's position of each chunk
-    int count = min(BA_CHUNK, end - first);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u32 (*wbuf)[BA_HD / 2] = vbuf + warp * BW_PIECE;
+    int pieces = (end - first + BW_PIECE - 1) / BW_PIECE;
+    // this warp's piece: its index, first position and positions (0 past the span)
+    auto piece_at = [&](int piece, int& base, int& count) {
+        base = first + piece * BW_PIECE;
+        count = piece < pieces ? min(BW_PIECE, end - base) : 0;
+    };
+    int piece = warp, base, count;
+    piece_at(piece, base, count);
     uint4 kw[BA_HD / 8];
-    ba_load_key(kw, kc, c, first + j, j < count && first + j != own);
-    ba_stage_values(vbuf, vc, c, first, count, own);
+    ba_load_key(kw, kc, c, base + lane, lane < count && base + lane != own);
+    if (count > 0) bw_stage_values(wbuf, vc, c, base, count, own, lane);
     int n3 = 3 * c;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         int col = h * hd + d;
@@ -374,14 +389,13 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
     }
     __syncthreads();
     float scale = rsqrtf((float)hd);
-    int d2 = 2 * (threadIdx.x % (BA_HD / 2)), g = threadIdx.x / (BA_HD / 2);  // value pair, group
+    int d2 = 2 * lane;
     float m_run = -INFINITY, sum_run = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
-    for (int base = first; base < end; base += BA_CHUNK) {
-        count = min(BA_CHUNK, end - base);
+    while (count > 0) {
         float sc = -INFINITY;
-        if (j < count) {
-            bool mine = base + j == own;
+        if (lane < count) {
+            bool mine = base + lane == own;
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < BA_HD / 8; i++) {
@@ -396,30 +410,65 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
             }
             sc = dot * scale;
         }
-        int next = base + BA_CHUNK, next_count = min(BA_CHUNK, end - next);
-        if (next < end) ba_load_key(kw, kc, c, next + j, j < next_count && next + j != own);
-        float rescale = ba_softmax(sc, j < count, p, scratch, m_run, sum_run);
+        int next_base, next_count;
+        piece_at(piece + BW_WARPS, next_base, next_count);
+        ba_load_key(kw, kc, c, next_base + lane, lane < next_count && next_base + lane != own);
+        float m = fmaxf(m_run, warp_max(sc));
+        float p = lane < count ? __expf(sc - m) : 0.0f;
+        float rescale = __expf(m_run - m);
+        sum_run = sum_run * rescale + warp_sum(p);
+        m_run = m;
         cp_async_wait<0>();
-        __syncthreads();
-        float2 a = make_float2(0.0f, 0.0f);
+        __syncwarp();
+        // even and odd positions in two sums, so that each sum's chain is half as long
+        float2 a0 = make_float2(0.0f, 0.0f), a1 = make_float2(0.0f, 0.0f);
         int own_j = own - base;
-#pragma unroll 16
-        for (int jj = g; jj < count; jj += 4) {
-            float2 v = jj == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(vbuf[jj][d2 / 2]);
-            float pj = p[jj];
-            a.x += pj * v.x;
-            a.y += pj * v.y;
+#pragma unroll
+        for (int jj = 0; jj < BW_PIECE; jj += 2) {
+            float p0 = __shfl_sync(0xffffffffu, p, jj), p1 = __shfl_sync(0xffffffffu, p, jj + 1);
+            float2 v0 = jj == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj][lane]);
+            float2 v1 = jj + 1 == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj + 1][lane]);
+            a0.x += p0 * v0.x;
+            a0.y += p0 * v0.y;
+            a1.x += p1 * v1.x;
+            a1.y += p1 * v1.y;
         }
-        acc.x = acc.x * rescale + a.x;
-        acc.y = acc.y * rescale + a.y;
-        __syncthreads();
-        if (next < end) ba_stage_values(vbuf, vc, c, next, next_count, own);
+        acc.x = acc.x * rescale + (a0.x + a1.x);
+        acc.y = acc.y * rescale + (a0.y + a1.y);
+        __syncwarp();  // every lane has read the piece's values before the next piece's land
+        if (next_count > 0) bw_stage_values(wbuf, vc, c, next_base, next_count, own, lane);
+        piece += BW_WARPS;
+        base = next_base;
+        count = next_count;
     }
-    acc_s[g][d2] = acc.x;
-    acc_s[g][d2 + 1] = acc.y;
+    warp_acc[warp][d2] = acc.x;
+    warp_acc[warp][d2 + 1] = acc.y;
+    if (lane == 0) {
+        warp_run[warp][0] = m_run;
+        warp_run[warp][1] = sum_run;
+    }
     __syncthreads();
-    ba_finish(r, &acc_s[0][0], sizeof(acc_s[0]) / sizeof(float), m_run, sum_run, part, out, c, hd, rows, split_out,
-              spans);
+    // a warp without positions has max -inf and adds nothing; the first warp always has some
+    float m = warp_run[0][0];
+#pragma unroll
+    for (int w = 1; w < BW_WARPS; w++) m = fmaxf(m, warp_run[w][0]);
+    float weight[BW_WARPS], sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < BW_WARPS; w++) {
+        weight[w] = warp_run[w][0] == -INFINITY ? 0.0f : __expf(warp_run[w][0] - m);
+        sum += weight[w] * warp_run[w][1];
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < BW_WARPS; w++) a += weight[w] * warp_acc[w][d];
+        if (spans == 1) store_act(out, rows, r, h * hd + d, c, a / sum, split_out);
+        else part[2 + d] = a;
+    }
+    if (spans > 1 && threadIdx.x == 0) {
+        part[0] = m;
+        part[1] = sum;
+    }
 }
 // A prompt's rows in tiles (bf16 mode, fp16 cache, hd <= 64 and hd % 32 == 0): tile t is up
 // to BT_Q rows of one context at consecutive positions (`tiles[2t]`: its first entry of
@@ -445,7 +494,7 @@ static_assert(ATT_THREADS % BT_Q == 0 && BT_TPQ <= 32 && (BT_TPQ & (BT_TPQ - 1))
 static_assert(32 / BT_TPQ >= 2, "a thread sums a pair of dimensions or more of a 32-dimension head");
 static_assert(BT_SMEM == BT_Q * (BT_HD + 4) * 4 + 2 * BT_STAGE + BT_Q * (BT_K + 1) * 4,
               "BT_SMEM (ops/batch.rs) must hold the queries, two stages of keys and values, the weights");
-static_assert(BT_SMEM >= BA_CHUNK * BA_HD * 2, "the h64 decode's values share the tiles' shared memory");
+static_assert(BT_SMEM >= BW_WARPS * BW_PIECE * BA_HD * 2, "the h64 decode's values share the tiles' shared memory");
 // Keys and values k0..k0 + BT_K - 1 of a head (`pieces` 16-byte pieces a row) into a stage,
 // zeros past `keys`, as one cp.async group.
 __device__ __forceinline__ void bt_stage(unsigned char* stage, const kv16_t* kc, const kv16_t* vc, int c, int k0,
