@@ -29,9 +29,9 @@ pub const BT_Q: u32 = 8;
 /// values there ([`BA_VALUES_SMEM`]).
 pub const BT_SMEM: u32 = BT_Q * 68 * 4 + 2 * (32 * 72 * 2 + 32 * 64 * 2) + BT_Q * 33 * 4;
 
-/// Dynamic shared memory of a bf16 decode block of the batched attention: a chunk of 128
-/// positions' values of a 64-dimension head, fp16.
-pub const BA_VALUES_SMEM: u32 = 128 * 64 * 2;
+/// Dynamic shared memory of a bf16 decode block of the batched attention: each of its four
+/// warps' piece of 32 positions' values of a 64-dimension head, fp16.
+pub const BA_VALUES_SMEM: u32 = 4 * 32 * 64 * 2;
 
 /// Whether a model of this weight type and head width can take its prompt rows in tiles:
 /// the tiles read the fp16 cache (bf16 weights), a pair or more of a head's dimensions a
