@@ -49,7 +49,7 @@ pub struct Gpu {
     setup: Mutex<()>,
     /// The cuBLASLt products' plans, shared by the sessions' handles: the heuristic that
     /// picks an algorithm runs once for the GPU, not once a session.
-    pub(crate) lt_plans: Arc<crate::cuda::blas::LtPlans>,
+    pub(crate) lt_plans: Arc<crate::cuda::blas::lt::LtPlans>,
 }
 
 impl Gpu {
