@@ -3,7 +3,8 @@
 #   source bench/device-lib.sh
 #   unpack .device/bin /tmp/b          # binaries built elsewhere, xz-compressed or not
 #   step WASI_NN_HOST_X=1 -- --dtype bf16 --model random:124M --context 128
-#   serve /tmp/b random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...
+#   serve random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...; stop
+#   alternate 2 loads new "old BIN=/tmp/old"    # an A/B, a fresh server each arm and round
 #   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
 # Each prints one line a measurement; what it ran comes first, so a log reads on its own.
 
@@ -74,13 +75,14 @@ checks() {
 }
 
 # The service on port ${PORT:-18125} with model $1 (random:SIZE or a path) and $2 warm
-# contexts, the switches after them set; waits until it answers. `stop` ends it.
+# contexts, the switches after them set; waits until it answers. `stop` ends it. DEVICE
+# (default cuda) and DTYPE (bf16) choose the backend.
 serve() {
   local model=$1 warm=$2
   shift 2
   URL=http://127.0.0.1:${PORT:-18125}
   env "$@" "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}" \
-    --device cuda --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 \
+    --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 \
     --warm-contexts "$warm" 2>>"$OUT/serve.log" &
   SERVER=$!
   for _ in $(seq 1500); do curl -sf "$URL/health" >/dev/null && return 0; sleep 0.2; done
@@ -91,6 +93,34 @@ stop() {
   kill "$SERVER" 2>/dev/null
   wait "$SERVER" 2>/dev/null
   return 0
+}
+
+# Arms of an A/B on one machine, alternating for ROUNDS rounds, each arm a fresh server of
+# MODEL (default random:124M, 256 warm contexts) running the caller's function LOADS with the
+# arm's name and the round (its `load` labels should carry both):
+#   loads() { load "$1-sampled64-$2" --concurrency 64 --duration 6 --no-check; }
+#   alternate 2 loads new "old BIN=/tmp/old" "db WASI_NN_HOST_KERNELS=$PWD/k-db"
+# An arm is its name, then NAME=VALUE switches for its server; BIN=DIR serves the binaries of
+# DIR instead of $BIN.
+alternate() {
+  local rounds=$1 loads=$2 round arm name words bin
+  shift 2
+  for round in $(seq "$rounds"); do
+    for arm in "$@"; do
+      read -r -a words <<< "$arm"
+      name=${words[0]} bin=$BIN
+      local envs=()
+      for w in "${words[@]:1}"; do
+        case $w in
+          BIN=*) bin=${w#BIN=} ;;
+          *) envs+=("$w") ;;
+        esac
+      done
+      BIN=$bin serve "${MODEL:-random:124M}" "${WARM:-256}" "${envs[@]}" || continue
+      BIN=$bin "$loads" "$name" "$round"
+      stop
+    done
+  done
 }
 
 # One loadgen run against the service, labelled $1, loadgen's arguments after it (128 tokens,
