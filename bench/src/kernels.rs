@@ -1204,7 +1204,13 @@ fn check_batch_attention(
     };
     let cfg = b.l.config();
     let (c, t) = (cfg.n_embd, cfg.n_ctx);
-    let positions: Vec<i32> = vec![0, 31, 32, 33, (t / 2) as i32, (t - 1) as i32, -1];
+    // rows at the ends of the cache and of a span (row 5 is the last position, whose appended
+    // key is read back below), a padding row, and rows at the ends of the bf16 decode's pieces
+    // of 32 positions, a warp a piece: two pieces exactly, four (one a warp), and a fifth
+    // piece of one position (the first warp's second)
+    let last = t as i32 - 1;
+    let mut positions: Vec<i32> = vec![0, 31, 32, 33, (t / 2) as i32, last, -1];
+    positions.extend([63, 127, 128].map(|p| p.min(last - 1)));
     let rows = positions.len();
     let split = dtype == GpuDtype::Bf16;
     let stream = b.l.stream().clone();
