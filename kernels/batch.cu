@@ -325,6 +325,7 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 #define BW_PIECE 32
 #define BW_WARPS (ATT_THREADS / 32)
 static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane scores a position and sums a dimension pair");
+static_assert(BA_VALUES_SMEM == BW_WARPS * BW_PIECE * BA_HD * 2, "the host sizes a piece of values a warp");
 // Thread j's key of a piece (position pos) into registers, when it has one to score.
 __device__ __forceinline__ void ba_load_key(uint4 kw[BA_HD / 8], const kv16_t* kc, int c, int pos, bool valid) {
     if (!valid) return;
@@ -494,7 +495,6 @@ static_assert(ATT_THREADS % BT_Q == 0 && BT_TPQ <= 32 && (BT_TPQ & (BT_TPQ - 1))
 static_assert(32 / BT_TPQ >= 2, "a thread sums a pair of dimensions or more of a 32-dimension head");
 static_assert(BT_SMEM == BT_Q * (BT_HD + 4) * 4 + 2 * BT_STAGE + BT_Q * (BT_K + 1) * 4,
               "BT_SMEM (ops/batch.rs) must hold the queries, two stages of keys and values, the weights");
-static_assert(BT_SMEM >= BW_WARPS * BW_PIECE * BA_HD * 2, "the h64 decode's values share the tiles' shared memory");
 // Keys and values k0..k0 + BT_K - 1 of a head (`pieces` 16-byte pieces a row) into a stage,
 // zeros past `keys`, as one cp.async group.
 __device__ __forceinline__ void bt_stage(unsigned char* stage, const kv16_t* kc, const kv16_t* vc, int c, int k0,

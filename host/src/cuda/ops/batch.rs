@@ -30,7 +30,8 @@ pub const BT_Q: u32 = 8;
 pub const BT_SMEM: u32 = BT_Q * 68 * 4 + 2 * (32 * 72 * 2 + 32 * 64 * 2) + BT_Q * 33 * 4;
 
 /// Dynamic shared memory of a bf16 decode block of the batched attention: each of its four
-/// warps' piece of 32 positions' values of a 64-dimension head, fp16.
+/// warps' piece of 32 positions' values of a 64-dimension head, fp16 (`static_assert`ed in
+/// kernels/batch.cu).
 pub const BA_VALUES_SMEM: u32 = 4 * 32 * 64 * 2;
 
 /// Whether a model of this weight type and head width can take its prompt rows in tiles:

@@ -61,6 +61,7 @@ pub(crate) const DEFINES: &[(&str, u32)] = &[
     ("BL_PER", batch::BL_PER),
     ("BT_Q", batch::BT_Q),
     ("BT_SMEM", batch::BT_SMEM),
+    ("BA_VALUES_SMEM", batch::BA_VALUES_SMEM),
     ("DRAW_THREADS", draw::DRAW_THREADS),
     ("MAX_DRAWS", draw::MAX_DRAWS),
     ("BATCH_RULE_WORDS", draw::BATCH_RULE_WORDS as u32),
