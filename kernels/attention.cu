@@ -31,8 +31,7 @@ __device__ __forceinline__ float partial_dot(const KV* kr, const float* qs, int 
     int span = hd / parts;
 #pragma unroll 8
     for (int d = part * span; d < (part + 1) * span; d += 4) {
-        float4 kv = kv_get4(kr + d);
-        acc += kv.x * qs[d] + kv.y * qs[d + 1] + kv.z * qs[d + 2] + kv.w * qs[d + 3];
+        acc = key_dot4(acc, kv_get4(kr + d), qs + d);
     }
     return acc;
 }

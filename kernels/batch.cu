@@ -313,25 +313,40 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 // `batch_attention_impl` for 64-dimension heads over an fp16 cache (every GPT-2 in bf16), each
 // of the block's warps running an online softmax of its own, so that no block-wide barrier
 // stands between one piece of positions and the next: the span is cut into pieces of
-// BW_PIECE positions and warp w takes pieces w, w + BW_WARPS, ... Lane j scores position j of
-// a piece (its key in registers, 8 loads of 16 bytes), the warp's max and sum come from
-// shuffles, then lane j sums dimensions 2j and 2j + 1 over the piece's values, staged in the
-// warp's part of `vbuf` (cp.async, zeros past the span). A piece's keys are asked for as soon
-// as the piece before has used its own, its values once the piece before has been summed.
-// The warps' maxima, sums and values meet once, in warp order, at the end. The row's own
-// position, which the block appends, is scored and summed from shared memory instead of read
-// back. Which warp takes which position depends on the row alone, so the result does too.
+// BW_PIECE positions and warp w takes pieces w, w + BW_WARPS, ... Four lanes score a
+// position, 16 dimensions each as the lone decode's `partial_dot` does (lanes 4g..4g + 3 take
+// positions g, g + 8, g + 16, g + 24 of a piece), so that one load instruction reads 8 key
+// rows, not 32 rows' 16 bytes each. The warp's max and sum come from shuffles, then lane j
+// sums dimensions 2j and 2j + 1 over the piece's values, staged in the warp's part of `vbuf`
+// (cp.async, zeros past the span). A piece's keys are asked for as soon as the piece before
+// has used its own, its values once the piece before has been summed. The warps' maxima,
+// sums and values meet once, in warp order, at the end. The row's own position, which the
+// block appends, is scored and summed from shared memory instead of read back. Which warp
+// takes which position depends on the row alone, so the result does too.
 #define BA_HD 64
 #define BW_PIECE 32
 #define BW_WARPS (ATT_THREADS / 32)
-static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane scores a position and sums a dimension pair");
+#define BW_KEY_LANES 4                       // lanes that score one position
+#define BW_ROUNDS (BW_PIECE * BW_KEY_LANES / 32)  // positions of a piece a lane group scores
+#define BW_KEY_DIMS (BA_HD / BW_KEY_LANES)   // dimensions of a key a lane takes
+static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane sums a dimension pair of the values");
+static_assert(BW_KEY_DIMS == 16, "a lane takes two 16-byte pieces of a key row, as partial_dot(.., 4) cuts it");
 static_assert(BA_VALUES_SMEM == BW_WARPS * BW_PIECE * BA_HD * 2, "the host sizes a piece of values a warp");
-// Thread j's key of a piece (position pos) into registers, when it has one to score.
-__device__ __forceinline__ void ba_load_key(uint4 kw[BA_HD / 8], const kv16_t* kc, int c, int pos, bool valid) {
-    if (!valid) return;
-    const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)pos * c);
+// Lane `lane`'s share of a piece's keys (first position `base`, `count` positions) into
+// registers: in round i, dimensions 16q..16q + 15 (q = lane % 4) of the piece's position
+// 8i + lane / 4, where it has one to score (the row's own position is read from shared memory).
+__device__ __forceinline__ void ba_load_keys(uint4 kw[2 * BW_ROUNDS], const kv16_t* kc, int c, int base, int count,
+                                             int own, int lane) {
+    int g = lane / BW_KEY_LANES, q = lane % BW_KEY_LANES;
 #pragma unroll
-    for (int i = 0; i < BA_HD / 8; i++) kw[i] = src[i];
+    for (int i = 0; i < BW_ROUNDS; i++) {
+        int j = 8 * i + g;
+        if (j < count && base + j != own) {
+            const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)(base + j) * c + q * BW_KEY_DIMS);
+            kw[2 * i] = src[0];
+            kw[2 * i + 1] = src[1];
+        }
+    }
 }
 // The values of positions base..base + count - 1 into the warp's `vbuf` (one row of 64 fp16
 // each), zeros for the rest of the piece and for `own`, as one cp.async group of the lane.
@@ -372,8 +387,8 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
     };
     int piece = warp, base, count;
     piece_at(piece, base, count);
-    uint4 kw[BA_HD / 8];
-    ba_load_key(kw, kc, c, base + lane, lane < count && base + lane != own);
+    uint4 kw[2 * BW_ROUNDS];
+    ba_load_keys(kw, kc, c, base, count, own, lane);
     if (count > 0) bw_stage_values(wbuf, vc, c, base, count, own, lane);
     int n3 = 3 * c;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -393,31 +408,47 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
     int d2 = 2 * lane;
     float m_run = -INFINITY, sum_run = 0.0f;
     float2 acc = make_float2(0.0f, 0.0f);
+    int g = lane / BW_KEY_LANES, q = lane % BW_KEY_LANES;
     while (count > 0) {
-        float sc = -INFINITY;
-        if (lane < count) {
-            bool mine = base + lane == own;
+        // round i: the lane's 16 dimensions of position 8i + g, summed over its four lanes
+        float sc[BW_ROUNDS], m_piece = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < BW_ROUNDS; i++) {
+            int j = 8 * i + g;
+            float k[BW_KEY_DIMS];
+            if (base + j == own) {
+#pragma unroll
+                for (int e = 0; e < BW_KEY_DIMS; e++) k[e] = own_k[q * BW_KEY_DIMS + e];
+            } else {
+                f16x8_to_f32(kw[2 * i], k);
+                f16x8_to_f32(kw[2 * i + 1], k + 8);
+            }
             float dot = 0.0f;
 #pragma unroll
-            for (int i = 0; i < BA_HD / 8; i++) {
-                float k[8];
-                if (mine) {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) k[e] = own_k[8 * i + e];
-                } else {
-                    f16x8_to_f32(kw[i], k);
-                }
-                dot = dot8(dot, k, qs + 8 * i);
-            }
-            sc = dot * scale;
+            for (int t = 0; t < BW_KEY_DIMS; t += 4)
+                dot = key_dot4(dot, make_float4(k[t], k[t + 1], k[t + 2], k[t + 3]), qs + q * BW_KEY_DIMS + t);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            sc[i] = j < count ? dot * scale : -INFINITY;
+            m_piece = fmaxf(m_piece, sc[i]);
         }
         int next_base, next_count;
         piece_at(piece + BW_WARPS, next_base, next_count);
-        ba_load_key(kw, kc, c, next_base + lane, lane < next_count && next_base + lane != own);
-        float m = fmaxf(m_run, warp_max(sc));
-        float p = lane < count ? __expf(sc - m) : 0.0f;
+        ba_load_keys(kw, kc, c, next_base, next_count, own, lane);
+        // a group's four lanes hold the same scores: the piece's max and sum over the groups
+#pragma unroll
+        for (int o = BW_KEY_LANES; o < 32; o <<= 1) m_piece = fmaxf(m_piece, __shfl_xor_sync(0xffffffffu, m_piece, o));
+        float m = fmaxf(m_run, m_piece);
+        float p[BW_ROUNDS], p_sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < BW_ROUNDS; i++) {
+            p[i] = 8 * i + g < count ? __expf(sc[i] - m) : 0.0f;
+            p_sum += p[i];
+        }
+#pragma unroll
+        for (int o = BW_KEY_LANES; o < 32; o <<= 1) p_sum += __shfl_xor_sync(0xffffffffu, p_sum, o);
         float rescale = __expf(m_run - m);
-        sum_run = sum_run * rescale + warp_sum(p);
+        sum_run = sum_run * rescale + p_sum;
         m_run = m;
         cp_async_wait<0>();
         __syncwarp();
@@ -426,7 +457,9 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         int own_j = own - base;
 #pragma unroll
         for (int jj = 0; jj < BW_PIECE; jj += 2) {
-            float p0 = __shfl_sync(0xffffffffu, p, jj), p1 = __shfl_sync(0xffffffffu, p, jj + 1);
+            // position jj's weight is p[jj / 8] of lanes 4 (jj % 8)..
+            float p0 = __shfl_sync(0xffffffffu, p[jj / 8], BW_KEY_LANES * (jj % 8));
+            float p1 = __shfl_sync(0xffffffffu, p[(jj + 1) / 8], BW_KEY_LANES * ((jj + 1) % 8));
             float2 v0 = jj == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj][lane]);
             float2 v1 = jj + 1 == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj + 1][lane]);
             a0.x += p0 * v0.x;

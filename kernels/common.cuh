@@ -155,6 +155,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// acc plus four key elements times the query's, in the order every decode score sums them.
+__device__ __forceinline__ float key_dot4(float acc, float4 k, const float* q) {
+    return acc + (k.x * q[0] + k.y * q[1] + k.z * q[2] + k.w * q[3]);
+}
+
 // Sum over the block; every thread gets the result. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
