@@ -15,6 +15,7 @@ mkdir -p "$OUT"
 # The GPU and its driver, and the build (`.device/COMMIT` where the caller wrote one).
 describe() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  echo "cpu: $(nproc) x $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
   [ -f .device/COMMIT ] && echo "build: $(cat .device/COMMIT)"
   return 0
 }
