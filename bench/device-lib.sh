@@ -6,6 +6,7 @@
 #   serve random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...; stop
 #   alternate 2 loads new "old BIN=/tmp/old"    # an A/B, a fresh server each arm and round
 #   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
+#   service_kernels sampled-64 random:124M 256 -- --concurrency 64 --duration 60 --no-check
 # Each prints one line a measurement; what it ran comes first, so a log reads on its own.
 
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -164,4 +165,30 @@ for (kernel, grid), v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
     print(kernel, grid, len(v), f"{sum(v) / len(v) / 1000:.2f} us", f"{100 * sum(v) / total:.1f}%")
 PY
   xz -f -T0 "$OUT/ncu-$name.csv"
+}
+
+# Every kernel's time in the service itself (ncu, `--clock-control none`, kernels serialised,
+# so passes grow while it measures): the server of model $2 with $3 warm contexts under ncu,
+# the launches after the first ${SKIP:-6000}, ${COUNT:-2500} of them, while `load` (labelled
+# $1, loadgen's arguments after `--`) runs; the CSV into $OUT/ncu-svc-$1.csv.xz and
+# bench/pass-kernels.py's summary (each kernel, then the passes by rows) printed and kept.
+#   service_kernels 1558M-sampled-64 random:1558M 0 -- --concurrency 64 --duration 30 ...
+service_kernels() {
+  local name=$1 model=$2 warm=$3 ncu
+  shift 3
+  [ "${1:-}" = -- ] && shift
+  URL=http://127.0.0.1:${PORT:-18125}
+  timeout "${NCU_TIMEOUT:-200}" "${NCU:-/usr/local/cuda/bin/ncu}" --clock-control none --launch-skip "${SKIP:-6000}" \
+    --launch-count "${COUNT:-2500}" --metrics gpu__time_duration.sum --csv \
+    "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}" --device "${DEVICE:-cuda}" \
+    --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 --warm-contexts "$warm" \
+    > "$OUT/ncu-svc-$name.csv" 2>> "$OUT/ncu-svc.err" &
+  ncu=$!
+  for _ in $(seq 600); do curl -sf "$URL/health" >/dev/null && break; sleep 0.2; done
+  load "ncu-$name" "$@"
+  # the server alone (ncu's own command line names it too), so that ncu writes its report
+  pkill -TERM -x wasi-nn-host
+  wait "$ncu"
+  python3 bench/pass-kernels.py "$OUT/ncu-svc-$name.csv" | tee "$OUT/ncu-svc-summary-$name.txt"
+  xz -f -T0 "$OUT/ncu-svc-$name.csv"
 }

@@ -47,6 +47,13 @@ load greedy-256-short --concurrency 256 --duration 8 --prompt-tokens 4-6 --no-ch
 # the texts of 64 greedy streams against their prompts alone
 load greedy-64-check --concurrency 64 --requests 1
 stop
+# the processed rows against a plain sampled load on one fresh server
+serve random:124M 256
+load sampled-64-plain --concurrency 64 --duration 6 "${SAMPLED[@]}" --no-check
+load sampled-64-presence --concurrency 64 --duration 6 "${SAMPLED[@]}" --field presence_penalty=0.5 --no-check
+load sampled-64-all --concurrency 64 --duration 6 "${SAMPLED[@]}" --field presence_penalty=0.5 \
+  --field frequency_penalty=0.3 --field repetition_penalty=1.1 --field 'logit_bias={"50256":-100,"13":2}' --no-check
+stop
 serve random:1558M 64
 load 1558M-greedy-64 --concurrency 64 --duration 8 --no-check
 load 1558M-sampled-64 --concurrency 64 --duration 8 "${SAMPLED[@]}" --no-check
