@@ -10,6 +10,7 @@
 # Each prints one line a measurement; what it ran comes first, so a log reads on its own.
 
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 : "${OUT:=/tmp/out}"
 mkdir -p "$OUT"
 
@@ -153,42 +154,43 @@ kernel_times() {
   timeout "${NCU_TIMEOUT:-300}" /usr/local/cuda/bin/ncu --clock-control none --kernel-name "regex:$regex" \
     --launch-skip "$skip" --launch-count "$count" --metrics gpu__time_duration.sum --csv "$@" \
     > "$OUT/ncu-$name.csv" 2>>"$OUT/ncu.err"
-  python3 - "$OUT/ncu-$name.csv" <<'PY'
-import csv, sys, collections
-rows = csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))
-next(rows, None)
-times = collections.defaultdict(list)
-for r in rows:
-    times[(r[4][:60], r[8])].append(float(r[-1].replace(',', '')))
-total = sum(sum(v) for v in times.values()) or 1.0
-for (kernel, grid), v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-    print(kernel, grid, len(v), f"{sum(v) / len(v) / 1000:.2f} us", f"{100 * sum(v) / total:.1f}%")
-PY
+  python3 "$BENCH_DIR/pass-kernels.py" --by-grid "$OUT/ncu-$name.csv"
   xz -f -T0 "$OUT/ncu-$name.csv"
 }
 
-# Every kernel's time in the service itself (ncu, `--clock-control none`, kernels serialised,
-# so passes grow while it measures): the server of model $2 with $3 warm contexts under ncu,
+# Every kernel's time in the service itself (ncu, `--clock-control none`; ncu serialises the
+# kernels, so passes grow and run longer while it measures): the server of model $2 with $3
+# warm contexts on PORT (default 18125, which must be free) under ncu,
 # the launches after the first ${SKIP:-6000}, ${COUNT:-2500} of them, while `load` (labelled
 # $1, loadgen's arguments after `--`) runs; the CSV into $OUT/ncu-svc-$1.csv.xz and
 # bench/pass-kernels.py's summary (each kernel, then the passes by rows) printed and kept.
 #   service_kernels 1558M-sampled-64 random:1558M 0 -- --concurrency 64 --duration 30 ...
 service_kernels() {
-  local name=$1 model=$2 warm=$3 ncu
+  local name=$1 model=$2 warm=$3 port=${PORT:-18125} ncu pid
   shift 3
   [ "${1:-}" = -- ] && shift
-  URL=http://127.0.0.1:${PORT:-18125}
+  URL=http://127.0.0.1:$port
+  if curl -sf "$URL/health" >/dev/null; then
+    echo "a service already answers on port $port"
+    return 1
+  fi
   timeout "${NCU_TIMEOUT:-200}" "${NCU:-/usr/local/cuda/bin/ncu}" --clock-control none --launch-skip "${SKIP:-6000}" \
     --launch-count "${COUNT:-2500}" --metrics gpu__time_duration.sum --csv \
-    "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}" --device "${DEVICE:-cuda}" \
+    "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "$port" --device "${DEVICE:-cuda}" \
     --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 --warm-contexts "$warm" \
     > "$OUT/ncu-svc-$name.csv" 2>> "$OUT/ncu-svc.err" &
   ncu=$!
   for _ in $(seq 600); do curl -sf "$URL/health" >/dev/null && break; sleep 0.2; done
-  load "ncu-$name" "$@"
-  # the server alone (ncu's own command line names it too), so that ncu writes its report
-  pkill -TERM -x wasi-nn-host
+  if curl -sf "$URL/health" >/dev/null; then
+    load "ncu-$name" "$@"
+  else
+    echo "the service under ncu did not answer"
+  fi
+  # end the server on this port (ncu's child), not ncu, so that ncu writes its report
+  for pid in $(pgrep -x wasi-nn-host); do
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q -- "--port $port " && kill -TERM "$pid"
+  done
   wait "$ncu"
-  python3 bench/pass-kernels.py "$OUT/ncu-svc-$name.csv" | tee "$OUT/ncu-svc-summary-$name.txt"
+  python3 "$BENCH_DIR/pass-kernels.py" "$OUT/ncu-svc-$name.csv" | tee "$OUT/ncu-svc-summary-$name.txt"
   xz -f -T0 "$OUT/ncu-svc-$name.csv"
 }

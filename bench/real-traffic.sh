@@ -12,7 +12,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device-lib.sh
 describe
-nproc
 unpack "${1:-.device/bin}" /tmp/real-traffic-bin
 
 # PyTorch's step (`graph`), its lines into $OUT/$1.jsonl, a line each printed.

@@ -326,9 +326,10 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 #define BA_HD 64
 #define BW_PIECE 32
 #define BW_WARPS (ATT_THREADS / 32)
-#define BW_KEY_LANES 4                       // lanes that score one position
-#define BW_ROUNDS (BW_PIECE * BW_KEY_LANES / 32)  // positions of a piece a lane group scores
-#define BW_KEY_DIMS (BA_HD / BW_KEY_LANES)   // dimensions of a key a lane takes
+#define BW_KEY_LANES 4                            // lanes that score one position
+#define BW_GROUPS (32 / BW_KEY_LANES)             // positions a warp scores at once
+#define BW_ROUNDS (BW_PIECE / BW_GROUPS)          // positions of a piece a lane group scores
+#define BW_KEY_DIMS (BA_HD / BW_KEY_LANES)        // dimensions of a key a lane takes
 static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane sums a dimension pair of the values");
 static_assert(BW_KEY_DIMS == 16, "a lane takes two 16-byte pieces of a key row, as partial_dot(.., 4) cuts it");
 static_assert(BA_VALUES_SMEM == BW_WARPS * BW_PIECE * BA_HD * 2, "the host sizes a piece of values a warp");
@@ -340,7 +341,7 @@ __device__ __forceinline__ void ba_load_keys(uint4 kw[2 * BW_ROUNDS], const kv16
     int g = lane / BW_KEY_LANES, q = lane % BW_KEY_LANES;
 #pragma unroll
     for (int i = 0; i < BW_ROUNDS; i++) {
-        int j = 8 * i + g;
+        int j = BW_GROUPS * i + g;
         if (j < count && base + j != own) {
             const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)(base + j) * c + q * BW_KEY_DIMS);
             kw[2 * i] = src[0];
@@ -414,7 +415,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         float sc[BW_ROUNDS], m_piece = -INFINITY;
 #pragma unroll
         for (int i = 0; i < BW_ROUNDS; i++) {
-            int j = 8 * i + g;
+            int j = BW_GROUPS * i + g;
             float k[BW_KEY_DIMS];
             if (base + j == own) {
 #pragma unroll
@@ -442,7 +443,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         float p[BW_ROUNDS], p_sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < BW_ROUNDS; i++) {
-            p[i] = 8 * i + g < count ? __expf(sc[i] - m) : 0.0f;
+            p[i] = BW_GROUPS * i + g < count ? __expf(sc[i] - m) : 0.0f;
             p_sum += p[i];
         }
 #pragma unroll
@@ -457,9 +458,9 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         int own_j = own - base;
 #pragma unroll
         for (int jj = 0; jj < BW_PIECE; jj += 2) {
-            // position jj's weight is p[jj / 8] of lanes 4 (jj % 8)..
-            float p0 = __shfl_sync(0xffffffffu, p[jj / 8], BW_KEY_LANES * (jj % 8));
-            float p1 = __shfl_sync(0xffffffffu, p[(jj + 1) / 8], BW_KEY_LANES * ((jj + 1) % 8));
+            // position jj's weight is p[jj / BW_GROUPS] of the lanes of group jj % BW_GROUPS
+            float p0 = __shfl_sync(0xffffffffu, p[jj / BW_GROUPS], BW_KEY_LANES * (jj % BW_GROUPS));
+            float p1 = __shfl_sync(0xffffffffu, p[(jj + 1) / BW_GROUPS], BW_KEY_LANES * ((jj + 1) % BW_GROUPS));
             float2 v0 = jj == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj][lane]);
             float2 v1 = jj + 1 == own_j ? make_float2(own_v[d2], own_v[d2 + 1]) : f16x2_to_f32(wbuf[jj + 1][lane]);
             a0.x += p0 * v0.x;
