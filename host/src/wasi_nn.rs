@@ -385,10 +385,12 @@ impl Gpt2Context {
                     .iter()
                     .enumerate()
                     .map(|(position, &id)| {
+                        // the error made only for a bad id: this runs for every id of the
+                        // sequence at every step
                         u32::try_from(id)
                             .ok()
                             .filter(|&t| (t as usize) < vocab)
-                            .ok_or(Gpt2Error::TokenOutOfRange {
+                            .ok_or_else(|| Gpt2Error::TokenOutOfRange {
                                 position,
                                 id: id as i64,
                                 vocab,

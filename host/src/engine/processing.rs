@@ -101,7 +101,7 @@ impl Processing {
                 let id = u32::try_from(id)
                     .ok()
                     .filter(|&i| (i as usize) < vocab)
-                    .ok_or(ProcessingError::BiasId {
+                    .ok_or_else(|| ProcessingError::BiasId {
                         id: i64::from(id),
                         vocab,
                     })?;
