@@ -380,23 +380,21 @@ impl Gpt2Context {
                         n_ctx: self.config.n_ctx,
                     });
                 }
-                let vocab = self.config.vocab_size;
-                let tokens = values
-                    .iter()
-                    .enumerate()
-                    .map(|(position, &id)| {
-                        // the error made only for a bad id: this runs for every id of the
-                        // sequence at every step
-                        u32::try_from(id)
-                            .ok()
-                            .filter(|&t| (t as usize) < vocab)
-                            .ok_or_else(|| Gpt2Error::TokenOutOfRange {
+                // every id of the sequence is checked at every step: one allocation, and
+                // the error made only for a bad id
+                let mut tokens = Vec::with_capacity(values.len());
+                for (position, &id) in values.iter().enumerate() {
+                    match u32::try_from(id).ok().filter(|&t| (t as usize) < vocab) {
+                        Some(token) => tokens.push(token),
+                        None => {
+                            return Err(Gpt2Error::TokenOutOfRange {
                                 position,
-                                id: id as i64,
+                                id: i64::from(id),
                                 vocab,
                             })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
+                        }
+                    }
+                }
                 self.tokens = Some(tokens);
             }
             _ => return Err(Gpt2Error::NoSuchInput(index.to_string())),
