@@ -77,18 +77,28 @@ checks() {
   grep -h '"passed":false' "$OUT/checks-$name.log" | cut -c1-300 | head
 }
 
-# The service on port ${PORT:-18125} with model $1 (random:SIZE or a path) and $2 warm
-# contexts, the switches after them set; waits until it answers. `stop` ends it. DEVICE
-# (default cuda) and DTYPE (bf16) choose the backend.
-serve() {
-  local model=$1 warm=$2
-  shift 2
+# The service's command line, model $1 with $2 warm contexts on port ${PORT:-18125} (DEVICE,
+# default cuda, and DTYPE, default bf16, choose the backend), into SERVER_COMMAND; URL its
+# address.
+server_command() {
   URL=http://127.0.0.1:${PORT:-18125}
-  env "$@" "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}" \
-    --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 \
-    --warm-contexts "$warm" 2>>"$OUT/serve.log" &
+  SERVER_COMMAND=("$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "${PORT:-18125}"
+    --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bf16}" --graph "gpt2=$1" --max-instances 320 --warm-contexts "$2")
+}
+# Whether the service at URL answers within $1 tries, 0.2 s apart.
+answers() {
+  for _ in $(seq "$1"); do curl -sf "$URL/health" >/dev/null && return 0; sleep 0.2; done
+  return 1
+}
+
+# The service on port ${PORT:-18125} with model $1 (random:SIZE or a path) and $2 warm
+# contexts, the switches after them set; waits until it answers. `stop` ends it.
+serve() {
+  server_command "$1" "$2"
+  shift 2
+  env "$@" "${SERVER_COMMAND[@]}" 2>>"$OUT/serve.log" &
   SERVER=$!
-  for _ in $(seq 1500); do curl -sf "$URL/health" >/dev/null && return 0; sleep 0.2; done
+  answers 1500 && return 0
   echo "the service did not answer"
   return 1
 }
@@ -160,35 +170,32 @@ kernel_times() {
 
 # Every kernel's time in the service itself (ncu, `--clock-control none`; ncu serialises the
 # kernels, so passes grow and run longer while it measures): the server of model $2 with $3
-# warm contexts on PORT (default 18125, which must be free) under ncu,
+# warm contexts (`server_command`; its port must be free) under ncu,
 # the launches after the first ${SKIP:-6000}, ${COUNT:-2500} of them, while `load` (labelled
 # $1, loadgen's arguments after `--`) runs; the CSV into $OUT/ncu-svc-$1.csv.xz and
 # bench/pass-kernels.py's summary (each kernel, then the passes by rows) printed and kept.
 #   service_kernels 1558M-sampled-64 random:1558M 0 -- --concurrency 64 --duration 30 ...
 service_kernels() {
-  local name=$1 model=$2 warm=$3 port=${PORT:-18125} ncu pid
+  local name=$1 model=$2 warm=$3 ncu pid
   shift 3
   [ "${1:-}" = -- ] && shift
-  URL=http://127.0.0.1:$port
-  if curl -sf "$URL/health" >/dev/null; then
-    echo "a service already answers on port $port"
+  server_command "$model" "$warm"
+  if answers 1; then
+    echo "a service already answers at $URL"
     return 1
   fi
   timeout "${NCU_TIMEOUT:-200}" "${NCU:-/usr/local/cuda/bin/ncu}" --clock-control none --launch-skip "${SKIP:-6000}" \
-    --launch-count "${COUNT:-2500}" --metrics gpu__time_duration.sum --csv \
-    "$BIN/wasi-nn-host" serve --component "$BIN/gpt2_component.wasm" --port "$port" --device "${DEVICE:-cuda}" \
-    --dtype "${DTYPE:-bf16}" --graph "gpt2=$model" --max-instances 320 --warm-contexts "$warm" \
+    --launch-count "${COUNT:-2500}" --metrics gpu__time_duration.sum --csv "${SERVER_COMMAND[@]}" \
     > "$OUT/ncu-svc-$name.csv" 2>> "$OUT/ncu-svc.err" &
   ncu=$!
-  for _ in $(seq 600); do curl -sf "$URL/health" >/dev/null && break; sleep 0.2; done
-  if curl -sf "$URL/health" >/dev/null; then
+  if answers 600; then
     load "ncu-$name" "$@"
   else
     echo "the service under ncu did not answer"
   fi
   # end the server on this port (ncu's child), not ncu, so that ncu writes its report
   for pid in $(pgrep -x wasi-nn-host); do
-    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q -- "--port $port " && kill -TERM "$pid"
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q -- "--port ${PORT:-18125} " && kill -TERM "$pid"
   done
   wait "$ncu"
   python3 "$BENCH_DIR/pass-kernels.py" "$OUT/ncu-svc-$name.csv" | tee "$OUT/ncu-svc-summary-$name.txt"

@@ -165,11 +165,10 @@ extern "C" __global__ void batch_epilogue_bf16(void* out, const float* tmp, cons
 // gives zeros.
 // Positions a block of the batched attention scores at once: one a thread.
 #define BA_CHUNK ATT_THREADS
-// acc plus eight key elements times the query's, in the order every batched score takes.
+// acc plus eight key elements times the query's: two `key_dot4`s.
 __device__ __forceinline__ float dot8(float acc, const float k[8], const float* q) {
-    acc += k[0] * q[0] + k[1] * q[1] + k[2] * q[2] + k[3] * q[3];
-    acc += k[4] * q[4] + k[5] * q[5] + k[6] * q[6] + k[7] * q[7];
-    return acc;
+    acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), q);
+    return key_dot4(acc, make_float4(k[4], k[5], k[6], k[7]), q + 4);
 }
 // The dot product of a cached key row (hd elements, 16-byte aligned) with the query in shared
 // memory, summed as `partial_dot(kr, qs, hd, 0, 1)` sums it, from 16-byte loads.
