@@ -367,7 +367,10 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
                                     const unsigned long long* k_caches, const unsigned long long* v_caches,
                                     long long layer_off, int c, int rows, int split_out, int append, int span_len) {
     __shared__ float qs[BA_HD];
-    __shared__ float own_k[BA_HD], own_v[BA_HD];  // the appended position, as the cache keeps it
+    // the appended position as the cache keeps it: its key as the cache's fp16 bits (read as the
+    // cached keys are), its value as f32
+    __shared__ __align__(16) unsigned short own_k[BA_HD];
+    __shared__ float own_v[BA_HD];
     __shared__ float warp_acc[BW_WARPS][BA_HD];
     __shared__ float warp_run[BW_WARPS][2];  // each warp's max and sum
     const int hd = BA_HD;
@@ -399,7 +402,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
             float v = product_value(tmp, rows, r, 2 * c + col, n3, split_in) + load1(bias + 2 * c + col);
             kv_put(kc + (size_t)own * c + d, k);
             kv_put(vc + (size_t)own * c + d, v);
-            own_k[d] = kv_kept(kc, k);
+            own_k[d] = f32_to_f16_bits(k);
             own_v[d] = kv_kept(vc, v);
         }
     }
@@ -415,14 +418,17 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
 #pragma unroll
         for (int i = 0; i < BW_ROUNDS; i++) {
             int j = BW_GROUPS * i + g;
-            float k[BW_KEY_DIMS];
+            // (the own key's words selected before one conversion: converting each way apart
+            // spilled registers under CUDA 13's ptxas)
+            uint4 lo = kw[2 * i], hi = kw[2 * i + 1];
             if (base + j == own) {
-#pragma unroll
-                for (int e = 0; e < BW_KEY_DIMS; e++) k[e] = own_k[q * BW_KEY_DIMS + e];
-            } else {
-                f16x8_to_f32(kw[2 * i], k);
-                f16x8_to_f32(kw[2 * i + 1], k + 8);
+                const uint4* mine = reinterpret_cast<const uint4*>(own_k + q * BW_KEY_DIMS);
+                lo = mine[0];
+                hi = mine[1];
             }
+            float k[BW_KEY_DIMS];
+            f16x8_to_f32(lo, k);
+            f16x8_to_f32(hi, k + 8);
             float dot = 0.0f;
 #pragma unroll
             for (int t = 0; t < BW_KEY_DIMS; t += 4)
