@@ -347,8 +347,10 @@ __device__ void copy_row(float* __restrict__ dst, const float* __restrict__ src,
 // value (the edits' ids are distinct, so the threads never share one), then the followed
 // token's, for every thread of the row's blocks; returns `scratch`. The logits the guest
 // reads stay as they are. Each step is the host's f32 operation, rounded alone (never fused),
-// so the processed values are its bits.
-__device__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
+// so the processed values are its bits. Out of line: inlined into `batch_draw`, its copy's
+// loads in flight and the draw's values took more than the 64 registers a thread of 1,024
+// has, and CUDA 13's ptxas spilled some.
+__device__ __noinline__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
                                     float repetition, Follow follow) {
     const DrawRow row;
     int threads = (int)row.blocks * DRAW_THREADS, g = (int)row.rank * DRAW_THREADS + threadIdx.x;

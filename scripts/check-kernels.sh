@@ -21,9 +21,7 @@ for arch in compute_80 compute_90 sm_90; do
   target/release/wasi-nn-host compile-kernels --arch "$arch"
 done
 
-# (allowed: the opt-in persistent kernel's f32 build, and the batched draw, whose 1,024
-# threads a block leave it 64 registers of the 92 it would take: a few loop-invariant values
-# of the per-draw loop)
+# (allowed: the opt-in persistent kernel's f32 build)
 ptxas_wheel=nvidia_cuda_nvcc-13.0.88-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
 ptxas=$dir/cu13/nvidia/cu13/bin/ptxas
 if [ ! -x "$ptxas" ]; then
@@ -38,4 +36,4 @@ if [ ! -x "$ptxas" ]; then
 fi
 target/release/wasi-nn-host compile-kernels --arch compute_90 --out "$dir/kernels-compute_90.ptx"
 "$ptxas" -arch=sm_90 -v "$dir/kernels-compute_90.ptx" -o /dev/null 2>&1 \
-  | python3 scripts/kernel-spills.py --allow persistent_decode_f32=116 batch_draw=28
+  | python3 scripts/kernel-spills.py --allow persistent_decode_f32=116
