@@ -7,7 +7,7 @@
 # (384 positions for 180-220-token prompts and 128 tokens; 136 for the 4-6-token prompts),
 # the token drawn on the GPU (argmax or top-p). Ours: the service (124M, then 1558M, bf16)
 # under loadgen, 128-token completions of prompts cut from TinyShakespeare. Lines as `peer`
-# and `load` print them; the JSON lines go to $OUT (peer*.jsonl, traffic.jsonl).
+# and `load` print them; the JSON lines go to $OUT (peer*.jsonl, traffic.jsonl.xz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device-lib.sh
@@ -57,4 +57,6 @@ serve random:1558M 64
 load 1558M-greedy-64 --concurrency 64 --duration 8 --no-check
 load 1558M-sampled-64 --concurrency 64 --duration 8 "${SAMPLED[@]}" --no-check
 stop
+# compressed, as the device tool brings it back (twice the plain file was left behind)
+xz -f "$OUT/traffic.jsonl"
 echo "end $(date +%T)"
