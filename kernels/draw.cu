@@ -350,8 +350,8 @@ __device__ void copy_row(float* __restrict__ dst, const float* __restrict__ src,
 // so the processed values are its bits. Out of line: inlined into `batch_draw`, its copy's
 // loads in flight and the draw's values took more than the 64 registers a thread of 1,024
 // has, and CUDA 13's ptxas spilled some.
-__device__ __noinline__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits, int n_edits,
-                                    float repetition, Follow follow) {
+__device__ __noinline__ const float* process_row(const float* logits, float* scratch, int v, const uint4* edits,
+                                                int n_edits, float repetition, Follow follow) {
     const DrawRow row;
     int threads = (int)row.blocks * DRAW_THREADS, g = (int)row.rank * DRAW_THREADS + threadIdx.x;
     copy_row(scratch, logits, v, g, threads);
