@@ -24,10 +24,35 @@ __device__ __forceinline__ float exp_in_place(float* scores, int count, float m,
 #define MAX_HD 128
 
 // Score of one cached position against q (in shared memory): the `parts` threads of a
-// position each take hd/parts dimensions, all loads issued before the sums.
+// position each take hd/parts dimensions, all loads issued before the sums. Where hd is a
+// multiple of 8 * parts, thread `part` takes the groups of 8 dimensions part, part + parts,
+// ...: the threads of a position then read its row side by side, whole 32-byte sectors at a
+// time (one thread's 16 bytes each, fp16), where a contiguous share each had every load
+// instruction ask for part of each sector. Otherwise each takes hd/parts contiguous ones.
+// (`batch_attention_h64` sums its keys in the same order.)
 template <typename KV>
 __device__ __forceinline__ float partial_dot(const KV* kr, const float* qs, int hd, int part, int parts) {
     float acc = 0.0f;
+    if (hd == 64 && parts == 4) {
+        // GPT-2's heads: both groups' loads before their sums
+        float k[8], l[8];
+        kv_get8(kr + 8 * part, k);
+        kv_get8(kr + 32 + 8 * part, l);
+        acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), qs + 8 * part);
+        acc = key_dot4(acc, make_float4(k[4], k[5], k[6], k[7]), qs + 8 * part + 4);
+        acc = key_dot4(acc, make_float4(l[0], l[1], l[2], l[3]), qs + 32 + 8 * part);
+        return key_dot4(acc, make_float4(l[4], l[5], l[6], l[7]), qs + 36 + 8 * part);
+    }
+    if (hd % (8 * parts) == 0) {
+#pragma unroll 1
+        for (int d = 8 * part; d < hd; d += 8 * parts) {
+            float k[8];
+            kv_get8(kr + d, k);
+            acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), qs + d);
+            acc = key_dot4(acc, make_float4(k[4], k[5], k[6], k[7]), qs + d + 4);
+        }
+        return acc;
+    }
     int span = hd / parts;
 #pragma unroll 8
     for (int d = part * span; d < (part + 1) * span; d += 4) {
@@ -355,8 +380,10 @@ __device__ void attention_prefill_impl(float* out, const float* qkv, const KV* k
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
         out[(size_t)t * c + h * hd + d] = (acc_s[0][d] + acc_s[1][d] + acc_s[2][d] + acc_s[3][d]) / sum;
 }
+// (The blocks an SM in the launch bounds only keep CUDA 13's ptxas from holding the kernel to
+// 32 registers and spilling.)
 #define ATTENTION_PREFILL(NAME, KV)                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 4)                                               \
         NAME(float* out, const float* qkv, const void* k_cache, const void* v_cache, int start, int c, int hd) { \
         attention_prefill_impl(out, qkv, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), start, \
                                c, hd);                                                                         \

@@ -313,9 +313,9 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 // of the block's warps running an online softmax of its own, so that no block-wide barrier
 // stands between one piece of positions and the next: the span is cut into pieces of
 // BW_PIECE positions and warp w takes pieces w, w + BW_WARPS, ... Four lanes score a
-// position, 16 dimensions each as the lone decode's `partial_dot` does (lanes 4g..4g + 3 take
-// positions g, g + 8, g + 16, g + 24 of a piece), so that one load instruction reads 8 key
-// rows, not 32 rows' 16 bytes each. The warp's max and sum come from shuffles, then lane j
+// position, 16 dimensions each as the lone decode's `partial_dot` takes and sums them (lanes
+// 4g..4g + 3 take positions g, g + 8, g + 16, g + 24 of a piece), so that one load
+// instruction reads half of each of 8 key rows in whole sectors. The warp's max and sum come from shuffles, then lane j
 // sums dimensions 2j and 2j + 1 over the piece's values, staged in the warp's part of `vbuf`
 // (cp.async, zeros past the span). A piece's keys are asked for as soon as the piece before
 // has used its own, its values once the piece before has been summed. The warps' maxima,
@@ -331,10 +331,14 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 #define BW_KEY_DIMS (BA_HD / BW_KEY_LANES)        // dimensions of a key a lane takes
 static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane sums a dimension pair of the values");
 static_assert(BW_KEY_DIMS == 16, "a lane takes two 16-byte pieces of a key row, as partial_dot(.., 4) cuts it");
+// The dimension a lane's half (0: the first 8, 1: the last) of its 16 begins at:
+// partial_dot(.., 4)'s groups of 8, lane q taking groups q and q + 4.
+#define BW_KEY_AT(q, half) (8 * (q) + (half) * 8 * BW_KEY_LANES)
 static_assert(BA_VALUES_SMEM == BW_WARPS * BW_PIECE * BA_HD * 2, "the host sizes a piece of values a warp");
 // Lane `lane`'s share of a piece's keys (first position `base`, `count` positions) into
-// registers: in round i, dimensions 16q..16q + 15 (q = lane % 4) of the piece's position
-// 8i + lane / 4, where it has one to score (the row's own position is read from shared memory).
+// registers: in round i, dimensions 8q..8q + 7 and 32 + 8q..32 + 8q + 7 (q = lane % 4) of the
+// piece's position 8i + lane / 4, where it has one to score (the row's own position is read
+// from shared memory); a load instruction reads 64 whole bytes of each of 8 key rows.
 __device__ __forceinline__ void ba_load_keys(uint4 kw[2 * BW_ROUNDS], const kv16_t* kc, int c, int base, int count,
                                              int own, int lane) {
     int g = lane / BW_KEY_LANES, q = lane % BW_KEY_LANES;
@@ -342,9 +346,9 @@ __device__ __forceinline__ void ba_load_keys(uint4 kw[2 * BW_ROUNDS], const kv16
     for (int i = 0; i < BW_ROUNDS; i++) {
         int j = BW_GROUPS * i + g;
         if (j < count && base + j != own) {
-            const uint4* src = reinterpret_cast<const uint4*>(kc + (size_t)(base + j) * c + q * BW_KEY_DIMS);
-            kw[2 * i] = src[0];
-            kw[2 * i + 1] = src[1];
+            const kv16_t* row = kc + (size_t)(base + j) * c;
+            kw[2 * i] = *reinterpret_cast<const uint4*>(row + BW_KEY_AT(q, 0));
+            kw[2 * i + 1] = *reinterpret_cast<const uint4*>(row + BW_KEY_AT(q, 1));
         }
     }
 }
@@ -422,9 +426,8 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
             // spilled registers under CUDA 13's ptxas)
             uint4 lo = kw[2 * i], hi = kw[2 * i + 1];
             if (base + j == own) {
-                const uint4* mine = reinterpret_cast<const uint4*>(own_k + q * BW_KEY_DIMS);
-                lo = mine[0];
-                hi = mine[1];
+                lo = *reinterpret_cast<const uint4*>(own_k + BW_KEY_AT(q, 0));
+                hi = *reinterpret_cast<const uint4*>(own_k + BW_KEY_AT(q, 1));
             }
             float k[BW_KEY_DIMS];
             f16x8_to_f32(lo, k);
@@ -432,7 +435,8 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
             float dot = 0.0f;
 #pragma unroll
             for (int t = 0; t < BW_KEY_DIMS; t += 4)
-                dot = key_dot4(dot, make_float4(k[t], k[t + 1], k[t + 2], k[t + 3]), qs + q * BW_KEY_DIMS + t);
+                dot = key_dot4(dot, make_float4(k[t], k[t + 1], k[t + 2], k[t + 3]),
+                               qs + BW_KEY_AT(q, t / 8) + t % 8);
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
             dot += __shfl_xor_sync(0xffffffffu, dot, 2);
             sc[i] = j < count ? dot * scale : -INFINITY;
