@@ -3,6 +3,7 @@
 #   source bench/device-lib.sh
 #   unpack .device/bin /tmp/b          # binaries built elsewhere, xz-compressed or not
 #   step WASI_NN_HOST_X=1 -- --dtype bf16 --model random:124M --context 128
+#   read -r -a NEW <<< "$(kernel_arm new .device/kernels-new)"; checks new "${NEW[@]}"
 #   serve random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...; stop
 #   alternate 2 loads new "old BIN=/tmp/old"    # an A/B, a fresh server each arm and round
 #   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
@@ -64,17 +65,30 @@ print(r['graph_ms_per_token'], r['backend_greedy_ms_per_token'], phases)")
 }
 
 # The GPU checks (`check-cuda` with the models named, 16-token prompts, 32 steps), into
-# $OUT/checks-$1.log; prints the count passed and failed and the failures' first lines.
+# $OUT/checks-$1.log, NAME=VALUE switches after the name set for them and check-cuda's own
+# arguments after `--`; prints the count passed and failed and the failures' first lines.
+#   checks new "${NEW[@]}"          (NEW an arm of `kernel_arm`)
 checks() {
-  local name=$1 s rc
+  local name=$1 s rc envs=()
   shift
+  while [ $# -gt 0 ] && [[ $1 == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  [ "${1:-}" = -- ] && shift
   s=$(date +%s)
-  timeout "${CHECK_TIMEOUT:-200}" "$BIN/wasi-nn-bench" check-cuda --model models/gpt2-shakespeare \
-    --model random:124M --prompt 16 --steps 32 "$@" > "$OUT/checks-$name.log" 2>&1
+  env "${envs[@]}" timeout "${CHECK_TIMEOUT:-200}" "$BIN/wasi-nn-bench" check-cuda \
+    --model models/gpt2-shakespeare --model random:124M --prompt 16 --steps 32 "$@" > "$OUT/checks-$name.log" 2>&1
   rc=$?
   echo "checks $name rc=$rc $(( $(date +%s) - s ))s $(grep -c '"passed":true' "$OUT/checks-$name.log") passed," \
     "$(grep -c '"passed":false' "$OUT/checks-$name.log") failed"
   grep -h '"passed":false' "$OUT/checks-$name.log" | cut -c1-300 | head
+}
+
+# One arm of a kernels' A/B, as NAME=VALUE switches: the host compiles the `.cu` files of
+# folder $2 instead of its own, into a cache of the arm's own (/tmp/kc-$1), so that both arms
+# pay the folder's path alike:
+#   read -r -a NEW <<< "$(kernel_arm new .device/kernels-new)"
+#   checks new "${NEW[@]}"; alternate 2 loads "new ${NEW[*]}" "old ${OLD[*]}"
+kernel_arm() {
+  echo "WASI_NN_HOST_KERNELS=$(cd "$2" && pwd) WASI_NN_HOST_CACHE=/tmp/kc-$1"
 }
 
 # The service's command line, model $1 with $2 warm contexts on port ${PORT:-18125} (DEVICE,
