@@ -24,28 +24,27 @@ __device__ __forceinline__ float exp_in_place(float* scores, int count, float m,
 #define MAX_HD 128
 
 // Score of one cached position against q (in shared memory): the `parts` threads of a
-// position each take hd/parts dimensions, all loads issued before the sums. Where hd is a
-// multiple of 8 * parts, thread `part` takes the groups of 8 dimensions part, part + parts,
-// ...: the threads of a position then read its row side by side, whole 32-byte sectors at a
-// time (one thread's 16 bytes each, fp16), where a contiguous share each had every load
-// instruction ask for part of each sector. Otherwise each takes hd/parts contiguous ones.
-// (`batch_attention_h64` sums its keys in the same order.)
+// position each take hd/parts dimensions. Where hd is a multiple of 8 * parts, in `key_group`'s
+// groups (a contiguous share each had every load instruction ask for part of each sector);
+// otherwise hd/parts contiguous ones.
 template <typename KV>
 __device__ __forceinline__ float partial_dot(const KV* kr, const float* qs, int hd, int part, int parts) {
     float acc = 0.0f;
     if (hd == 64 && parts == 4) {
-        // GPT-2's heads: both groups' loads before their sums
+        // GPT-2's heads, two groups a thread: both loads before their sums (a loop over them
+        // spilled in the plain prefill under CUDA 13's ptxas)
+        int a = key_group(part, parts, 0), b = key_group(part, parts, 1);
         float k[8], l[8];
-        kv_get8(kr + 8 * part, k);
-        kv_get8(kr + 32 + 8 * part, l);
-        acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), qs + 8 * part);
-        acc = key_dot4(acc, make_float4(k[4], k[5], k[6], k[7]), qs + 8 * part + 4);
-        acc = key_dot4(acc, make_float4(l[0], l[1], l[2], l[3]), qs + 32 + 8 * part);
-        return key_dot4(acc, make_float4(l[4], l[5], l[6], l[7]), qs + 36 + 8 * part);
+        kv_get8(kr + a, k);
+        kv_get8(kr + b, l);
+        acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), qs + a);
+        acc = key_dot4(acc, make_float4(k[4], k[5], k[6], k[7]), qs + a + 4);
+        acc = key_dot4(acc, make_float4(l[0], l[1], l[2], l[3]), qs + b);
+        return key_dot4(acc, make_float4(l[4], l[5], l[6], l[7]), qs + b + 4);
     }
     if (hd % (8 * parts) == 0) {
 #pragma unroll 1
-        for (int d = 8 * part; d < hd; d += 8 * parts) {
+        for (int d = key_group(part, parts, 0); d < hd; d += key_group(0, parts, 1)) {
             float k[8];
             kv_get8(kr + d, k);
             acc = key_dot4(acc, make_float4(k[0], k[1], k[2], k[3]), qs + d);

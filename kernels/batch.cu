@@ -313,9 +313,10 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 // of the block's warps running an online softmax of its own, so that no block-wide barrier
 // stands between one piece of positions and the next: the span is cut into pieces of
 // BW_PIECE positions and warp w takes pieces w, w + BW_WARPS, ... Four lanes score a
-// position, 16 dimensions each as the lone decode's `partial_dot` takes and sums them (lanes
-// 4g..4g + 3 take positions g, g + 8, g + 16, g + 24 of a piece), so that one load
-// instruction reads half of each of 8 key rows in whole sectors. The warp's max and sum come from shuffles, then lane j
+// position, 16 dimensions each in `key_group`'s groups, summed as the lone decode's
+// `partial_dot` sums them (lanes 4g..4g + 3 take positions g, g + 8, g + 16, g + 24 of a
+// piece), so that one load instruction reads half of each of 8 key rows in whole sectors.
+// The warp's max and sum come from shuffles, then lane j
 // sums dimensions 2j and 2j + 1 over the piece's values, staged in the warp's part of `vbuf`
 // (cp.async, zeros past the span). A piece's keys are asked for as soon as the piece before
 // has used its own, its values once the piece before has been summed. The warps' maxima,
@@ -331,9 +332,8 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 #define BW_KEY_DIMS (BA_HD / BW_KEY_LANES)        // dimensions of a key a lane takes
 static_assert(BW_PIECE == 32 && BA_HD == 2 * BW_PIECE, "a lane sums a dimension pair of the values");
 static_assert(BW_KEY_DIMS == 16, "a lane takes two 16-byte pieces of a key row, as partial_dot(.., 4) cuts it");
-// The dimension a lane's half (0: the first 8, 1: the last) of its 16 begins at:
-// partial_dot(.., 4)'s groups of 8, lane q taking groups q and q + 4.
-#define BW_KEY_AT(q, half) (8 * (q) + (half) * 8 * BW_KEY_LANES)
+// The dimension a lane's half (0: the first 8, 1: the last) of its 16 begins at.
+#define BW_KEY_AT(q, half) key_group(q, BW_KEY_LANES, half)
 static_assert(BA_VALUES_SMEM == BW_WARPS * BW_PIECE * BA_HD * 2, "the host sizes a piece of values a warp");
 // Lane `lane`'s share of a piece's keys (first position `base`, `count` positions) into
 // registers: in round i, dimensions 8q..8q + 7 and 32 + 8q..32 + 8q + 7 (q = lane % 4) of the

@@ -159,6 +159,11 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float key_dot4(float acc, float4 k, const float* q) {
     return acc + (k.x * q[0] + k.y * q[1] + k.z * q[2] + k.w * q[3]);
 }
+// The first dimension of group i (8 dimensions each) of the key that thread `part` of a
+// position's `parts` scores: groups part, part + parts, ..., so that the threads of a position
+// read its row side by side, in whole 32-byte sectors (fp16). Every decode score takes its
+// dimensions in this order (`partial_dot`, `batch_attention_h64`).
+__device__ __forceinline__ int key_group(int part, int parts, int i) { return 8 * (part + i * parts); }
 
 // Sum over the block; every thread gets the result. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
