@@ -25,6 +25,26 @@ __device__ __forceinline__ void store_act(void* out, int rows, int r, int col, i
         static_cast<float*>(out)[(size_t)r * width + col] = v;
     }
 }
+// Four activations from `col` (a multiple of 4) on, as `store_act` stores each: one 16-byte
+// store (f32), or 8 bytes into the hi row and 8 into the lo row (split).
+__device__ __forceinline__ void store_act4(void* out, int rows, int r, int col, int width, float4 v, int split) {
+    if (split) {
+        float e[4] = {v.x, v.y, v.z, v.w};
+        u32 hi[2], lo[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            bf16_t h0 = f32_to_bf16_bits(e[2 * j]), h1 = f32_to_bf16_bits(e[2 * j + 1]);
+            hi[j] = (u32)h0 | ((u32)h1 << 16);
+            lo[j] = (u32)f32_to_bf16_bits(e[2 * j] - bf16_to_f32(h0)) |
+                    ((u32)f32_to_bf16_bits(e[2 * j + 1] - bf16_to_f32(h1)) << 16);
+        }
+        bf16_t* o = static_cast<bf16_t*>(out);
+        *reinterpret_cast<uint2*>(o + (size_t)r * width + col) = make_uint2(hi[0], hi[1]);
+        *reinterpret_cast<uint2*>(o + (size_t)(rows + r) * width + col) = make_uint2(lo[0], lo[1]);
+    } else {
+        *reinterpret_cast<float4*>(static_cast<float*>(out) + (size_t)r * width + col) = v;
+    }
+}
 // A product's result for row r: its row, plus the lo row's when the input was split (cuBLAS's
 // result; only the first lo_rows rows have one, the rows past them were multiplied as their hi
 // halves alone), or summed over the planes of K slices (`batch_gemm`'s, the hi and lo rows
@@ -46,35 +66,69 @@ __device__ __forceinline__ float product_value(const float* tmp, int rows, int r
         if (p < parts) v += part[p];
     return v;
 }
+// `product_value` of the four columns from `col` (a multiple of 4) on, each summed as it sums
+// one, from 16-byte loads.
+__device__ __forceinline__ float4 product_value4(const float* tmp, int rows, int r, int col, int n, int split_in) {
+    int parts = max(1, split_in >> 1);
+    const float4* t = reinterpret_cast<const float4*>(tmp + (size_t)r * n + col);
+    size_t plane = (size_t)rows * n / 4;
+    if (split_in & 1) {
+        float4 hi = t[0], lo = r < (split_in >> 1) ? t[plane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        return make_float4(0.0f + hi.x + lo.x, 0.0f + hi.y + lo.y, 0.0f + hi.z + lo.z, 0.0f + hi.w + lo.w);
+    }
+    float4 part[MAX_PLANES];
+#pragma unroll
+    for (int p = 0; p < MAX_PLANES; ++p) part[p] = p < parts ? t[p * plane] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int p = 0; p < MAX_PLANES; ++p) {
+        if (p < parts) {
+            v.x += part[p].x;
+            v.y += part[p].y;
+            v.z += part[p].z;
+            v.w += part[p].w;
+        }
+    }
+    return v;
+}
 
 // The residual stream's update and the LayerNorm that follows it, one block per row: with
 // `tmp`, x[r] += product + bias (a projection's result); without, x[r] = wte[tokens[r]] +
 // wpe[positions[r]] (the embedding; zeros for a padding row; clears keys[r], the row's argmax
 // key that the LM head raises). Then LayerNorm(x[r]) (eps 1e-5, two passes over the row held in
 // registers, as `layernorm`) into `out` as a product input (f32, or split). The weights (bias,
-// LayerNorm) are fetched before the wait on the previous kernel.
-// Elements of a row a thread holds: C <= RN_PER * 256 (the host refuses n_embd > 2048).
-#define RN_PER 8
+// LayerNorm) are fetched before the wait on the previous kernel. A thread holds pieces of four
+// elements (C % 8 == 0, checked on the host), so that a row takes a few 16-byte loads a thread
+// rather than a predicated scalar load for every (element, plane) a thread could hold: the
+// kernel's time is its instructions' latency, not its bytes.
+// Pieces of a row a thread holds: C <= RN_PER * 4 * 256 (the host refuses n_embd > 2048).
+#define RN_PER 2
 template <typename W>
 __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bias, int split_in, const int* tokens,
                                          const int* positions, const W* wte, const W* wpe, const W* ln_w,
                                          const W* ln_b, void* out, int split_out, int rows, int c,
                                          unsigned long long* keys) {
+    using S4 = typename Stored4<W>::T;
     __shared__ float scratch[32];
     pdl_launch_dependents();
-    float v[RN_PER], gain[RN_PER], shift[RN_PER], b[RN_PER];
+    const int c4 = c / 4;
+    S4 gain[RN_PER], shift[RN_PER], b[RN_PER];
 #pragma unroll
     for (int u = 0; u < RN_PER; u++) {
         int i = threadIdx.x + u * blockDim.x;
-        bool in = i < c;
-        gain[u] = in ? load1(ln_w + i) : 0.0f;
-        shift[u] = in ? load1(ln_b + i) : 0.0f;
-        b[u] = in && tmp != nullptr ? load1(bias + i) : 0.0f;
+        gain[u] = shift[u] = b[u] = S4{};
+        if (i < c4) {
+            gain[u] = fetch4(ln_w + 4 * i);
+            shift[u] = fetch4(ln_b + 4 * i);
+            if (tmp != nullptr) b[u] = fetch4(bias + 4 * i);
+        }
     }
     pdl_wait();
     int r = blockIdx.x, pos = positions[r];
     float* xr = x + (size_t)r * c;
-    float s = 0.0f;
+    float4 v[RN_PER];
+#pragma unroll
+    for (int u = 0; u < RN_PER; u++) v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (tmp == nullptr) {
         if (threadIdx.x == 0) keys[r] = 0ull;
         const W* te = wte + (size_t)tokens[r] * c;
@@ -82,33 +136,49 @@ __device__ void batch_residual_norm_impl(float* x, const float* tmp, const W* bi
 #pragma unroll
         for (int u = 0; u < RN_PER; u++) {
             int i = threadIdx.x + u * blockDim.x;
-            v[u] = i < c && pos >= 0 ? load1(te + i) + load1(pe + i) : 0.0f;
+            if (i < c4 && pos >= 0) {
+                float4 t = load4(te + 4 * i), p = load4(pe + 4 * i);
+                v[u] = make_float4(t.x + p.x, t.y + p.y, t.z + p.z, t.w + p.w);
+            }
         }
     } else {
 #pragma unroll
         for (int u = 0; u < RN_PER; u++) {
             int i = threadIdx.x + u * blockDim.x;
-            v[u] = i < c ? xr[i] + (product_value(tmp, rows, r, i, c, split_in) + b[u]) : 0.0f;
+            if (i < c4) {
+                float4 old = *reinterpret_cast<const float4*>(xr + 4 * i);
+                float4 p = product_value4(tmp, rows, r, 4 * i, c, split_in), bb = widen4(b[u]);
+                v[u] = make_float4(old.x + (p.x + bb.x), old.y + (p.y + bb.y), old.z + (p.z + bb.z),
+                                   old.w + (p.w + bb.w));
+            }
         }
     }
+    float s = 0.0f;
 #pragma unroll
     for (int u = 0; u < RN_PER; u++) {
         int i = threadIdx.x + u * blockDim.x;
-        if (i < c) xr[i] = v[u];
-        s += v[u];
+        if (i < c4) *reinterpret_cast<float4*>(xr + 4 * i) = v[u];
+        s += (v[u].x + v[u].y) + (v[u].z + v[u].w);
     }
     float mean = block_sum(s, scratch) / c;
     float var = 0.0f;
 #pragma unroll
     for (int u = 0; u < RN_PER; u++) {
-        float d = threadIdx.x + u * blockDim.x < c ? v[u] - mean : 0.0f;
-        var += d * d;
+        if (threadIdx.x + u * blockDim.x < c4) {
+            float d0 = v[u].x - mean, d1 = v[u].y - mean, d2 = v[u].z - mean, d3 = v[u].w - mean;
+            var += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+        }
     }
     float rstd = rsqrtf(block_sum(var, scratch) / c + 1e-5f);
 #pragma unroll
     for (int u = 0; u < RN_PER; u++) {
         int i = threadIdx.x + u * blockDim.x;
-        if (i < c) store_act(out, rows, r, i, c, (v[u] - mean) * rstd * gain[u] + shift[u], split_out);
+        if (i < c4) {
+            float4 g = widen4(gain[u]), h = widen4(shift[u]);
+            float4 y = make_float4((v[u].x - mean) * rstd * g.x + h.x, (v[u].y - mean) * rstd * g.y + h.y,
+                                   (v[u].z - mean) * rstd * g.z + h.z, (v[u].w - mean) * rstd * g.w + h.w);
+            store_act4(out, rows, r, 4 * i, c, y, split_out);
+        }
     }
 }
 #define BATCH_RESIDUAL_NORM(name, W)                                                                           \
@@ -132,9 +202,13 @@ __device__ void batch_epilogue_impl(void* out, const float* tmp, const W* bias, 
     pdl_launch_dependents();
     pdl_wait();
     int r = blockIdx.y;
-    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < n; col += gridDim.x * blockDim.x) {
-        float v = product_value(tmp, rows, r, col, n, split_in) + load1(bias + col);
-        store_act(out, rows, r, col, n, mode == EPI_GELU ? gelu_tanh(v) : v, split_out);
+    // four columns a thread (n % 4 == 0: a multiple of n_embd), each as `product_value` sums it
+    for (int c4 = blockIdx.x * blockDim.x + threadIdx.x; 4 * c4 < n; c4 += gridDim.x * blockDim.x) {
+        int col = 4 * c4;
+        float4 p = product_value4(tmp, rows, r, col, n, split_in), b = load4(bias + col);
+        float4 v = make_float4(p.x + b.x, p.y + b.y, p.z + b.z, p.w + b.w);
+        if (mode == EPI_GELU) v = make_float4(gelu_tanh(v.x), gelu_tanh(v.y), gelu_tanh(v.z), gelu_tanh(v.w));
+        store_act4(out, rows, r, col, n, v, split_out);
     }
 }
 extern "C" __global__ void batch_epilogue_f32(void* out, const float* tmp, const float* bias, int rows, int n,
