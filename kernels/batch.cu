@@ -202,13 +202,9 @@ __device__ void batch_epilogue_impl(void* out, const float* tmp, const W* bias, 
     pdl_launch_dependents();
     pdl_wait();
     int r = blockIdx.y;
-    // four columns a thread (n % 4 == 0: a multiple of n_embd), each as `product_value` sums it
-    for (int c4 = blockIdx.x * blockDim.x + threadIdx.x; 4 * c4 < n; c4 += gridDim.x * blockDim.x) {
-        int col = 4 * c4;
-        float4 p = product_value4(tmp, rows, r, col, n, split_in), b = load4(bias + col);
-        float4 v = make_float4(p.x + b.x, p.y + b.y, p.z + b.z, p.w + b.w);
-        if (mode == EPI_GELU) v = make_float4(gelu_tanh(v.x), gelu_tanh(v.y), gelu_tanh(v.z), gelu_tanh(v.w));
-        store_act4(out, rows, r, col, n, v, split_out);
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < n; col += gridDim.x * blockDim.x) {
+        float v = product_value(tmp, rows, r, col, n, split_in) + load1(bias + col);
+        store_act(out, rows, r, col, n, mode == EPI_GELU ? gelu_tanh(v) : v, split_out);
     }
 }
 extern "C" __global__ void batch_epilogue_f32(void* out, const float* tmp, const float* bias, int rows, int n,
@@ -930,10 +926,15 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 #define BG_STREAMS 64
 #define BG_BK 64
 #define BG_STAGES 4
-#define BG_LD (BG_BK + 8)  // padded rows: ldmatrix reads 8 rows 144 bytes apart, no bank conflicts
 #define BG_THREADS 256
 
-typedef unsigned short bg_row_t[BG_LD];
+// A tile row in shared memory: BG_BK elements, 128 bytes, its 16-byte chunks swizzled: logical
+// chunk c of tile row r sits at chunk c ^ (r & 7). The eight rows an ldmatrix phase reads at one
+// chunk then lie in eight different bank groups, and a copy's 8 lanes fill one whole aligned
+// 128-byte row (padded rows, 144 bytes apart, gave each copy 1.5x its sectors from L2 and 2.6x
+// its shared-memory wavefronts under ncu).
+typedef unsigned short bg_row_t[BG_BK];
+__device__ __forceinline__ int bg_col(int row, int chunk) { return (chunk ^ (row & 7)) * 8; }
 
 template <int WN, bool FOLD>
 __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, const bf16_t* w, int rows, int n,
@@ -945,6 +946,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     static_assert(A_PER * BG_THREADS == 2 * BG_STREAMS * CH && W_PER * BG_THREADS == BN * CH,
                   "a stage's copies spread evenly over the threads");
     constexpr int ROW_STEP = BG_THREADS / CH;                // tile rows between a thread's pieces
+    static_assert(ROW_STEP % 8 == 0, "a thread's pieces share their rows' swizzle");
     extern __shared__ __align__(16) unsigned char bg_smem[];
     bg_row_t* as = reinterpret_cast<bg_row_t*>(bg_smem);  // [BG_STAGES][2 * BG_STREAMS]
     bg_row_t* ws = as + BG_STAGES * 2 * BG_STREAMS;      // [BG_STAGES][BN]
@@ -957,7 +959,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     // A thread copies the same pieces at every stage: piece ch of tile rows r, r + ROW_STEP, ...
     // Tile row 16 * wp + q of the input holds row s0 + 8 * wp + (q & 7)'s hi half (q < 8) or
     // lo half, zeros past `rows`; the weights' tile row r is output column col0 + r.
-    int ch = (threadIdx.x % CH) * 8, r0 = threadIdx.x / CH;
+    int ch = (threadIdx.x % CH) * 8, r0 = threadIdx.x / CH, sw = bg_col(r0, ch / 8);
     const bf16_t* w_src[W_PER];
 #pragma unroll
     for (int u = 0; u < W_PER; ++u) w_src[u] = w + (size_t)(col0 + r0 + u * ROW_STEP) * k + k0 + ch;
@@ -965,7 +967,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
         bg_row_t* dst = ws + (s % BG_STAGES) * BN;
 #pragma unroll
         for (int u = 0; u < W_PER; ++u)
-            cp_async16(&dst[r0 + u * ROW_STEP][ch], w_src[u] + s * BG_BK, true);
+            cp_async16(&dst[r0 + u * ROW_STEP][sw], w_src[u] + s * BG_BK, true);
     };
     pdl_launch_dependents();
     for (int s = 0; s < BG_STAGES - 1; ++s)
@@ -982,7 +984,7 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
     auto load_a = [&](int s) {
         bg_row_t* dst = as + (s % BG_STAGES) * 2 * BG_STREAMS;
 #pragma unroll
-        for (int u = 0; u < A_PER; ++u) cp_async16(&dst[r0 + u * ROW_STEP][ch], a_src[u] + s * BG_BK, a_ok[u]);
+        for (int u = 0; u < A_PER; ++u) cp_async16(&dst[r0 + u * ROW_STEP][sw], a_src[u] + s * BG_BK, a_ok[u]);
     };
     for (int s = 0; s < BG_STAGES - 1; ++s) {
         if (s < stages) load_a(s);
@@ -1011,12 +1013,14 @@ __device__ __forceinline__ void batch_gemm_impl(float* out, const bf16_t* a, con
         for (int kk = 0; kk < BG_BK; kk += 16) {
             u32 af[4];
             // the strip's rows 0-7 / 8-15, columns kk / kk + 8
-            ldmatrix_x4(af, &at[warp * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+            int ar = warp * 16 + (lane & 15);
+            ldmatrix_x4(af, &at[ar][bg_col(ar, kk / 8 + (lane >> 4))]);
 #pragma unroll
             for (int j = 0; j < WN; j += 2) {
                 u32 bf[4];
                 // outputs 8j..8j+7 then 8j+8..8j+15, each at k kk and kk + 8
-                ldmatrix_x4(bf, &wt[j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                int br = j * 8 + (lane & 7) + ((lane >> 4) << 3);
+                ldmatrix_x4(bf, &wt[br][bg_col(br, kk / 8 + ((lane >> 3) & 1))]);
                 mma_bf16_16816(acc[j], af, bf[0], bf[1]);
                 mma_bf16_16816(acc[j + 1], af, bf[2], bf[3]);
             }
