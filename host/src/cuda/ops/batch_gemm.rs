@@ -82,9 +82,9 @@ const BG_STAGES: usize = 4;
 const BG_THREADS: u32 = 256;
 
 /// Dynamic shared memory of [`Launcher::batch_gemm`]'s blocks of `cols` columns: `BG_STAGES`
-/// stages of 128 input rows and the tile's weight rows, each row 64 bf16 + 8 of padding.
+/// stages of 128 input rows and the tile's weight rows, each row 64 bf16 (swizzled, unpadded).
 fn gemm_shared_bytes(cols: usize) -> usize {
-    BG_STAGES * (2 * BG_STREAMS + cols) * (BG_BK + 8) * 2
+    BG_STAGES * (2 * BG_STREAMS + cols) * BG_BK * 2
 }
 
 /// Let a product kernel use its dynamic shared memory (above the default 48 KiB).
