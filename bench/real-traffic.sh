@@ -7,29 +7,30 @@
 # (384 positions for 180-220-token prompts and 128 tokens; 136 for the 4-6-token prompts),
 # the token drawn on the GPU (argmax or top-p). Ours: the service (124M, then 1558M, bf16)
 # under loadgen, 128-token completions of prompts cut from TinyShakespeare. Lines as `peer`
-# and `load` print them; the JSON lines go to $OUT (peer*.jsonl, traffic.jsonl.xz).
+# and `load` print them; the JSON lines go to $OUT (peer.jsonl, traffic.jsonl.xz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device-lib.sh
 describe
 unpack "${1:-.device/bin}" /tmp/real-traffic-bin
 
-# PyTorch's step (`graph`), its lines into $OUT/$1.jsonl, a line each printed.
+# PyTorch's step (`graph`), its lines added to $OUT/peer.jsonl (one file for every peer run: the
+# device tool brings back 8 files at most), a line each printed.
 peer() {
-  local name=$1
-  shift
-  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" > "$OUT/$name.jsonl" \
+  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" > "$OUT/peer-run.jsonl" \
     2>>"$OUT/peer.err"
-  grep bfloat16 "$OUT/$name.jsonl" | python3 -c "
+  cat "$OUT/peer-run.jsonl" >> "$OUT/peer.jsonl"
+  grep bfloat16 "$OUT/peer-run.jsonl" | python3 -c "
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print('peer', r.get('size', ''), 'batch', r['batch'], 'cache', r['cache'], r['sampler'],
           round(r['graph_tok_per_s']), 'tokens/s', r['graph_ms_per_step'], 'ms a step')"
 }
-peer peer sizes=124M cache=384 sampler=argmax,top_p
-peer peer-136 sizes=124M cache=136 sampler=argmax
-peer peer-1558M sizes=1558M cache=384 sampler=argmax,top_p
+peer sizes=124M cache=384 sampler=argmax,top_p
+peer sizes=124M cache=136 sampler=argmax
+peer sizes=1558M cache=384 sampler=argmax,top_p
+rm -f "$OUT/peer-run.jsonl"
 
 SAMPLED=(--temperature 1 --top-p 0.95)
 MIXED=(--long-prompts 0.25:800)
@@ -57,6 +58,7 @@ serve random:1558M 64
 load 1558M-greedy-64 --concurrency 64 --duration 8 --no-check
 load 1558M-sampled-64 --concurrency 64 --duration 8 "${SAMPLED[@]}" --no-check
 stop
-# compressed, as the device tool brings it back (twice the plain file was left behind)
+# compressed (its files, with peer.err, serve.log and traffic.err, are five of the 8 the device
+# tool brings back)
 xz -f "$OUT/traffic.jsonl"
 echo "end $(date +%T)"
