@@ -8,6 +8,7 @@
 #   alternate 2 loads new "old BIN=/tmp/old"    # an A/B, a fresh server each arm and round
 #   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
 #   service_kernels sampled-64 random:124M 256 -- --concurrency 64 --duration 60 --no-check
+#   memory_efficiency qkv 2300 '^batch_gemm_bf16_n64$' -- "$BIN/wasi-nn-bench" streams ...
 # Each prints one line a measurement; what it ran comes first, so a log reads on its own.
 
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -214,4 +215,22 @@ service_kernels() {
   wait "$ncu"
   python3 "$BENCH_DIR/pass-kernels.py" "$OUT/ncu-svc-$name.csv" | tee "$OUT/ncu-svc-summary-$name.txt"
   xz -f -T0 "$OUT/ncu-svc-$name.csv"
+}
+
+# How one launch of a kernel uses memory, instruction by instruction (ncu's SourceCounters and
+# its source page, SASS): the launch of the kernels matching REGEX after the first SKIP of
+# them, over a command; the page into $OUT/source-NAME.csv.xz and bench/memory-efficiency.py's
+# summary (each memory instruction's L2 sectors and shared-memory wavefronts against ncu's
+# ideal) printed:
+#   memory_efficiency qkv 2300 '^batch_gemm_bf16_n64$' -- "$BIN/wasi-nn-bench" streams ...
+memory_efficiency() {
+  local name=$1 skip=$2 regex=$3 ncu=${NCU:-/usr/local/cuda/bin/ncu}
+  shift 3
+  [ "${1:-}" = -- ] && shift
+  timeout "${NCU_TIMEOUT:-150}" "$ncu" --section SourceCounters --kernel-name "regex:$regex" \
+    --launch-skip "$skip" --launch-count 1 -o "/tmp/source-$name" -f "$@" > /dev/null 2>> "$OUT/ncu.err"
+  "$ncu" -i "/tmp/source-$name.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/source-$name.csv" 2>> "$OUT/ncu.err"
+  echo "memory $name: $(python3 "$BENCH_DIR/memory-efficiency.py" "$OUT/source-$name.csv")"
+  xz -f -T0 "$OUT/source-$name.csv"
 }
