@@ -17,10 +17,8 @@ unpack "${1:-.device/bin}" /tmp/real-traffic-bin
 # PyTorch's step (`graph`), its lines added to $OUT/peer.jsonl (one file for every peer run: the
 # device tool brings back 8 files at most), a line each printed.
 peer() {
-  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" > "$OUT/peer-run.jsonl" \
-    2>>"$OUT/peer.err"
-  cat "$OUT/peer-run.jsonl" >> "$OUT/peer.jsonl"
-  grep bfloat16 "$OUT/peer-run.jsonl" | python3 -c "
+  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" 2>>"$OUT/peer.err" \
+    | tee -a "$OUT/peer.jsonl" | grep bfloat16 | python3 -c "
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
@@ -30,7 +28,6 @@ for line in sys.stdin:
 peer sizes=124M cache=384 sampler=argmax,top_p
 peer sizes=124M cache=136 sampler=argmax
 peer sizes=1558M cache=384 sampler=argmax,top_p
-rm -f "$OUT/peer-run.jsonl"
 
 SAMPLED=(--temperature 1 --top-p 0.95)
 MIXED=(--long-prompts 0.25:800)
