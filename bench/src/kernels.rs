@@ -6,6 +6,8 @@
 
 mod draw;
 pub use draw::draw_speed;
+mod gemm;
+pub use gemm::{gemm_speed, GemmSpeed};
 mod lo_rows;
 mod tiles;
 
@@ -758,6 +760,41 @@ fn check_one(
                 _ => (b.get(B::X, rows * c)?, &res_ref, 1e-3),
             };
             report(&name, &got, want, tolerance);
+        }
+        // the batched pass's plain products through cuBLASLt: on the heuristic's plan, then
+        // on the candidate that timing kept
+        let stream = b.l.stream().clone();
+        let plans = std::sync::Arc::default();
+        let tuned = Blas::new(&stream, 1, 1, Some(&plans)).map(Blas::with_tuned_products);
+        if let Some(tuned) = tuned {
+            let rows = 33;
+            let act: Vec<f32> = b.random(rows * c).iter().map(|v| v * 4.0).collect();
+            b.put(B::H, &act)?;
+            let xb = b.x_bf16()?;
+            b.l.to_bf16(xb, b.ptr(B::H), rows * c)?;
+            let mut want = vec![0.0; rows * 4 * c];
+            cpu::linear(&mut want, &bf16_round(&act), &lw.fc_w, None, c, 4 * c);
+            for when in ["heuristic", "tuned"] {
+                if when == "tuned" {
+                    tuned.tune_products(&b.l, 2)?;
+                }
+                let out = (b.ptr(B::Fc), 4 * c);
+                tuned.gemm(
+                    &b.l,
+                    dl.fc_w.ptr(),
+                    Act::Bf16(xb),
+                    (rows, 4 * c, c),
+                    out,
+                    false,
+                )?;
+                let got = b.get(B::Fc, rows * 4 * c)?;
+                report(
+                    &format!("cublaslt plain product ({when})"),
+                    &got,
+                    &want,
+                    2e-5,
+                );
+            }
         }
     }
 

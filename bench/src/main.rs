@@ -97,6 +97,25 @@ enum Command {
         #[arg(long, default_value_t = 50)]
         runs: usize,
     },
+    /// Time the batched pass's cuBLAS products of a model's layer at each row count (bf16):
+    /// cuBLAS's default algorithm, cuBLASLt's heuristic and the candidate timing keeps, each
+    /// kept one's results checked against the default's; one JSON line a shape.
+    GemmSpeed {
+        /// The model whose products (QKV, projection, MLP up, MLP down) are timed:
+        /// random:SIZE (only its shape is used).
+        #[arg(long, default_value = "random:1558M")]
+        model: String,
+        /// Product rows, comma-separated.
+        #[arg(
+            long,
+            default_value = "64,128,192,256,320,448,576",
+            value_delimiter = ','
+        )]
+        rows: Vec<usize>,
+        /// Timed runs of 20 products each (after 3 warm-up runs).
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+    },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).
     CheckCuda {
         /// Models to compare besides the kernel sweep: paths or random:SIZE.
@@ -183,6 +202,7 @@ fn main() -> Result<()> {
             vocab,
             runs,
         } => draw_speed(&rows, &blocks, vocab, runs)?,
+        Command::GemmSpeed { model, rows, runs } => gemm_speed(&model, &rows, runs)?,
         Command::Startup {
             modules,
             runs,
@@ -464,6 +484,29 @@ fn draw_speed(rows: &[usize], blocks: &[u32], vocab: usize, runs: usize) -> Resu
         wasi_nn_bench::kernels::draw_speed(&exec.launcher()?, vocab, rows, blocks, runs)?
     {
         println!("draw rows {n} blocks {b} {us:.1} us");
+    }
+    Ok(())
+}
+
+fn gemm_speed(spec: &str, rows: &[usize], runs: usize) -> Result<()> {
+    println!("GPU: {}", wasi_nn_host::cuda::describe()?);
+    let size = spec.strip_prefix("random:").unwrap_or(spec);
+    let Some(c) = model::Gpt2Config::preset(size).map(|config| config.n_embd) else {
+        anyhow::bail!("{spec}: gemm-speed takes random:SIZE");
+    };
+    // a one-layer model of tiny width: the launcher and its stream, no weights to speak of
+    let config = model::Gpt2Config {
+        n_layer: 1,
+        n_head: 4,
+        n_embd: 64,
+        n_ctx: 64,
+        vocab_size: 256,
+    };
+    let exec =
+        wasi_nn_bench::checks::gpu_executor(&model::random_weights(config, 1), GpuDtype::Bf16)?;
+    let shapes = [(3 * c, c), (c, c), (4 * c, c), (c, 4 * c)];
+    for line in wasi_nn_bench::kernels::gemm_speed(&exec.launcher()?, &shapes, rows, runs)? {
+        println!("{}", serde_json::to_string(&line)?);
     }
     Ok(())
 }

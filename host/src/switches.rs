@@ -167,6 +167,10 @@ pub struct Measurement {
     /// split products (`SPLIT_PROMPTS`; by default they are multiplied as bf16, as a
     /// prefill's rows are).
     pub split_prompts: bool,
+    /// The batched step's cuBLAS products run through cuBLASLt with each shape's algorithm
+    /// chosen by timing its candidates before the graphs are captured (`NO_TUNED_GEMM`:
+    /// cuBLAS's default algorithm).
+    pub tuned_gemm: bool,
     /// A lone sequence's decode step as one persistent kernel on sm_90
     /// (`PERSISTENT_DECODE=1`, or `0` for the graph of per-layer kernels; unset: the graph,
     /// measured faster today, docs/design/persistent-decode.md). `EngineOptions` overrides it.
@@ -275,6 +279,7 @@ impl Switches {
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
                 split_prompts: set("SPLIT_PROMPTS"),
+                tuned_gemm: !set("NO_TUNED_GEMM"),
                 persistent_decode: var("PERSISTENT_DECODE").map(|v| v != "0"),
                 persistent_slot: number("PERSISTENT_SLOT"),
                 persistent_trace: set("PERSISTENT_TRACE"),

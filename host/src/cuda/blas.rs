@@ -5,7 +5,7 @@
 
 pub(crate) mod lt;
 
-pub use lt::{Epilogue as LtEpilogue, LtPlans, Shape};
+pub use lt::{Epilogue as LtEpilogue, LtPlans, Shape, Tuned};
 
 use super::buffer::{Act, Bf16, DevBuf, DevPtr, Stored};
 use super::error::CudaError;
@@ -13,7 +13,7 @@ use super::ops::Launcher;
 use crate::engine::GpuDtype;
 use cudarc::cublas::sys::cublasHandle_t;
 use cudarc::driver::CudaStream;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// cuBLASLt workspace per session.
 const LT_WORKSPACE_BYTES: usize = 4 << 20;
@@ -24,6 +24,14 @@ const LT_WORKSPACE_BYTES: usize = 4 << 20;
 pub enum LtBias {
     Stored(DevPtr<Stored>),
     F32(DevPtr<f32>),
+}
+
+/// The shapes of [`Blas::gemm`]'s cuBLASLt products: every one met, and those not yet
+/// tuned, each with the operands (weights, activations, output) it was first met with.
+#[derive(Default)]
+struct Untuned {
+    seen: std::collections::HashSet<Shape>,
+    waiting: Vec<(Shape, (u64, u64, u64))>,
 }
 
 /// A cuBLAS handle on one stream, plus the GEMM scratch for `rows` rows of width C.
@@ -42,6 +50,11 @@ pub struct Blas {
     /// cuBLASLt (None: not loadable, or switched off) and its workspace.
     lt: Option<lt::Lt>,
     _lt_workspace: Option<DevBuf<u8>>,
+    /// [`Blas::gemm`]'s bf16 products go through cuBLASLt, whose plans [`Blas::tune_products`]
+    /// can time ([`Blas::with_tuned_products`]).
+    lt_products: bool,
+    /// The shapes [`Blas::gemm`] has enqueued through cuBLASLt.
+    untuned: Mutex<Untuned>,
 }
 
 impl Drop for Blas {
@@ -100,7 +113,39 @@ impl Blas {
             qkv_bf16,
             lt,
             _lt_workspace: lt_workspace,
+            lt_products: false,
+            untuned: Mutex::default(),
         })
+    }
+
+    /// The same, its plain bf16 products ([`Blas::gemm`]) through cuBLASLt, whose algorithm
+    /// for each shape [`Blas::tune_products`] then chooses by timing.
+    pub fn with_tuned_products(mut self) -> Blas {
+        self.lt_products = self.lt.is_some();
+        self
+    }
+
+    /// Time the candidates of every shape [`Blas::gemm`] has enqueued since the last call
+    /// and keep each one's fastest ([`lt::Lt::tune`]), `runs` products a round, on the
+    /// launcher's stream (synchronised). The outputs are overwritten: call it between passes.
+    pub fn tune_products(&self, l: &Launcher, runs: usize) -> Result<Vec<Tuned>, CudaError> {
+        let Some(lt) = self.lt.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let shapes = std::mem::take(&mut self.untuned_lock()?.waiting);
+        let mut tuned = Vec::with_capacity(shapes.len());
+        for (shape, (w, x, dst)) in shapes {
+            // SAFETY: recorded from `gemm`, whose checks the operands passed; they are the
+            // caller's buffers and weights, alive while it holds this Blas; the output is
+            // scratch between passes.
+            let found = unsafe { lt.tune(l.stream(), shape, (w, x, 0, dst), runs) }?;
+            tuned.extend(found);
+        }
+        Ok(tuned)
+    }
+
+    fn untuned_lock(&self) -> Result<std::sync::MutexGuard<'_, Untuned>, CudaError> {
+        (self.untuned.lock()).map_err(|_| CudaError::unavailable("cuBLASLt shapes poisoned"))
     }
 
     /// Whether cuBLASLt is there.
@@ -134,6 +179,21 @@ impl Blas {
                 && dst.len() >= rows.saturating_sub(1) * ldc + n,
             "cuBLAS GEMM",
         )?;
+        if let (true, Some(lt), true) = (self.lt_products, &self.lt, x.is_bf16()) {
+            let shape = Shape::plain((rows, n, k), ldc, accumulate);
+            let operands = (w.addr(), x.addr(), dst.addr());
+            let mut untuned = self.untuned_lock()?;
+            if untuned.seen.insert(shape) {
+                untuned.waiting.push((shape, operands));
+            }
+            drop(untuned);
+            // SAFETY: as below: W (n*k), x (rows*k) and the destination (checked) are the
+            // caller's, alive until the stream has run the product.
+            let cu = l.stream().cu_stream() as _;
+            if unsafe { lt.matmul(cu, shape, (operands.0, operands.1, 0, operands.2)) }? {
+                return Ok(());
+            }
+        }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.
         // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc, checked);

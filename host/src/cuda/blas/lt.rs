@@ -11,6 +11,10 @@
 //! algorithm where cuBLASLt's check accepts it for the shape's own rows, else its own
 //! heuristic's.
 
+mod tune;
+
+pub use tune::Tuned;
+
 use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
 use std::collections::HashMap;
@@ -20,6 +24,8 @@ use std::sync::{Arc, Mutex};
 /// What follows the product (before it is added to D when accumulating).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Epilogue {
+    /// The product alone (no bias: the batched pass adds it in its own kernels).
+    None,
     /// `+ bias`
     Bias,
     /// `gelu(. + bias)`, GELU's tanh form (as GPT-2's).
@@ -149,6 +155,7 @@ impl Plan {
             algo: unsafe { std::mem::zeroed() },
         };
         let epilogue = match s.epilogue {
+            Epilogue::None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
             Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
         };
@@ -169,9 +176,28 @@ impl Plan {
         handle: sys::cublasLtHandle_t,
         workspace_bytes: usize,
     ) -> Option<sys::cublasLtMatmulAlgo_t> {
-        let pref = lt::create_matmul_pref().ok()?;
+        self.candidates(handle, workspace_bytes, 1).first().copied()
+    }
+
+    /// Up to `most` of the heuristic's algorithms for this plan within `workspace_bytes`,
+    /// its best guess first (empty: none, or cuBLASLt refused the question).
+    fn candidates(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        workspace_bytes: usize,
+        most: usize,
+    ) -> Vec<sys::cublasLtMatmulAlgo_t> {
+        let Ok(pref) = lt::create_matmul_pref() else {
+            return Vec::new();
+        };
         let ws = workspace_bytes as u64;
-        // SAFETY: `pref` was just created; `ws` is a u64 as the attribute wants.
+        let most = most.clamp(1, 64);
+        // SAFETY: plain data, written by the heuristic.
+        let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; most];
+        let mut returned = 0i32;
+        // SAFETY: `pref` was just created; `ws` is a u64 as the attribute wants; the plan's
+        // descriptor and layouts are alive; `results` holds `most` entries.
         let found = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -179,9 +205,8 @@ impl Plan {
                 (&ws as *const u64).cast(),
                 8,
             )
-            .ok()
-            .and_then(|()| {
-                lt::get_matmul_algo_heuristic(
+            .is_ok()
+                && sys::cublasLtMatmulAlgoGetHeuristic(
                     handle,
                     self.desc,
                     self.layouts[0],
@@ -189,13 +214,21 @@ impl Plan {
                     self.layouts[2],
                     self.layouts[2],
                     pref,
-                )
-                .ok()
-            })
+                    most as i32,
+                    results.as_mut_ptr(),
+                    &mut returned,
+                ) == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
         };
         // SAFETY: created above, destroyed once.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        Some(found?.algo)
+        if !found {
+            return Vec::new();
+        }
+        let returned = (returned.max(0) as usize).min(most);
+        (results[..returned].iter())
+            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect()
     }
 
     /// Whether cuBLASLt runs `algo` for this plan's shape within `workspace_bytes`.
@@ -345,12 +378,31 @@ impl Lt {
         let Some(Some(plan)) = cache.plans.get(&shape) else {
             return Ok(false);
         };
+        // SAFETY: the caller vouches for the device pointers; the plan is alive (the lock is
+        // held).
+        unsafe { self.enqueue(stream, plan, &plan.algo, shape, (w, x, bias, dst)) }
+    }
+
+    /// Enqueue `plan`'s product with `algo`. Ok(false): its bias could not be set.
+    ///
+    /// # Safety
+    /// As [`Lt::matmul`]; `plan` is not used by another thread meanwhile.
+    unsafe fn enqueue(
+        &self,
+        stream: sys::cudaStream_t,
+        plan: &Plan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        shape: Shape,
+        (w, x, bias, dst): (u64, u64, u64, u64),
+    ) -> Result<bool, CudaError> {
         let bias_ptr = bias as *const c_void;
-        if !attr(
-            plan.desc,
-            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            &bias_ptr,
-        ) {
+        if shape.epilogue != Epilogue::None
+            && !attr(
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &bias_ptr,
+            )
+        {
             return Ok(false);
         }
         let (alpha, beta) = (1.0f32, if shape.accumulate { 1.0f32 } else { 0.0 });
@@ -369,7 +421,7 @@ impl Lt {
                 plan.layouts[2],
                 dst as *mut c_void,
                 plan.layouts[2],
-                &plan.algo,
+                algo,
                 self.workspace.0 as *mut c_void,
                 self.workspace.1,
                 stream,

@@ -9,7 +9,7 @@ mod forward;
 mod order;
 mod tiles;
 
-use crate::cuda::blas::Blas;
+use crate::cuda::blas::{Blas, Tuned};
 use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
@@ -23,7 +23,7 @@ use crate::cuda::session::{max_edits, Change, ResidentEdits};
 use crate::cuda::weights::head_rows;
 use crate::engine::draw::DrawRule;
 use crate::engine::processing::EditedRule;
-use crate::engine::{EngineError, Session};
+use crate::engine::{EngineError, GpuDtype, Session};
 use cudarc::driver::{CudaGraph, CudaStream};
 use rustc_hash::FxHashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -42,6 +42,9 @@ const SPAN: usize = BATCH_ATT_SPAN;
 /// [`SPAN`] when batch-invariant, where the wave's limit is off: rows of up to this many
 /// positions (every stream of a 128-token request) still take one span and no combine.
 const INVARIANT_SPAN: usize = 4 * SPAN;
+
+/// Products a round when a product shape's algorithms are timed ([`Blas::tune_products`]).
+const TUNING_RUNS: usize = 5;
 
 /// The spans of the batched attention's grid: one per `span` positions of the longest row
 /// (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and no more than keep
@@ -146,8 +149,14 @@ impl StepBuffers {
         let cfg = exec.config;
         let c = cfg.n_embd;
         let stream = gpu.ctx.new_stream().ctx("creating a stream")?;
-        let blas = Blas::new(&stream, 2 * rows, c, None)
-            .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
+        let m = gpu.measurement();
+        let blas = match m.tuned_gemm && m.cublaslt && exec.dtype == GpuDtype::Bf16 {
+            true => {
+                Blas::new(&stream, 2 * rows, c, Some(&gpu.lt_plans)).map(Blas::with_tuned_products)
+            }
+            false => Blas::new(&stream, 2 * rows, c, None),
+        }
+        .ok_or_else(|| CudaError::unavailable("cuBLAS is not loadable"))?;
         let launcher = Launcher::new(gpu, stream.clone(), exec.kernels.clone(), cfg, exec.dtype);
         let zeros = |len, what| DevBuf::<f32>::zeros(&stream, len, what);
         Ok(Self {
@@ -322,26 +331,68 @@ impl Pass {
     /// up every context on the GPU), for sessions whose caches are `layer_floats` apart.
     pub(crate) fn capture_all(&self, layer_floats: usize) -> Result<(), EngineError> {
         self.with_buffers(|b| {
-            // every size: prompt rows make a step bigger than its contexts
-            let mut sizes: Vec<usize> = (1..=self.max_rows).map(bucket).collect();
-            sizes.dedup();
-            for padded in sizes {
-                // the spans a step of this size can ask for
-                let most = attention_splits(
-                    usize::MAX,
-                    padded * self.exec.config.n_head,
-                    self.wave(),
-                    self.span(),
-                );
-                for splits in 1..=most {
-                    self.capture(b, (padded, splits, false, padded), layer_floats);
-                    for logit_rows in self.logit_row_sizes(padded) {
-                        self.capture(b, (padded, splits, true, logit_rows), layer_floats);
-                    }
-                }
+            self.capture_every_size(b, layer_floats);
+            // the graphs hold cuBLASLt's heuristic algorithms: time the shapes they met, and
+            // capture them again with the fastest
+            if self.tune_products(b)? {
+                b.graphs.clear();
+                self.capture_every_size(b, layer_floats);
             }
             Ok(())
         })
+    }
+
+    fn capture_every_size(&self, b: &mut StepBuffers, layer_floats: usize) {
+        // every size: prompt rows make a step bigger than its contexts
+        let mut sizes: Vec<usize> = (1..=self.max_rows).map(bucket).collect();
+        sizes.dedup();
+        for padded in sizes {
+            // the spans a step of this size can ask for
+            let most = attention_splits(
+                usize::MAX,
+                padded * self.exec.config.n_head,
+                self.wave(),
+                self.span(),
+            );
+            for splits in 1..=most {
+                self.capture(b, (padded, splits, false, padded), layer_floats);
+                for logit_rows in self.logit_row_sizes(padded) {
+                    self.capture(b, (padded, splits, true, logit_rows), layer_floats);
+                }
+            }
+        }
+    }
+
+    /// Time the candidates of the products the pass has met through cuBLASLt and keep each
+    /// shape's fastest ([`Blas::tune_products`]); whether there were any.
+    fn tune_products(&self, b: &StepBuffers) -> Result<bool, EngineError> {
+        let started = Instant::now();
+        let tuned = b.blas.tune_products(&b.launcher, TUNING_RUNS)?;
+        if tuned.is_empty() {
+            return Ok(false);
+        }
+        let sum = |us: fn(&Tuned) -> f64| tuned.iter().map(us).sum::<f64>();
+        tracing::info!(
+            shapes = tuned.len(),
+            changed = tuned.iter().filter(|t| t.kept != 0).count(),
+            heuristic_us = sum(|t| t.heuristic_us),
+            kept_us = sum(|t| t.kept_us),
+            ms = started.elapsed().as_millis() as u64,
+            "batched products' algorithms timed"
+        );
+        for t in &tuned {
+            tracing::debug!(
+                "{}x{}x{}: {:.1} us (candidate {} of {}) against the heuristic's {:.1}",
+                t.shape.rows,
+                t.shape.n,
+                t.shape.k,
+                t.kept_us,
+                t.kept,
+                t.candidates,
+                t.heuristic_us
+            );
+        }
+        Ok(true)
     }
 
     /// The rows the LM head of a step of `padded` rows with prompt rows runs over when
