@@ -112,8 +112,8 @@ enum Command {
             value_delimiter = ','
         )]
         rows: Vec<usize>,
-        /// Timed runs of 20 products each (after 3 warm-up runs).
-        #[arg(long, default_value_t = 20)]
+        /// Products in each timed graph.
+        #[arg(long, default_value_t = 10)]
         runs: usize,
     },
     /// Check the CUDA backend against the CPU reference (the GPU tests, from one binary).

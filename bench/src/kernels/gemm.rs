@@ -4,8 +4,9 @@
 
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
-use wasi_nn_host::cuda::blas::{Blas, LtPlans};
+use wasi_nn_host::cuda::blas::{time_products, Blas, LtPlans};
 use wasi_nn_host::cuda::buffer::{Act, Bf16, DevBuf};
+use wasi_nn_host::cuda::error::CudaError;
 use wasi_nn_host::cuda::ops::Launcher;
 use wasi_nn_host::cuda::weights::DevTensor;
 use wasi_nn_host::engine::{EngineError, GpuDtype};
@@ -30,8 +31,8 @@ pub struct GemmSpeed {
 }
 
 /// Each `(n, k)` of `shapes` at each of `row_counts` rows on random bf16 weights and
-/// activations: the median over `runs` of 20 products back to back, through the default
-/// algorithm and through a tuned cuBLASLt plan.
+/// activations: through the default algorithm and through a tuned cuBLASLt plan, each as a
+/// graph of `runs` products ([`time_products`]).
 pub fn gemm_speed(
     l: &Launcher,
     shapes: &[(usize, usize)],
@@ -67,28 +68,28 @@ pub fn gemm_speed(
     if !tuned.has_lt() {
         return Err(bad(&"cuBLASLt is not loadable"));
     }
-    let time = |blas: &Blas, shape, out: &DevBuf<f32>| -> Result<f64, EngineError> {
+    // both paths captured into graphs and timed on the GPU, as the pass runs them
+    let time = |blases: [(&Blas, &DevBuf<f32>); 2], shape| -> Result<[f64; 2], EngineError> {
         let (_, n, _) = shape;
-        let mut times = Vec::with_capacity(runs);
-        for run in 0..runs.max(1) + 3 {
-            stream.synchronize().map_err(|e| bad(&e))?;
-            let t = std::time::Instant::now();
-            for _ in 0..20 {
-                blas.gemm(l, w.ptr(), Act::Bf16(x.ptr()), shape, (out.ptr(), n), false)?;
+        let (w, x) = (w.ptr(), Act::Bf16(x.ptr()));
+        let mut enqueuers = blases.map(|(blas, out)| {
+            let out = out.ptr();
+            move || -> Result<bool, CudaError> {
+                blas.gemm(l, w, x, shape, (out, n), false)?;
+                Ok(true)
             }
-            stream.synchronize().map_err(|e| bad(&e))?;
-            if run >= 3 {
-                times.push(t.elapsed().as_secs_f64() * 1e6 / 20.0);
-            }
+        });
+        let [a, b] = &mut enqueuers;
+        let times = time_products(&stream, runs, &mut [a, b])?;
+        match times[..] {
+            [Some(a), Some(b)] => Ok([a, b]),
+            _ => Err(bad(&"a product could not be captured")),
         }
-        times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
     };
     let mut results = Vec::new();
     for &(n, k) in shapes {
         for &rows in row_counts.iter().filter(|&&r| r > 0) {
             let shape = (rows, n, k);
-            let default_us = time(&plain, shape, &out_default)?;
             // met once (on the heuristic's plan), then timed and the fastest kept
             tuned.gemm(
                 l,
@@ -98,11 +99,12 @@ pub fn gemm_speed(
                 (out_tuned.ptr(), n),
                 false,
             )?;
-            let found = tuned.tune_products(l, 5)?;
+            let found = tuned.tune_products(l, runs)?;
             let Some(t) = found.first() else {
                 return Err(bad(&format!("cuBLASLt has no plan for {rows}x{n}x{k}")));
             };
-            let tuned_us = time(&tuned, shape, &out_tuned)?;
+            let [default_us, tuned_us] =
+                time([(&plain, &out_default), (&tuned, &out_tuned)], shape)?;
             let want = out_default.read(&stream, rows * n)?;
             let got = out_tuned.read(&stream, rows * n)?;
             let max_difference = (got.iter().zip(&want))

@@ -13,7 +13,7 @@
 
 mod tune;
 
-pub use tune::Tuned;
+pub use tune::{time_products, Tuned};
 
 use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
@@ -162,11 +162,14 @@ impl Plan {
         let ok = attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32) // CUBLAS_OP_T
             && attr(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32) // CUBLAS_OP_N
             && attr(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))
-            && attr(
-                desc,
-                A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                &(if s.bias_bf16 { CUDA_R_16BF } else { CUDA_R_32F } as i32),
-            );
+            // a bias type is checked against the output's even with no bias to add (cuBLASLt
+            // refuses a bf16 bias beside an f32 result)
+            && (s.epilogue == Epilogue::None
+                || attr(
+                    desc,
+                    A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                    &(if s.bias_bf16 { CUDA_R_16BF } else { CUDA_R_32F } as i32),
+                ));
         ok.then_some(plan)
     }
 

@@ -44,7 +44,7 @@ const SPAN: usize = BATCH_ATT_SPAN;
 const INVARIANT_SPAN: usize = 4 * SPAN;
 
 /// Products a round when a product shape's algorithms are timed ([`Blas::tune_products`]).
-const TUNING_RUNS: usize = 5;
+const TUNING_RUNS: usize = 10;
 
 /// The spans of the batched attention's grid: one per `span` positions of the longest row
 /// (short rows: one, and no combine pass), at most [`BATCH_ATT_SPLITS`], and no more than keep

@@ -57,32 +57,26 @@ impl Lt {
             return Ok(None);
         };
         let cu = stream.cu_stream() as _;
-        let event = || {
-            stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| CudaError::unavailable(format!("timing a product: {e}")))
-        };
-        let runs = runs.max(1);
-        let mut rounds = vec![Vec::with_capacity(ROUNDS); algos.len()];
-        for round in 0..=ROUNDS {
-            for (times, algo) in rounds.iter_mut().zip(&algos) {
-                let start = event()?;
-                for _ in 0..runs {
+        let mut enqueuers: Vec<_> = (algos.iter())
+            .map(|algo| {
+                let plan = &plan;
+                move || {
                     // SAFETY: the caller vouches for the operands; `plan` is ours alone.
-                    if !unsafe { self.enqueue(cu, &plan, algo, shape, operands) }? {
-                        return Ok(None);
-                    }
+                    unsafe { self.enqueue(cu, plan, algo, shape, operands) }
                 }
-                let end = event()?;
-                let ms = (start.elapsed_ms(&end))
-                    .map_err(|e| CudaError::unavailable(format!("timing a product: {e}")))?;
-                // round 0 warms each candidate up
-                if round > 0 {
-                    times.push(f64::from(ms) * 1e3 / runs as f64);
-                }
-            }
+            })
+            .collect();
+        let mut refs: Vec<&mut dyn FnMut() -> Result<bool, CudaError>> = (enqueuers.iter_mut())
+            .map(|e| e as &mut dyn FnMut() -> Result<bool, CudaError>)
+            .collect();
+        let times = time_products(stream, runs, &mut refs)?;
+        drop(refs);
+        drop(enqueuers);
+        // a candidate that could not be timed counts as never finishing
+        let medians: Vec<f64> = (times.iter()).map(|t| t.unwrap_or(f64::INFINITY)).collect();
+        if !medians.iter().any(|m| m.is_finite()) {
+            return Ok(None);
         }
-        let medians: Vec<f64> = rounds.iter_mut().map(|t| median(t)).collect();
         let (kept, kept_us) = choose(&medians);
         plan.algo = if kept == 0 { first } else { algos[kept] };
         let mut cache = self.plans.lock()?;
@@ -95,6 +89,62 @@ impl Lt {
             kept,
         }))
     }
+}
+
+/// Each of `enqueuers` called `runs` times into a captured graph; the graphs launched in
+/// turn for [`ROUNDS`] rounds after one that warms them up, each launch between two events:
+/// each one's median round in microseconds a product. The products run back to back on the
+/// GPU as a pass's do in its graph, so the host's cost of enqueuing them is not timed. None for
+/// one whose capture failed or that declined (returned false). The stream is synchronised.
+pub fn time_products(
+    stream: &Arc<CudaStream>,
+    runs: usize,
+    enqueuers: &mut [&mut dyn FnMut() -> Result<bool, CudaError>],
+) -> Result<Vec<Option<f64>>, CudaError> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let timing =
+        |e: &dyn std::fmt::Display| CudaError::unavailable(format!("timing a product: {e}"));
+    let runs = runs.max(1);
+    let mut graphs = Vec::with_capacity(enqueuers.len());
+    for enqueue in enqueuers.iter_mut() {
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| timing(&e))?;
+        let mut ran = Ok(true);
+        for _ in 0..runs {
+            ran = enqueue();
+            if !matches!(ran, Ok(true)) {
+                break;
+            }
+        }
+        // the capture is ended whatever the enqueues did
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        graphs.push(match (ran, graph) {
+            (Ok(true), Ok(graph)) => graph,
+            _ => None,
+        });
+    }
+    let event = || {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| timing(&e))
+    };
+    let mut rounds = vec![Vec::with_capacity(ROUNDS); graphs.len()];
+    for round in 0..=ROUNDS {
+        for (times, graph) in rounds.iter_mut().zip(&graphs) {
+            let Some(graph) = graph else { continue };
+            let start = event()?;
+            graph.launch().map_err(|e| timing(&e))?;
+            let end = event()?;
+            let ms = start.elapsed_ms(&end).map_err(|e| timing(&e))?;
+            if round > 0 {
+                times.push(f64::from(ms) * 1e3 / runs as f64);
+            }
+        }
+    }
+    Ok((rounds.iter_mut().zip(&graphs))
+        .map(|(times, graph)| graph.as_ref().map(|_| median(times)))
+        .collect())
 }
 
 fn median(times: &mut [f64]) -> f64 {
@@ -123,6 +173,7 @@ impl Shape {
         Shape {
             ldc,
             accumulate,
+            bias_bf16: false,
             ..Shape::new((rows, n, k), Epilogue::None)
         }
     }
