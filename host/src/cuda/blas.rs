@@ -5,7 +5,9 @@
 
 pub(crate) mod lt;
 
-pub use lt::{time_products, Epilogue as LtEpilogue, LtPlans, Shape, Tuned};
+#[cfg(feature = "dev")]
+pub use lt::time_products;
+pub use lt::{Epilogue as LtEpilogue, LtPlans, Shape, Tuned};
 
 use super::buffer::{Act, Bf16, DevBuf, DevPtr, Stored};
 use super::error::CudaError;

@@ -13,7 +13,9 @@
 
 mod tune;
 
-pub use tune::{time_products, Tuned};
+#[cfg(feature = "dev")]
+pub use tune::time_products;
+pub use tune::Tuned;
 
 use crate::cuda::error::CudaError;
 use cudarc::cublaslt::{result as lt, sys};
