@@ -5,6 +5,7 @@
 
 pub(crate) mod lt;
 
+pub(crate) use lt::saved_file_name;
 #[cfg(feature = "dev")]
 pub use lt::time_products;
 pub use lt::{Epilogue as LtEpilogue, LtPlans, Shape, Tuned};
@@ -144,6 +145,27 @@ impl Blas {
             tuned.extend(found);
         }
         Ok(tuned)
+    }
+
+    /// Install the tuned algorithms saved at `path` for GPU `gpu` of `sms` SMs, so that
+    /// [`Blas::tune_products`] does not time their shapes again; how many.
+    pub fn restore_tuned(&self, path: &std::path::Path, gpu: &str, sms: usize) -> usize {
+        let Some(lt) = self.lt.as_ref().filter(|_| self.lt_products) else {
+            return 0;
+        };
+        let shapes = lt.restore_tuned(path, gpu, sms);
+        if let Ok(mut untuned) = self.untuned_lock() {
+            untuned.seen.extend(shapes.iter().copied());
+        }
+        shapes.len()
+    }
+
+    /// Save every tuned algorithm of the GPU's plans to `path`, for [`Blas::restore_tuned`].
+    pub fn save_tuned(&self, path: &std::path::Path, gpu: &str, sms: usize) -> std::io::Result<()> {
+        match self.lt.as_ref().filter(|_| self.lt_products) {
+            Some(lt) => lt.save_tuned(path, gpu, sms),
+            None => Ok(()),
+        }
     }
 
     fn untuned_lock(&self) -> Result<std::sync::MutexGuard<'_, Untuned>, CudaError> {

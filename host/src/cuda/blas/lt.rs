@@ -11,7 +11,10 @@
 //! algorithm where cuBLASLt's check accepts it for the shape's own rows, else its own
 //! heuristic's.
 
+mod saved;
 mod tune;
+
+pub(crate) use saved::file_name as saved_file_name;
 
 #[cfg(feature = "dev")]
 pub use tune::time_products;
@@ -280,6 +283,8 @@ struct PlanCache {
     plans: HashMap<Shape, Option<Plan>>,
     /// By shape with its rows at their bucket's top ([`bucket_rows`]).
     algos: HashMap<Shape, Option<sys::cublasLtMatmulAlgo_t>>,
+    /// The algorithms chosen by timing ([`Lt::tune`]) or restored from a file of them.
+    tuned: HashMap<Shape, sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: the plans' descriptors and layouts are only used under the `cache` lock (a plan's

@@ -9,7 +9,7 @@ mod forward;
 mod order;
 mod tiles;
 
-use crate::cuda::blas::{Blas, Tuned};
+use crate::cuda::blas::{saved_file_name, Blas, Tuned};
 use crate::cuda::buffer::{DevBuf, DevPtr, HostCopy};
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::loaded::LoadedModel;
@@ -330,11 +330,25 @@ impl Pass {
     /// Capture the pass's graphs of every size ahead of the first requests (a capture holds
     /// up every context on the GPU), for sessions whose caches are `layer_floats` apart.
     pub(crate) fn capture_all(&self, layer_floats: usize) -> Result<(), EngineError> {
+        let gpu = &self.exec.gpu;
+        let saved = (gpu.settings().cache_dir.as_ref())
+            .map(|dir| dir.join(saved_file_name(gpu.name(), gpu.sms())));
         self.with_buffers(|b| {
+            if let Some(path) = &saved {
+                let restored = b.blas.restore_tuned(path, gpu.name(), gpu.sms());
+                if restored > 0 {
+                    tracing::info!(restored, "batched products' algorithms restored");
+                }
+            }
             self.capture_every_size(b, layer_floats);
-            // the graphs hold cuBLASLt's heuristic algorithms: time the shapes they met, and
-            // capture them again with the fastest
+            // the graphs hold cuBLASLt's heuristic algorithms for the shapes not restored:
+            // time them, and capture the graphs again with the fastest
             if self.tune_products(b)? {
+                if let Some(path) = &saved {
+                    if let Err(e) = b.blas.save_tuned(path, gpu.name(), gpu.sms()) {
+                        tracing::warn!("saving the products' algorithms to {path:?}: {e}");
+                    }
+                }
                 b.graphs.clear();
                 self.capture_every_size(b, layer_floats);
             }

@@ -80,6 +80,7 @@ impl Lt {
         let (kept, kept_us) = choose(&medians);
         plan.algo = if kept == 0 { first } else { algos[kept] };
         let mut cache = self.plans.lock()?;
+        cache.tuned.insert(shape, plan.algo);
         cache.plans.insert(shape, Some(plan));
         Ok(Some(Tuned {
             shape,
