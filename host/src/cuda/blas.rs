@@ -207,7 +207,7 @@ impl Blas {
             let shape = Shape::plain((rows, n, k), ldc, accumulate);
             let operands = (w.addr(), x.addr(), dst.addr());
             let mut untuned = self.untuned_lock()?;
-            if untuned.seen.insert(shape) {
+            if untuned.seen.insert(shape) && !lt.is_tuned(&shape) {
                 untuned.waiting.push((shape, operands));
             }
             drop(untuned);

@@ -367,6 +367,12 @@ impl Lt {
         })
     }
 
+    /// Whether `shape` has an algorithm chosen by timing, here or by another session (the
+    /// plans are the GPU's).
+    pub(crate) fn is_tuned(&self, shape: &Shape) -> bool {
+        (self.plans.lock()).is_ok_and(|cache| cache.tuned.contains_key(shape))
+    }
+
     /// Enqueue `D (+)= epilogue(W x + bias)` on `stream` (W: bf16 [n, k]; x: bf16 [rows, k];
     /// bias: [n]; D at `dst`). Ok(false): no plan for this shape, nothing enqueued.
     ///
