@@ -1,7 +1,8 @@
-//! cuBLAS and cuBLASLt for the prefill's products: a handle on the session's stream, the
-//! GEMM scratch (f32 results before an epilogue pass, bf16 copies of activations for the
-//! tensor cores, the FC and QKV products' bf16 results), and cuBLASLt's fused-epilogue
-//! products ([`lt`]).
+//! cuBLAS and cuBLASLt for the prefill's and the batched pass's products: a handle on the
+//! session's (or pass's) stream, the GEMM scratch (f32 results before an epilogue pass, bf16
+//! copies of activations for the tensor cores, the FC and QKV products' bf16 results),
+//! cuBLASLt's fused-epilogue products, and the pass's plain products through cuBLASLt with
+//! algorithms chosen by timing ([`lt`]).
 
 pub(crate) mod lt;
 
@@ -53,10 +54,10 @@ pub struct Blas {
     /// cuBLASLt (None: not loadable, or switched off) and its workspace.
     lt: Option<lt::Lt>,
     _lt_workspace: Option<DevBuf<u8>>,
-    /// [`Blas::gemm`]'s bf16 products go through cuBLASLt, whose plans [`Blas::tune_products`]
-    /// can time ([`Blas::with_tuned_products`]).
+    /// [`Blas::gemm`]'s bf16 products of shapes with a timed algorithm go through cuBLASLt
+    /// ([`Blas::with_tuned_products`], [`Blas::tune_products`]).
     lt_products: bool,
-    /// The shapes [`Blas::gemm`] has enqueued through cuBLASLt.
+    /// The shapes [`Blas::gemm`] has met without a timed algorithm.
     untuned: Mutex<Untuned>,
 }
 
@@ -121,26 +122,33 @@ impl Blas {
         })
     }
 
-    /// The same, its plain bf16 products ([`Blas::gemm`]) through cuBLASLt, whose algorithm
-    /// for each shape [`Blas::tune_products`] then chooses by timing.
+    /// The same, its plain bf16 products ([`Blas::gemm`]) through cuBLASLt once
+    /// [`Blas::tune_products`] (or a saved file, [`Blas::restore_tuned`]) has chosen their
+    /// shape's algorithm by timing; cuBLAS's default until then.
     pub fn with_tuned_products(mut self) -> Blas {
         self.lt_products = self.lt.is_some();
         self
     }
 
-    /// Time the candidates of every shape [`Blas::gemm`] has enqueued since the last call
+    /// Time the candidates of every shape [`Blas::gemm`] has met untimed since the last call
     /// and keep each one's fastest ([`lt::Lt::tune`]), `runs` products a round, on the
-    /// launcher's stream (synchronised). The outputs are overwritten: call it between passes.
-    pub fn tune_products(&self, l: &Launcher, runs: usize) -> Result<Vec<Tuned>, CudaError> {
+    /// launcher's stream; from then on `gemm` runs those shapes through cuBLASLt. The outputs
+    /// are overwritten. On an error the shapes not yet timed stay on cuBLAS's default.
+    ///
+    /// # Safety
+    /// Every buffer and weight `gemm` was given since the last call must still be allocated,
+    /// and its outputs must be scratch that nothing reads before writing (call it between
+    /// passes, with the pass's buffers alive).
+    pub unsafe fn tune_products(&self, l: &Launcher, runs: usize) -> Result<Vec<Tuned>, CudaError> {
         let Some(lt) = self.lt.as_ref() else {
             return Ok(Vec::new());
         };
         let shapes = std::mem::take(&mut self.untuned_lock()?.waiting);
         let mut tuned = Vec::with_capacity(shapes.len());
         for (shape, (w, x, dst)) in shapes {
-            // SAFETY: recorded from `gemm`, whose checks the operands passed; they are the
-            // caller's buffers and weights, alive while it holds this Blas; the output is
-            // scratch between passes.
+            // SAFETY: recorded from `gemm`, whose checks the operands passed (an output
+            // overlapping its input is never recorded); the caller vouches that they are
+            // still allocated and that the output is scratch.
             let found = unsafe { lt.tune(l.stream(), shape, (w, x, 0, dst), runs) }?;
             tuned.extend(found);
         }
@@ -153,11 +161,7 @@ impl Blas {
         let Some(lt) = self.lt.as_ref().filter(|_| self.lt_products) else {
             return 0;
         };
-        let shapes = lt.restore_tuned(path, gpu, sms);
-        if let Ok(mut untuned) = self.untuned_lock() {
-            untuned.seen.extend(shapes.iter().copied());
-        }
-        shapes.len()
+        lt.restore_tuned(path, gpu, sms).len()
     }
 
     /// Save every tuned algorithm of the GPU's plans to `path`, for [`Blas::restore_tuned`].
@@ -206,16 +210,19 @@ impl Blas {
         if let (true, Some(lt), true) = (self.lt_products, &self.lt, x.is_bf16()) {
             let shape = Shape::plain((rows, n, k), ldc, accumulate);
             let operands = (w.addr(), x.addr(), dst.addr());
-            let mut untuned = self.untuned_lock()?;
-            if untuned.seen.insert(shape) && !lt.is_tuned(&shape) {
-                untuned.waiting.push((shape, operands));
-            }
-            drop(untuned);
-            // SAFETY: as below: W (n*k), x (rows*k) and the destination (checked) are the
-            // caller's, alive until the stream has run the product.
-            let cu = l.stream().cu_stream() as _;
-            if unsafe { lt.matmul(cu, shape, (operands.0, operands.1, 0, operands.2)) }? {
-                return Ok(());
+            if lt.is_tuned(&shape) {
+                // SAFETY: as below: W (n*k), x (rows*k) and the destination (checked) are the
+                // caller's, alive until the stream has run the product.
+                let cu = l.stream().cu_stream() as _;
+                if unsafe { lt.matmul(cu, shape, (operands.0, operands.1, 0, operands.2)) }? {
+                    return Ok(());
+                }
+            } else if !accumulate && !lt::output_overlaps_input(&shape, operands.1, operands.2) {
+                // timed at the next `tune_products`; until then on cuBLAS's default, below
+                let mut untuned = self.untuned_lock()?;
+                if untuned.seen.insert(shape) {
+                    untuned.waiting.push((shape, operands));
+                }
             }
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });

@@ -1,5 +1,7 @@
-//! cuBLASLt products with fused epilogues, for the bf16 prefill: `D (+)= W x + bias`, optionally
-//! followed by GELU, with a bf16 or f32 result. A plan (descriptor, layouts and algorithm) is
+//! cuBLASLt products: with fused epilogues for the bf16 prefill (`D (+)= W x + bias`,
+//! optionally followed by GELU, with a bf16 or f32 result), and plain ones (`D = W x` into f32)
+//! for the batched pass, whose algorithms are chosen by timing ([`tune`]) and kept between
+//! runs ([`saved`]). A plan (descriptor, layouts and algorithm) is
 //! built once per shape for the whole GPU ([`LtPlans`], shared by its sessions) and reused; a
 //! shape cuBLASLt has no algorithm for is remembered as such and the caller takes its other
 //! path.
@@ -71,7 +73,7 @@ impl Shape {
 
 /// Whether D (at `dst`) overlaps the bf16 activations (at `x`) of a product: other blocks may
 /// still be reading those while one writes its tile, so that is never allowed.
-fn output_overlaps_input(shape: &Shape, x: u64, dst: u64) -> bool {
+pub(crate) fn output_overlaps_input(shape: &Shape, x: u64, dst: u64) -> bool {
     let x_end = x + (shape.rows * shape.k * 2) as u64;
     let d_bytes = if shape.out_bf16 { 2 } else { 4 };
     let d_end = dst + (shape.rows * shape.ldc * d_bytes) as u64;
@@ -271,8 +273,8 @@ impl Plan {
 /// The plans of one GPU's cuBLASLt products, shared by its sessions (each with its own handle
 /// and workspace), and the algorithms the heuristic chose for each bucket of rows. The
 /// heuristic and cuBLASLt's check run outside the lock (two sessions meeting a new shape at
-/// once may both run them; the first plan made is kept), so a session that meets a new shape
-/// does not hold up the others' products.
+/// once may both run them; the first plan made is kept, until timing or a saved file
+/// replaces it), so a session that meets a new shape does not hold up the others' products.
 #[derive(Default)]
 pub struct LtPlans {
     cache: Mutex<PlanCache>,
@@ -287,9 +289,10 @@ struct PlanCache {
     tuned: HashMap<Shape, sys::cublasLtMatmulAlgo_t>,
 }
 
-// SAFETY: the plans' descriptors and layouts are only used under the `cache` lock (a plan's
-// bias pointer is set and the product enqueued while it is held; one made outside it is
-// used only once it is in the cache); an algorithm is plain data.
+// SAFETY: the plans' descriptors and layouts in the cache are only used under the `cache`
+// lock (a plan's bias pointer is set and the product enqueued while it is held). A plan made
+// outside it (`with_plan`, `Lt::tune`, `Lt::restore_tuned`) is owned by that one thread until
+// it is put in the cache; an algorithm is plain data.
 unsafe impl Send for LtPlans {}
 unsafe impl Sync for LtPlans {}
 

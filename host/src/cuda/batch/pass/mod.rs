@@ -343,7 +343,7 @@ impl Pass {
             self.capture_every_size(b, layer_floats);
             // the graphs hold cuBLASLt's heuristic algorithms for the shapes not restored:
             // time them, and capture the graphs again with the fastest
-            if self.tune_products(b)? {
+            if self.tune_products(b) {
                 if let Some(path) = &saved {
                     if let Err(e) = b.blas.save_tuned(path, gpu.name(), gpu.sms()) {
                         tracing::warn!("saving the products' algorithms to {path:?}: {e}");
@@ -377,14 +377,27 @@ impl Pass {
         }
     }
 
-    /// Time the candidates of the products the pass has met through cuBLASLt and keep each
-    /// shape's fastest ([`Blas::tune_products`]); whether there were any.
-    fn tune_products(&self, b: &StepBuffers) -> Result<bool, EngineError> {
+    /// Time the candidates of the products the pass has met untimed and keep each shape's
+    /// fastest ([`Blas::tune_products`]); whether any was timed.
+    fn tune_products(&self, b: &StepBuffers) -> bool {
         let started = Instant::now();
-        let tuned = b.blas.tune_products(&b.launcher, TUNING_RUNS)?;
-        if tuned.is_empty() {
-            return Ok(false);
-        }
+        // the timing captures graphs: no session is made or dropped meanwhile (see
+        // `Gpu::capture`)
+        let setup = self.exec.gpu.setup_lock();
+        // SAFETY: the shapes were met by this pass's captures, on its own buffers and the
+        // model's weights, which `b` and the pass hold; between passes its outputs are
+        // scratch.
+        let timed = unsafe { b.blas.tune_products(&b.launcher, TUNING_RUNS) };
+        drop(setup);
+        let tuned = match timed {
+            Ok(tuned) if !tuned.is_empty() => tuned,
+            Ok(_) => return false,
+            Err(e) => {
+                // only a speed-up: the shapes not timed keep cuBLAS's default
+                tracing::warn!("timing the batched products' algorithms: {e}");
+                return false;
+            }
+        };
         let sum = |us: fn(&Tuned) -> f64| tuned.iter().map(us).sum::<f64>();
         tracing::info!(
             shapes = tuned.len(),
@@ -406,7 +419,7 @@ impl Pass {
                 t.heuristic_us
             );
         }
-        Ok(true)
+        true
     }
 
     /// The rows the LM head of a step of `padded` rows with prompt rows runs over when

@@ -123,8 +123,11 @@ fn write(
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    // written whole under another name, then renamed: a reader never sees half a file
-    let partial = path.with_extension(format!("partial-{}", std::process::id()));
+    // written whole under a name of its own, then renamed: a reader never sees half a file,
+    // and two saves at once (two GPUs of one model) do not write into one another's
+    static SAVES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let save = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let partial = path.with_extension(format!("partial-{}-{save}", std::process::id()));
     std::fs::write(&partial, bytes)?;
     std::fs::rename(&partial, path)
 }

@@ -1,8 +1,9 @@
 //! Choosing a product's algorithm by timing it. cuBLASLt's heuristic guesses from the shape
 //! alone; for the batched pass's products (a few hundred rows against weights of thousands)
 //! its guess can leave much of the GPU idle, and the pass runs each shape hundreds of times a
-//! second. So the pass times the heuristic's first candidates on its own buffers once, before
-//! it captures its graphs, and keeps the fastest.
+//! second. So the pass, once it has captured its graphs and so met every shape, times the
+//! heuristic's first candidates on its own buffers, keeps the fastest, and captures the
+//! graphs again.
 
 use super::{Epilogue, Lt, Plan, Shape};
 use crate::cuda::error::CudaError;
@@ -96,7 +97,7 @@ impl Lt {
 /// turn for [`ROUNDS`] rounds after one that warms them up, each launch between two events:
 /// each one's median round in microseconds a product. The products run back to back on the
 /// GPU as a pass's do in its graph, so the host's cost of enqueuing them is not timed. None for
-/// one whose capture failed or that declined (returned false). The stream is synchronised.
+/// one whose capture failed or that declined (returned false). Each launch is waited for.
 pub fn time_products(
     stream: &Arc<CudaStream>,
     runs: usize,
