@@ -364,6 +364,10 @@ impl HostBuilder {
         config.consume_fuel(self.metered);
         // a guest's memory starts as a copy-on-write mapping of its module's initial image
         config.memory_init_cow(true);
+        // the guests are synchronous (wasip1 modules, wasip2 components): without this,
+        // every host call of a component also runs the component model's async task
+        // bookkeeping (a host task made and dropped, the current thread switched)
+        config.concurrency_support(false);
         if crate::switches::get().measurement.perf_map {
             config.profiler(ProfilingStrategy::PerfMap);
         }
