@@ -79,8 +79,7 @@ pub fn gemm_speed(
                 Ok(true)
             }
         });
-        let [a, b] = &mut enqueuers;
-        let times = time_products(&stream, runs, &mut [a, b])?;
+        let times = time_products(&stream, runs, &mut enqueuers)?;
         match times[..] {
             [Some(a), Some(b)] => Ok([a, b]),
             _ => Err(bad(&"a product could not be captured")),

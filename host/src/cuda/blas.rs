@@ -5,6 +5,7 @@
 //! algorithms chosen by timing ([`lt`]).
 
 pub(crate) mod lt;
+mod tuned;
 
 pub(crate) use lt::saved_file_name;
 #[cfg(feature = "dev")]
@@ -18,6 +19,7 @@ use crate::engine::GpuDtype;
 use cudarc::cublas::sys::cublasHandle_t;
 use cudarc::driver::CudaStream;
 use std::sync::{Arc, Mutex};
+use tuned::Untuned;
 
 /// cuBLASLt workspace per session.
 const LT_WORKSPACE_BYTES: usize = 4 << 20;
@@ -28,14 +30,6 @@ const LT_WORKSPACE_BYTES: usize = 4 << 20;
 pub enum LtBias {
     Stored(DevPtr<Stored>),
     F32(DevPtr<f32>),
-}
-
-/// The shapes of [`Blas::gemm`]'s cuBLASLt products: every one met, and those not yet
-/// tuned, each with the operands (weights, activations, output) it was first met with.
-#[derive(Default)]
-struct Untuned {
-    seen: std::collections::HashSet<Shape>,
-    waiting: Vec<(Shape, (u64, u64, u64))>,
 }
 
 /// A cuBLAS handle on one stream, plus the GEMM scratch for `rows` rows of width C.
@@ -122,60 +116,6 @@ impl Blas {
         })
     }
 
-    /// The same, its plain bf16 products ([`Blas::gemm`]) through cuBLASLt once
-    /// [`Blas::tune_products`] (or a saved file, [`Blas::restore_tuned`]) has chosen their
-    /// shape's algorithm by timing; cuBLAS's default until then.
-    pub fn with_tuned_products(mut self) -> Blas {
-        self.lt_products = self.lt.is_some();
-        self
-    }
-
-    /// Time the candidates of every shape [`Blas::gemm`] has met untimed since the last call
-    /// and keep each one's fastest ([`lt::Lt::tune`]), `runs` products a round, on the
-    /// launcher's stream; from then on `gemm` runs those shapes through cuBLASLt. The outputs
-    /// are overwritten. On an error the shapes not yet timed stay on cuBLAS's default.
-    ///
-    /// # Safety
-    /// Every buffer and weight `gemm` was given since the last call must still be allocated,
-    /// and its outputs must be scratch that nothing reads before writing (call it between
-    /// passes, with the pass's buffers alive).
-    pub unsafe fn tune_products(&self, l: &Launcher, runs: usize) -> Result<Vec<Tuned>, CudaError> {
-        let Some(lt) = self.lt.as_ref() else {
-            return Ok(Vec::new());
-        };
-        let shapes = std::mem::take(&mut self.untuned_lock()?.waiting);
-        let mut tuned = Vec::with_capacity(shapes.len());
-        for (shape, (w, x, dst)) in shapes {
-            // SAFETY: recorded from `gemm`, whose checks the operands passed (an output
-            // overlapping its input is never recorded); the caller vouches that they are
-            // still allocated and that the output is scratch.
-            let found = unsafe { lt.tune(l.stream(), shape, (w, x, 0, dst), runs) }?;
-            tuned.extend(found);
-        }
-        Ok(tuned)
-    }
-
-    /// Install the tuned algorithms saved at `path` for GPU `gpu` of `sms` SMs, so that
-    /// [`Blas::tune_products`] does not time their shapes again; how many.
-    pub fn restore_tuned(&self, path: &std::path::Path, gpu: &str, sms: usize) -> usize {
-        let Some(lt) = self.lt.as_ref().filter(|_| self.lt_products) else {
-            return 0;
-        };
-        lt.restore_tuned(path, gpu, sms).len()
-    }
-
-    /// Save every tuned algorithm of the GPU's plans to `path`, for [`Blas::restore_tuned`].
-    pub fn save_tuned(&self, path: &std::path::Path, gpu: &str, sms: usize) -> std::io::Result<()> {
-        match self.lt.as_ref().filter(|_| self.lt_products) {
-            Some(lt) => lt.save_tuned(path, gpu, sms),
-            None => Ok(()),
-        }
-    }
-
-    fn untuned_lock(&self) -> Result<std::sync::MutexGuard<'_, Untuned>, CudaError> {
-        (self.untuned.lock()).map_err(|_| CudaError::unavailable("cuBLASLt shapes poisoned"))
-    }
-
     /// Whether cuBLASLt is there.
     pub fn has_lt(&self) -> bool {
         self.lt.is_some()
@@ -207,23 +147,8 @@ impl Blas {
                 && dst.len() >= rows.saturating_sub(1) * ldc + n,
             "cuBLAS GEMM",
         )?;
-        if let (true, Some(lt), true) = (self.lt_products, &self.lt, x.is_bf16()) {
-            let shape = Shape::plain((rows, n, k), ldc, accumulate);
-            let operands = (w.addr(), x.addr(), dst.addr());
-            if lt.is_tuned(&shape) {
-                // SAFETY: as below: W (n*k), x (rows*k) and the destination (checked) are the
-                // caller's, alive until the stream has run the product.
-                let cu = l.stream().cu_stream() as _;
-                if unsafe { lt.matmul(cu, shape, (operands.0, operands.1, 0, operands.2)) }? {
-                    return Ok(());
-                }
-            } else if !accumulate && !lt::output_overlaps_input(&shape, operands.1, operands.2) {
-                // timed at the next `tune_products`; until then on cuBLAS's default, below
-                let mut untuned = self.untuned_lock()?;
-                if untuned.seen.insert(shape) {
-                    untuned.waiting.push((shape, operands));
-                }
-            }
+        if x.is_bf16() && self.tuned_product(l, w, x, (rows, n, k), (dst, ldc), accumulate)? {
+            return Ok(());
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.

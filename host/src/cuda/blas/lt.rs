@@ -71,6 +71,18 @@ impl Shape {
     }
 }
 
+impl Shape {
+    /// A plain product (no epilogue, no bias) into f32 at `ldc` a row, as the batched pass's.
+    pub fn plain((rows, n, k): (usize, usize, usize), ldc: usize, accumulate: bool) -> Shape {
+        Shape {
+            ldc,
+            accumulate,
+            bias_bf16: false,
+            ..Shape::new((rows, n, k), Epilogue::None)
+        }
+    }
+}
+
 /// Whether D (at `dst`) overlaps the bf16 activations (at `x`) of a product: other blocks may
 /// still be reading those while one writes its tile, so that is never allowed.
 pub(crate) fn output_overlaps_input(shape: &Shape, x: u64, dst: u64) -> bool {
@@ -370,10 +382,31 @@ impl Lt {
         })
     }
 
-    /// Whether `shape` has an algorithm chosen by timing, here or by another session (the
-    /// plans are the GPU's).
-    pub(crate) fn is_tuned(&self, shape: &Shape) -> bool {
-        (self.plans.lock()).is_ok_and(|cache| cache.tuned.contains_key(shape))
+    /// Enqueue the plain product of `shape` (`D = W x`, no bias) on `stream` where the shape
+    /// has an algorithm chosen by timing, by this session or another (the plans are the
+    /// GPU's). Ok(false): none, nothing enqueued.
+    ///
+    /// # Safety
+    /// As [`Lt::matmul`].
+    pub(crate) unsafe fn matmul_tuned(
+        &self,
+        stream: sys::cudaStream_t,
+        shape: Shape,
+        (w, x, dst): (u64, u64, u64),
+    ) -> Result<bool, CudaError> {
+        let cache = self.plans.lock()?;
+        let (true, Some(Some(plan))) = (cache.tuned.contains_key(&shape), cache.plans.get(&shape))
+        else {
+            return Ok(false);
+        };
+        if output_overlaps_input(&shape, x, dst) {
+            return Err(CudaError::Bounds(
+                "cuBLASLt product: its output overlaps its input",
+            ));
+        }
+        // SAFETY: the caller vouches for the device pointers; the plan is alive (the lock is
+        // held).
+        unsafe { self.enqueue(stream, plan, &plan.algo, shape, (w, x, 0, dst)) }
     }
 
     /// Enqueue `D (+)= epilogue(W x + bias)` on `stream` (W: bf16 [n, k]; x: bf16 [rows, k];

@@ -5,7 +5,7 @@
 //! heuristic's first candidates on its own buffers, keeps the fastest, and captures the
 //! graphs again.
 
-use super::{Epilogue, Lt, Plan, Shape};
+use super::{Lt, Plan, Shape};
 use crate::cuda::error::CudaError;
 use cudarc::driver::{sys::CUevent_flags, CudaStream};
 use std::sync::Arc;
@@ -54,9 +54,9 @@ impl Lt {
             return Ok(None);
         };
         let algos = plan.candidates(self.handle, self.workspace.1, CANDIDATES);
-        let Some(&first) = algos.first() else {
+        if algos.is_empty() {
             return Ok(None);
-        };
+        }
         let cu = stream.cu_stream() as _;
         let mut enqueuers: Vec<_> = (algos.iter())
             .map(|algo| {
@@ -67,11 +67,7 @@ impl Lt {
                 }
             })
             .collect();
-        let mut refs: Vec<&mut dyn FnMut() -> Result<bool, CudaError>> = (enqueuers.iter_mut())
-            .map(|e| e as &mut dyn FnMut() -> Result<bool, CudaError>)
-            .collect();
-        let times = time_products(stream, runs, &mut refs)?;
-        drop(refs);
+        let times = time_products(stream, runs, &mut enqueuers)?;
         drop(enqueuers);
         // a candidate that could not be timed counts as never finishing
         let medians: Vec<f64> = (times.iter()).map(|t| t.unwrap_or(f64::INFINITY)).collect();
@@ -79,7 +75,7 @@ impl Lt {
             return Ok(None);
         }
         let (kept, kept_us) = choose(&medians);
-        plan.algo = if kept == 0 { first } else { algos[kept] };
+        plan.algo = algos[kept];
         let mut cache = self.plans.lock()?;
         cache.tuned.insert(shape, plan.algo);
         cache.plans.insert(shape, Some(plan));
@@ -101,7 +97,7 @@ impl Lt {
 pub fn time_products(
     stream: &Arc<CudaStream>,
     runs: usize,
-    enqueuers: &mut [&mut dyn FnMut() -> Result<bool, CudaError>],
+    enqueuers: &mut [impl FnMut() -> Result<bool, CudaError>],
 ) -> Result<Vec<Option<f64>>, CudaError> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let timing =
@@ -166,18 +162,6 @@ fn choose(times: &[f64]) -> (usize, f64) {
     match best_us < first * MARGIN {
         true => (best, best_us),
         false => (0, first),
-    }
-}
-
-impl Shape {
-    /// A plain product (no epilogue, no bias) into f32 at `ldc` a row, as the batched pass's.
-    pub fn plain((rows, n, k): (usize, usize, usize), ldc: usize, accumulate: bool) -> Shape {
-        Shape {
-            ldc,
-            accumulate,
-            bias_bf16: false,
-            ..Shape::new((rows, n, k), Epilogue::None)
-        }
     }
 }
 
