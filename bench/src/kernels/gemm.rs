@@ -23,8 +23,9 @@ pub struct GemmSpeed {
     pub heuristic_us: f64,
     /// The candidate tuning kept, timed as the default is.
     pub tuned_us: f64,
-    /// Its place in the heuristic's order (0: the first) and how many were timed.
-    pub kept: usize,
+    /// Its place in the heuristic's order (0: the first; None: cuBLAS's default was kept) and
+    /// how many were timed.
+    pub kept: Option<usize>,
     pub candidates: usize,
     /// The worst `|tuned - default| / max(1, |default|)` over the product's results.
     pub max_difference: f32,

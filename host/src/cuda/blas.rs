@@ -132,16 +132,9 @@ impl Blas {
         (dst, ldc): (DevPtr<f32>, usize),
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-        };
         if l.gpu().measurement().skip.gemm {
             return Ok(());
         }
-        let dtype = match l.dtype() {
-            GpuDtype::F32 => cudaDataType::CUDA_R_32F,
-            GpuDtype::Bf16 => cudaDataType::CUDA_R_16BF,
-        };
         super::error::ensure(
             x.is_bf16() == (l.dtype() == GpuDtype::Bf16)
                 && dst.len() >= rows.saturating_sub(1) * ldc + n,
@@ -150,10 +143,42 @@ impl Blas {
         if x.is_bf16() && self.tuned_product(l, w, x, (rows, n, k), (dst, ldc), accumulate)? {
             return Ok(());
         }
+        // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc, checked).
+        unsafe {
+            self.gemm_default(
+                l,
+                (w.addr(), x.addr(), dst.addr()),
+                (rows, n, k),
+                ldc,
+                accumulate,
+            )
+        }
+    }
+
+    /// `gemm`'s product on cuBLAS's default algorithm.
+    ///
+    /// # Safety
+    /// `w`, `x` and `dst` address device buffers of `n * k`, `rows * k` (the launcher's type)
+    /// and `(rows - 1) * ldc + n` f32, alive until the stream has run the product.
+    unsafe fn gemm_default(
+        &self,
+        l: &Launcher,
+        (w, x, dst): (u64, u64, u64),
+        (rows, n, k): (usize, usize, usize),
+        ldc: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        let dtype = match l.dtype() {
+            GpuDtype::F32 => cudaDataType::CUDA_R_32F,
+            GpuDtype::Bf16 => cudaDataType::CUDA_R_16BF,
+        };
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // Row-major out[rows, n] = x[rows, k] W[n, k]^T is column-major out^T = W x^T.
-        // SAFETY: pointers cover W (n*k), x (rows*k) and the destination (rows*ldc, checked);
-        // scalars are host f32 as CUBLAS_COMPUTE_32F expects.
+        // SAFETY: the caller vouches for the pointers; scalars are host f32 as
+        // CUBLAS_COMPUTE_32F expects.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 self.handle,
@@ -163,14 +188,14 @@ impl Blas {
                 rows as i32,
                 k as i32,
                 (&alpha as *const f32).cast(),
-                w.addr() as *const std::ffi::c_void,
+                w as *const std::ffi::c_void,
                 dtype,
                 k as i32,
-                x.addr() as *const std::ffi::c_void,
+                x as *const std::ffi::c_void,
                 dtype,
                 k as i32,
                 (&beta as *const f32).cast(),
-                dst.addr() as *mut std::ffi::c_void,
+                dst as *mut std::ffi::c_void,
                 cudaDataType::CUDA_R_32F,
                 ldc as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,

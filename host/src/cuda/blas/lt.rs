@@ -297,8 +297,9 @@ struct PlanCache {
     plans: HashMap<Shape, Option<Plan>>,
     /// By shape with its rows at their bucket's top ([`bucket_rows`]).
     algos: HashMap<Shape, Option<sys::cublasLtMatmulAlgo_t>>,
-    /// The algorithms chosen by timing ([`Lt::tune`]) or restored from a file of them.
-    tuned: HashMap<Shape, sys::cublasLtMatmulAlgo_t>,
+    /// The algorithms chosen by timing ([`Lt::tune`]) or restored from a file of them; None:
+    /// the shape runs faster on cuBLAS's default.
+    tuned: HashMap<Shape, Option<sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the plans' descriptors and layouts in the cache are only used under the `cache`
@@ -353,6 +354,17 @@ impl LtPlans {
     }
 }
 
+/// What [`Lt::matmul_tuned`] did with a plain product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TunedRun {
+    /// Enqueued on the algorithm timing chose.
+    Enqueued,
+    /// Nothing: timing found cuBLAS's default faster, which the caller runs.
+    Default,
+    /// Nothing: the shape has not been timed.
+    Untimed,
+}
+
 /// A cuBLASLt handle and the GPU's plans; the caller owns the workspace.
 pub(crate) struct Lt {
     handle: sys::cublasLtHandle_t,
@@ -384,7 +396,7 @@ impl Lt {
 
     /// Enqueue the plain product of `shape` (`D = W x`, no bias) on `stream` where the shape
     /// has an algorithm chosen by timing, by this session or another (the plans are the
-    /// GPU's). Ok(false): none, nothing enqueued.
+    /// GPU's); what was done.
     ///
     /// # Safety
     /// As [`Lt::matmul`].
@@ -393,11 +405,13 @@ impl Lt {
         stream: sys::cudaStream_t,
         shape: Shape,
         (w, x, dst): (u64, u64, u64),
-    ) -> Result<bool, CudaError> {
+    ) -> Result<TunedRun, CudaError> {
         let cache = self.plans.lock()?;
-        let (true, Some(Some(plan))) = (cache.tuned.contains_key(&shape), cache.plans.get(&shape))
-        else {
-            return Ok(false);
+        let plan = match (cache.tuned.get(&shape), cache.plans.get(&shape)) {
+            (None, _) => return Ok(TunedRun::Untimed),
+            (Some(None), _) => return Ok(TunedRun::Default),
+            (Some(Some(_)), Some(Some(plan))) => plan,
+            (Some(Some(_)), _) => return Ok(TunedRun::Untimed),
         };
         if output_overlaps_input(&shape, x, dst) {
             return Err(CudaError::Bounds(
@@ -406,7 +420,10 @@ impl Lt {
         }
         // SAFETY: the caller vouches for the device pointers; the plan is alive (the lock is
         // held).
-        unsafe { self.enqueue(stream, plan, &plan.algo, shape, (w, x, 0, dst)) }
+        match unsafe { self.enqueue(stream, plan, &plan.algo, shape, (w, x, 0, dst)) }? {
+            true => Ok(TunedRun::Enqueued),
+            false => Ok(TunedRun::Untimed),
+        }
     }
 
     /// Enqueue `D (+)= epilogue(W x + bias)` on `stream` (W: bf16 [n, k]; x: bf16 [rows, k];

@@ -1,10 +1,10 @@
 //! The batched pass's plain bf16 products with algorithms chosen by timing: [`Blas::gemm`]
 //! records each shape it meets without one (with its operands) and runs it on cuBLAS's
-//! default; [`Blas::tune_products`] times cuBLASLt's candidates for those shapes
-//! ([`super::lt::Lt::tune`]); from then on, and for shapes restored from a saved file, `gemm`
-//! runs them through cuBLASLt on the kept algorithm.
+//! default; [`Blas::tune_products`] times cuBLASLt's candidates for those shapes beside the
+//! default ([`super::lt::Lt::tune`]); from then on, and for shapes restored from a saved file,
+//! `gemm` runs them through cuBLASLt on the kept algorithm, or on the default where it won.
 
-use super::lt::{output_overlaps_input, Shape, Tuned};
+use super::lt::{output_overlaps_input, Shape, Tuned, TunedRun};
 use super::Blas;
 use crate::cuda::buffer::{Act, DevPtr, Stored};
 use crate::cuda::error::CudaError;
@@ -43,10 +43,16 @@ impl Blas {
         let shapes = std::mem::take(&mut self.untuned_lock()?.waiting);
         let mut tuned = Vec::with_capacity(shapes.len());
         for (shape, (w, x, dst)) in shapes {
+            let (rows, n, k, ldc) = (shape.rows, shape.n, shape.k, shape.ldc);
+            let mut default = || {
+                // SAFETY: as below.
+                unsafe { self.gemm_default(l, (w, x, dst), (rows, n, k), ldc, false) }?;
+                Ok(true)
+            };
             // SAFETY: recorded from `gemm`, whose checks the operands passed (an output
             // overlapping its input is never recorded); the caller vouches that they are
             // still allocated and that the output is scratch.
-            let found = unsafe { lt.tune(l.stream(), shape, (w, x, 0, dst), runs) }?;
+            let found = unsafe { lt.tune(l.stream(), shape, (w, x, 0, dst), runs, &mut default) }?;
             tuned.extend(found);
         }
         Ok(tuned)
@@ -74,8 +80,9 @@ impl Blas {
     }
 
     /// `gemm`'s product through cuBLASLt where its shape has a timed algorithm: Ok(true) when
-    /// enqueued. Otherwise Ok(false) (the caller runs cuBLAS's default), the shape recorded for
-    /// the next [`Blas::tune_products`] unless it accumulates or its output overlaps its input.
+    /// enqueued. Otherwise Ok(false) (the caller runs cuBLAS's default); a shape not yet
+    /// timed is recorded for the next [`Blas::tune_products`] unless it accumulates or its
+    /// output overlaps its input.
     /// The caller has checked the operands' sizes.
     pub(super) fn tuned_product(
         &self,
@@ -94,8 +101,10 @@ impl Blas {
         let cu = l.stream().cu_stream() as _;
         // SAFETY: W (n*k), x (rows*k) and the destination (rows*ldc, checked by the caller)
         // are the caller's, alive until the stream has run the product.
-        if unsafe { lt.matmul_tuned(cu, shape, operands) }? {
-            return Ok(true);
+        match unsafe { lt.matmul_tuned(cu, shape, operands) }? {
+            TunedRun::Enqueued => return Ok(true),
+            TunedRun::Default => return Ok(false),
+            TunedRun::Untimed => {}
         }
         if !accumulate && !output_overlaps_input(&shape, operands.1, operands.2) {
             let mut untuned = self.untuned_lock()?;

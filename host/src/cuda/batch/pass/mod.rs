@@ -401,22 +401,29 @@ impl Pass {
         let sum = |us: fn(&Tuned) -> f64| tuned.iter().map(us).sum::<f64>();
         tracing::info!(
             shapes = tuned.len(),
-            changed = tuned.iter().filter(|t| t.kept != 0).count(),
+            changed = tuned
+                .iter()
+                .filter(|t| t.kept.is_some_and(|k| k != 0))
+                .count(),
+            default = tuned.iter().filter(|t| t.kept.is_none()).count(),
             heuristic_us = sum(|t| t.heuristic_us),
             kept_us = sum(|t| t.kept_us),
             ms = started.elapsed().as_millis() as u64,
             "batched products' algorithms timed"
         );
         for t in &tuned {
+            let kept = match t.kept {
+                Some(kept) => format!("candidate {kept} of {}", t.candidates),
+                None => "cuBLAS's default".to_owned(),
+            };
             tracing::debug!(
-                "{}x{}x{}: {:.1} us (candidate {} of {}) against the heuristic's {:.1}",
+                "{}x{}x{}: {:.1} us ({kept}) against the heuristic's {:.1} and the default's {:.1}",
                 t.shape.rows,
                 t.shape.n,
                 t.shape.k,
                 t.kept_us,
-                t.kept,
-                t.candidates,
-                t.heuristic_us
+                t.heuristic_us,
+                t.default_us
             );
         }
         true

@@ -25,7 +25,8 @@ struct SavedProduct {
     n: usize,
     k: usize,
     ldc: usize,
-    algo: [u64; 8],
+    /// None: cuBLAS's default was the fastest.
+    algo: Option<[u64; 8]>,
 }
 
 /// The cuBLASLt version loaded (0 where it cannot be asked).
@@ -62,25 +63,34 @@ fn read(path: &Path, gpu: &str, sms: usize, cublaslt: usize) -> Vec<SavedProduct
 
 impl Lt {
     /// Install the algorithms saved at `path` for this GPU as the plans of their shapes, each
-    /// where cuBLASLt's check accepts it; the shapes installed.
+    /// where cuBLASLt's check accepts it, and the shapes saved as cuBLAS's default's; the
+    /// shapes installed.
     pub(crate) fn restore_tuned(&self, path: &Path, gpu: &str, sms: usize) -> Vec<Shape> {
         let products = read(path, gpu, sms, cublaslt_version());
         let mut restored = Vec::with_capacity(products.len());
         for p in products {
             let shape = Shape::plain((p.rows, p.n, p.k), p.ldc, false);
-            let algo = sys::cublasLtMatmulAlgo_t { data: p.algo };
-            let Some(mut plan) = Plan::describe(shape) else {
-                continue;
+            let plan = match p.algo {
+                Some(data) => {
+                    let algo = sys::cublasLtMatmulAlgo_t { data };
+                    let Some(mut plan) = Plan::describe(shape) else {
+                        continue;
+                    };
+                    if !plan.accepts(self.handle, &algo, self.workspace.1) {
+                        continue;
+                    }
+                    plan.algo = algo;
+                    Some(plan)
+                }
+                None => None,
             };
-            if !plan.accepts(self.handle, &algo, self.workspace.1) {
-                continue;
-            }
-            plan.algo = algo;
             let Ok(mut cache) = self.plans.lock() else {
                 break;
             };
-            cache.plans.insert(shape, Some(plan));
-            cache.tuned.insert(shape, algo);
+            cache.tuned.insert(shape, plan.as_ref().map(|p| p.algo));
+            if let Some(plan) = plan {
+                cache.plans.insert(shape, Some(plan));
+            }
             restored.push(shape);
         }
         restored
@@ -96,7 +106,7 @@ impl Lt {
                     n: s.n,
                     k: s.k,
                     ldc: s.ldc,
-                    algo: algo.data,
+                    algo: algo.map(|a| a.data),
                 })
                 .collect(),
             Err(_) => return Ok(()),
@@ -142,7 +152,7 @@ mod tests {
             n: 4800,
             k: 1600,
             ldc: 4800,
-            algo: [rows as u64, 1, 2, 3, 4, 5, 6, u64::MAX],
+            algo: (rows != 64).then_some([rows as u64, 1, 2, 3, 4, 5, 6, u64::MAX]),
         }
     }
 

@@ -2,8 +2,8 @@
 //! alone; for the batched pass's products (a few hundred rows against weights of thousands)
 //! its guess can leave much of the GPU idle, and the pass runs each shape hundreds of times a
 //! second. So the pass, once it has captured its graphs and so met every shape, times the
-//! heuristic's first candidates on its own buffers, keeps the fastest, and captures the
-//! graphs again.
+//! heuristic's first candidates on its own buffers beside cuBLAS's default (what the shape ran
+//! before), keeps the fastest, and captures the graphs again.
 
 use super::{Lt, Plan, Shape};
 use crate::cuda::error::CudaError;
@@ -14,9 +14,9 @@ use std::sync::Arc;
 const CANDIDATES: usize = 12;
 /// Rounds over the candidates; a candidate's time is its median round.
 const ROUNDS: usize = 3;
-/// Another candidate replaces the heuristic's first only when it is at least this much
-/// faster: a near tie is kept as the heuristic has it, so that timing noise does not decide
-/// which algorithm (and so which rounding) a shape gets.
+/// Another candidate replaces the heuristic's first, and a cuBLASLt candidate replaces cuBLAS's
+/// default, only when it is at least this much faster: a near tie is kept as it was, so that
+/// timing noise does not decide which algorithm (and so which rounding) a shape gets.
 const MARGIN: f64 = 0.97;
 
 /// What timing one shape's candidates found (microseconds a product).
@@ -25,18 +25,21 @@ pub struct Tuned {
     pub shape: Shape,
     /// Candidates the heuristic gave and were timed.
     pub candidates: usize,
-    /// The heuristic's first candidate.
+    /// cuBLAS's default algorithm (`cublasGemmEx`), and the heuristic's first candidate.
+    pub default_us: f64,
     pub heuristic_us: f64,
-    /// The one kept, and its place in the heuristic's order (0: its first).
+    /// The one kept, and its place in the heuristic's order (0: its first; None: cuBLAS's
+    /// default, which the shape then keeps running).
     pub kept_us: f64,
-    pub kept: usize,
+    pub kept: Option<usize>,
 }
 
 impl Lt {
     /// Time the heuristic's first candidates for `shape` on `stream` with the product's own
-    /// operands, `runs` products a round, and keep the fastest as the shape's plan. None when
-    /// cuBLASLt has no algorithm for it, or the shape accumulates (timing would add to its
-    /// output). The stream is synchronised.
+    /// operands, `runs` products a round, beside `default` (the same product on cuBLAS's
+    /// default algorithm), and keep the fastest as the shape's plan, or mark the shape as
+    /// the default's. None when cuBLASLt has no algorithm for it, or the shape accumulates
+    /// (timing would add to its output). The stream is synchronised.
     ///
     /// # Safety
     /// As [`Lt::matmul`]; the output is scratch that nothing reads until it is written again.
@@ -46,6 +49,7 @@ impl Lt {
         shape: Shape,
         operands: (u64, u64, u64, u64),
         runs: usize,
+        default: &mut dyn FnMut() -> Result<bool, CudaError>,
     ) -> Result<Option<Tuned>, CudaError> {
         if shape.accumulate {
             return Ok(None);
@@ -58,30 +62,41 @@ impl Lt {
             return Ok(None);
         }
         let cu = stream.cu_stream() as _;
-        let mut enqueuers: Vec<_> = (algos.iter())
+        type Enqueue<'a> = Box<dyn FnMut() -> Result<bool, CudaError> + 'a>;
+        let mut enqueuers: Vec<Enqueue> = (algos.iter())
             .map(|algo| {
                 let plan = &plan;
-                move || {
+                Box::new(move || {
                     // SAFETY: the caller vouches for the operands; `plan` is ours alone.
                     unsafe { self.enqueue(cu, plan, algo, shape, operands) }
-                }
+                }) as Enqueue
             })
             .collect();
+        enqueuers.push(Box::new(default));
         let times = time_products(stream, runs, &mut enqueuers)?;
         drop(enqueuers);
-        // a candidate that could not be timed counts as never finishing
-        let medians: Vec<f64> = (times.iter()).map(|t| t.unwrap_or(f64::INFINITY)).collect();
+        // one that could not be timed counts as never finishing
+        let mut medians: Vec<f64> = (times.iter()).map(|t| t.unwrap_or(f64::INFINITY)).collect();
+        let default_us = medians.pop().unwrap_or(f64::INFINITY);
         if !medians.iter().any(|m| m.is_finite()) {
             return Ok(None);
         }
-        let (kept, kept_us) = choose(&medians);
-        plan.algo = algos[kept];
+        let (kept, kept_us) = choose(&medians, default_us);
         let mut cache = self.plans.lock()?;
-        cache.tuned.insert(shape, plan.algo);
-        cache.plans.insert(shape, Some(plan));
+        match kept {
+            Some(kept) => {
+                plan.algo = algos[kept];
+                cache.tuned.insert(shape, Some(plan.algo));
+                cache.plans.insert(shape, Some(plan));
+            }
+            None => {
+                cache.tuned.insert(shape, None);
+            }
+        }
         Ok(Some(Tuned {
             shape,
             candidates: algos.len(),
+            default_us,
             heuristic_us: medians[0],
             kept_us,
             kept,
@@ -151,17 +166,22 @@ fn median(times: &mut [f64]) -> f64 {
 }
 
 /// The candidate to keep from each one's time, the heuristic's first at index 0: the
-/// fastest, unless it is within [`MARGIN`] of the first.
-fn choose(times: &[f64]) -> (usize, f64) {
+/// fastest, unless it is within [`MARGIN`] of the first; and that one only if it is at least
+/// [`MARGIN`] faster than cuBLAS's default (None: the default is kept).
+fn choose(times: &[f64], default_us: f64) -> (Option<usize>, f64) {
     let Some(&first) = times.first() else {
-        return (0, f64::INFINITY);
+        return (None, default_us);
     };
     let (best, best_us) = (times.iter().copied().enumerate())
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or((0, first));
-    match best_us < first * MARGIN {
+    let (kept, kept_us) = match best_us < first * MARGIN {
         true => (best, best_us),
         false => (0, first),
+    };
+    match kept_us < default_us * MARGIN || !default_us.is_finite() {
+        true => (Some(kept), kept_us),
+        false => (None, default_us),
     }
 }
 
@@ -171,11 +191,22 @@ mod tests {
 
     #[test]
     fn the_heuristics_first_is_kept_unless_another_is_clearly_faster() {
-        assert_eq!(choose(&[10.0, 9.8, 11.0]), (0, 10.0));
-        assert_eq!(choose(&[10.0, 9.0, 9.5]), (1, 9.0));
-        assert_eq!(choose(&[10.0, 12.0, 8.0]), (2, 8.0));
-        assert_eq!(choose(&[10.0]), (0, 10.0));
-        assert_eq!(choose(&[]).0, 0);
+        let slow = f64::INFINITY;
+        assert_eq!(choose(&[10.0, 9.8, 11.0], slow), (Some(0), 10.0));
+        assert_eq!(choose(&[10.0, 9.0, 9.5], slow), (Some(1), 9.0));
+        assert_eq!(choose(&[10.0, 12.0, 8.0], 20.0), (Some(2), 8.0));
+        assert_eq!(choose(&[10.0], slow), (Some(0), 10.0));
+        assert_eq!(choose(&[], 5.0), (None, 5.0));
+    }
+
+    #[test]
+    fn cublas_default_is_kept_unless_a_candidate_is_clearly_faster() {
+        // the best candidate within the margin of the default: the default stays
+        assert_eq!(choose(&[10.0, 9.0], 9.2), (None, 9.2));
+        assert_eq!(choose(&[10.0, 9.0], 8.0), (None, 8.0));
+        // clearly faster: the candidate replaces it
+        assert_eq!(choose(&[10.0, 9.0], 9.5), (Some(1), 9.0));
+        assert_eq!(choose(&[10.0, 12.0], 11.0), (Some(0), 10.0));
     }
 
     #[test]
