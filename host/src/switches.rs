@@ -38,11 +38,9 @@ pub struct Settings {
     /// 128): below that many streams all share one lane's steps.
     pub lane_fill: usize,
     /// Most tokens one GPU batched step runs, decodes included (`STEP_TOKENS=N`, 1 to
-    /// 1024; default 512): prompts share what the decodes leave, in chunks. 512 rather than
-    /// 256 gave 256 sampled streams of ~200-token prompts 11-14% more tokens/s, 64 the same,
-    /// their gaps' p99 a little longer (docs/design/batching.md, "Chunked prompts"). A pass
-    /// holds [`Settings::pass_rows`] rows.
-    pub step_tokens: usize,
+    /// 1024; None: by the model's width, [`Settings::step_tokens_for`]): prompts share what
+    /// the decodes leave, in chunks. A pass holds [`Settings::pass_rows_for`] rows.
+    pub step_tokens: Option<usize>,
     /// A batched step waits for the last step's contexts to come back until shortly before the
     /// pass run ahead for them is expected to end on the GPU (by the time a step takes to
     /// launch its pass, and this much more), then runs with the contexts that are back
@@ -71,13 +69,35 @@ pub struct Settings {
     pub sync: GpuWait,
 }
 
+/// The step budget of a model 768 wide (124M), and of the widest the default is scaled to.
+const STEP_TOKENS_AT_768: usize = 512;
+const STEP_TOKENS_LEAST: usize = 256;
+
 impl Settings {
-    /// Most rows one batched pass holds (its buffers and its largest graph): a step's budget
-    /// and a chunk's rows past it (a step's decodes may run over its budget, and a chunk
-    /// takes what the budget leaves), rounded up to the graphs' sizes (multiples of 32), and
-    /// at least 320 (256 decodes and a chunk). Past that a step runs several passes in turn.
-    pub fn pass_rows(&self) -> usize {
-        (self.step_tokens + 64).next_multiple_of(32).max(320)
+    /// The most tokens one batched step of a model `n_embd` wide runs: `STEP_TOKENS`, else
+    /// 512 for 768 wide (124M) and narrower, scaled down with the width (a wider model's
+    /// token costs more of a pass) in multiples of 64, to 256 at 1,600 (1558M). Measured at
+    /// both ends (H200, 64 sampled streams of ~200-token prompts): at 124M 512 rather than
+    /// 256 gave 256 sampled streams 11-14% more tokens/s and 64 the same; at 1558M 256
+    /// rather than 512 gave 4% more tokens/s, the first token ~20% sooner and shorter gaps,
+    /// 192 the same as 256, 128 and 1,024 less (docs/design/batching.md, "Chunked prompts").
+    /// The widths between are not measured.
+    pub fn step_tokens_for(&self, n_embd: usize) -> usize {
+        self.step_tokens.unwrap_or_else(|| {
+            let scaled = STEP_TOKENS_AT_768 * 768 / n_embd.max(1);
+            (scaled.next_multiple_of(64)).clamp(STEP_TOKENS_LEAST, STEP_TOKENS_AT_768)
+        })
+    }
+
+    /// Most rows one batched pass of a model `n_embd` wide holds (its buffers and its largest
+    /// graph): a step's budget and a chunk's rows past it (a step's decodes may run over its
+    /// budget, and a chunk takes what the budget leaves), rounded up to the graphs' sizes
+    /// (multiples of 32), and at least 320 (256 decodes and a chunk). Past that a step runs
+    /// several passes in turn.
+    pub fn pass_rows_for(&self, n_embd: usize) -> usize {
+        (self.step_tokens_for(n_embd) + 64)
+            .next_multiple_of(32)
+            .max(320)
     }
 }
 
@@ -243,7 +263,7 @@ impl Switches {
             settings: Settings {
                 batch_lanes: number("BATCH_LANES").unwrap_or(2).clamp(1, 8),
                 lane_fill: number("LANE_FILL").unwrap_or(128).max(1),
-                step_tokens: number("STEP_TOKENS").unwrap_or(512).clamp(1, 1024),
+                step_tokens: number("STEP_TOKENS").map(|n| n.clamp(1, 1024)),
                 gather_margin: match var("GATHER_MARGIN_US") {
                     Some(v) if v == "all" => None,
                     v => Some(Duration::from_micros(
@@ -320,7 +340,7 @@ mod tests {
         let s = read(&[]);
         assert_eq!(s.settings.batch_lanes, 2);
         assert_eq!(s.settings.lane_fill, 128);
-        assert_eq!(s.settings.step_tokens, 512);
+        assert_eq!(s.settings.step_tokens, None);
         assert_eq!(s.settings.gather_margin, Some(Duration::from_micros(60)));
         assert_eq!(s.settings.ahead_depth, 2);
         assert!(!s.settings.batch_invariant);
@@ -363,13 +383,18 @@ mod tests {
         assert_eq!(s.measurement.draw_cluster, Some((8, 1)));
         assert!(s.measurement.skip.attn && s.measurement.skip.head && !s.measurement.skip.ln);
         assert_eq!(s.measurement.batch_gemm, Some(0));
-        assert_eq!(s.settings.step_tokens, 1);
+        assert_eq!(s.settings.step_tokens, Some(1));
+        assert_eq!(
+            s.settings.step_tokens_for(1600),
+            1,
+            "a budget set holds for every model"
+        );
     }
 
     #[test]
     fn a_pass_holds_the_budget_and_a_chunk_in_whole_graph_sizes() {
-        let rows = |tokens: &str| read(&[("STEP_TOKENS", tokens)]).settings.pass_rows();
-        assert_eq!(read(&[]).settings.pass_rows(), 576);
+        let rows = |tokens: &str| read(&[("STEP_TOKENS", tokens)]).settings.pass_rows_for(768);
+        assert_eq!(read(&[]).settings.pass_rows_for(768), 576);
         assert_eq!(rows("1"), 320);
         assert_eq!(rows("300"), 384);
         assert_eq!(rows("512"), 576);
@@ -377,5 +402,16 @@ mod tests {
         for tokens in ["1", "256", "300", "777", "1024"] {
             assert_eq!(rows(tokens) % 32, 0);
         }
+    }
+
+    #[test]
+    fn the_default_budget_shrinks_with_the_models_width() {
+        let s = read(&[]).settings;
+        // GPT-2's widths: 124M, 355M, 774M, 1558M; and narrower test models
+        let budgets: Vec<usize> = [64, 768, 1024, 1280, 1600, 4096]
+            .map(|w| s.step_tokens_for(w))
+            .to_vec();
+        assert_eq!(budgets, [512, 512, 384, 320, 256, 256]);
+        assert_eq!(s.pass_rows_for(1600), 320);
     }
 }

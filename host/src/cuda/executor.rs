@@ -87,7 +87,8 @@ impl CudaExecutor {
         for _ in 0..lanes {
             let model = CudaBatch::new(inner.clone(), pool.clone(), max_idle);
             model.warm(warm)?;
-            batchers.push(Batcher::new(model, inner.gpu.settings().step_tokens));
+            let budget = (inner.gpu.settings()).step_tokens_for(inner.config.n_embd);
+            batchers.push(Batcher::new(model, budget));
         }
         Ok(Self {
             inner,

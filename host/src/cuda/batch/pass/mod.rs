@@ -61,7 +61,7 @@ fn attention_splits(longest: usize, row_heads: usize, wave: usize, span: usize) 
 }
 
 /// The rows a step of `rows` runs as (its graph's size): powers of two to 8, then multiples
-/// of 8 to 64, then of 32 (a pass's rows, [`crate::switches::Settings::pass_rows`], are a
+/// of 8 to 64, then of 32 (a pass's rows, [`crate::switches::Settings::pass_rows_for`], are a
 /// multiple of 32, so a step that fits a pass fits its bucket).
 pub fn bucket(rows: usize) -> usize {
     match rows {
@@ -310,14 +310,14 @@ pub(crate) struct Pass {
 impl Pass {
     pub(crate) fn new(exec: Arc<LoadedModel>) -> Self {
         Self {
-            max_rows: exec.gpu.settings().pass_rows(),
+            max_rows: exec.gpu.settings().pass_rows_for(exec.config.n_embd),
             exec,
             stream: OnceLock::new(),
             buffers: Mutex::new(None),
         }
     }
 
-    /// Most rows of one pass ([`crate::switches::Settings::pass_rows`]).
+    /// Most rows of one pass ([`crate::switches::Settings::pass_rows_for`]).
     pub(crate) fn max_rows(&self) -> usize {
         self.max_rows
     }
