@@ -550,8 +550,9 @@ fn penalties_bias_and_min_p_are_applied_and_drawn_by_the_host() {
     assert_ne!(ids(&guest_sampled["ids"]), made);
 }
 
-/// Nothing a guest wrote reaches the next guest in its pool slot, whether the slot's memory
-/// goes back to the kernel or stays resident and is reset in place (the default where Linux
+/// Nothing a guest wrote, in its memory or its table, reaches the next guest in its pool slot,
+/// whether the slot's memory and tables go back to the kernel or stay resident and are reset
+/// in place (the default where Linux
 /// has PAGEMAP_SCAN, and with `memset` where it has not): one guest at a time, so that each
 /// takes the slot the last one left, and then eight at once.
 #[test]
