@@ -69,8 +69,9 @@ pub struct Settings {
     pub sync: GpuWait,
 }
 
-/// The step budget of a model 768 wide (124M), and of the widest the default is scaled to.
+/// The default step budget of a model 768 wide (124M) and narrower.
 const STEP_TOKENS_AT_768: usize = 512;
+/// The least default step budget, reached at 1,536 wide and past (1558M's 1,600).
 const STEP_TOKENS_LEAST: usize = 256;
 
 impl Settings {
@@ -79,8 +80,9 @@ impl Settings {
     /// token costs more of a pass) in multiples of 64, to 256 at 1,600 (1558M). Measured at
     /// both ends (H200, 64 sampled streams of ~200-token prompts): at 124M 512 rather than
     /// 256 gave 256 sampled streams 11-14% more tokens/s and 64 the same; at 1558M 256
-    /// rather than 512 gave 4% more tokens/s, the first token ~20% sooner and shorter gaps,
-    /// 192 the same as 256, 128 and 1,024 less (docs/design/batching.md, "Chunked prompts").
+    /// rather than 512 gave 64 sampled streams 1-4% more tokens/s and their first token ~20%
+    /// sooner, 192 the same as 256, 128 and 1,024 less (docs/design/batching.md, "Chunked
+    /// prompts").
     /// The widths between are not measured.
     pub fn step_tokens_for(&self, n_embd: usize) -> usize {
         self.step_tokens.unwrap_or_else(|| {

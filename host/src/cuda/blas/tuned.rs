@@ -45,7 +45,7 @@ impl Blas {
         for (shape, (w, x, dst)) in shapes {
             let (rows, n, k, ldc) = (shape.rows, shape.n, shape.k, shape.ldc);
             let mut default = || {
-                // SAFETY: as below.
+                // SAFETY: the recorded operands, as for `tune` below.
                 unsafe { self.gemm_default(l, (w, x, dst), (rows, n, k), ldc, false) }?;
                 Ok(true)
             };
