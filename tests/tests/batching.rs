@@ -592,23 +592,29 @@ fn a_prompt_among_decoding_contexts_runs_in_chunks_beside_them_and_alone_whole()
     let steps = |b: &Batcher<ChunksOfFour>| b.model().steps.lock().expect("steps").clone();
     assert_eq!(steps(batcher), vec![vec![10]]);
 
-    // beside a context decoding step after step: chunks of at most 4, each step keeping the
-    // decode, and the prompt's positions all there
+    // beside a context decoding step after step (until the prompt is in, however slowly this
+    // thread gets there): chunks of at most 4, each step keeping the decode, and the prompt's
+    // positions all there
     let started = std::sync::Barrier::new(2);
-    let started = &started;
+    let (started, prompt_in) = (&started, &std::sync::atomic::AtomicBool::new(false));
     std::thread::scope(|scope| {
         let decoding = scope.spawn(move || {
             let mut d = batcher.session().expect("session");
-            for i in 0..60 {
+            for i in 0.. {
                 d.extend(&[1], false).expect("decode");
                 if i == 2 {
                     started.wait();
                 }
+                if i >= 2 && prompt_in.load(std::sync::atomic::Ordering::Acquire) {
+                    break;
+                }
+                assert!(i < 100_000, "the prompt never came in");
             }
         });
         started.wait();
         let mut p = batcher.session().expect("session");
         p.extend(&[1; 10], false).expect("prompt");
+        prompt_in.store(true, std::sync::atomic::Ordering::Release);
         assert_eq!(p.len(), 10);
         decoding.join().expect("decoding");
     });

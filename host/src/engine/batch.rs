@@ -170,12 +170,15 @@ impl<S> Slot<S> {
     /// Wait for a wake-up (or `deadline`): spinning (yielding the core) for `spin`, then
     /// parked.
     fn wait(&self, spin: Duration, deadline: Option<Instant>) {
-        let spin_until = Instant::now() + spin;
-        while Instant::now() < spin_until {
-            if self.woken.swap(false, Ordering::AcqRel) {
-                return;
+        // no clock read without a spin (the default: every token of every stream waits here)
+        if !spin.is_zero() {
+            let spin_until = Instant::now() + spin;
+            while Instant::now() < spin_until {
+                if self.woken.swap(false, Ordering::AcqRel) {
+                    return;
+                }
+                std::thread::yield_now();
             }
-            std::thread::yield_now();
         }
         match deadline {
             Some(at) => std::thread::park_timeout(at.saturating_duration_since(Instant::now())),
