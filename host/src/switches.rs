@@ -47,9 +47,10 @@ pub struct Settings {
     /// (`GATHER_MARGIN_US=N`, default 60). `GATHER_MARGIN_US=all` (None) waits for all of
     /// them (up to the pass's time from launch to end, at most 2 ms).
     pub gather_margin: Option<Duration>,
-    /// Steps run ahead of a greedy guest at most (`AHEAD_DEPTH=N`, 1 or 2; default 2): with
-    /// 2, a context whose guest is not back when the next pass is launched still gets its
-    /// next step in it.
+    /// Steps run ahead of a greedy or drawing guest at most (`AHEAD_DEPTH=N`, 1 to
+    /// [`MAX_AHEAD_DEPTH`]; default 4): past 1, a context whose guest is not back when the next
+    /// pass is launched still gets its next step in it, and each step more lets a guest fall
+    /// one more pass behind and keep its row.
     pub ahead_depth: usize,
     /// How long a context waiting for a batched GPU step spins before it parks (`SPIN_US`, 0
     /// by default).
@@ -68,6 +69,10 @@ pub struct Settings {
     /// unknown value too).
     pub sync: GpuWait,
 }
+
+/// Most steps run ahead of a guest that `AHEAD_DEPTH` may ask for: each needs a logits buffer
+/// of its own in every session.
+pub const MAX_AHEAD_DEPTH: usize = 4;
 
 /// The default step budget of a model 768 wide (124M) and narrower.
 const STEP_TOKENS_AT_768: usize = 512;
@@ -272,7 +277,9 @@ impl Switches {
                         v.and_then(|v| v.parse().ok()).unwrap_or(60),
                     )),
                 },
-                ahead_depth: number("AHEAD_DEPTH").unwrap_or(2).clamp(1, 2),
+                ahead_depth: number("AHEAD_DEPTH")
+                    .unwrap_or(MAX_AHEAD_DEPTH)
+                    .clamp(1, MAX_AHEAD_DEPTH),
                 spin: Duration::from_micros(
                     var("SPIN_US").and_then(|v| v.parse().ok()).unwrap_or(0),
                 ),
@@ -344,7 +351,7 @@ mod tests {
         assert_eq!(s.settings.lane_fill, 128);
         assert_eq!(s.settings.step_tokens, None);
         assert_eq!(s.settings.gather_margin, Some(Duration::from_micros(60)));
-        assert_eq!(s.settings.ahead_depth, 2);
+        assert_eq!(s.settings.ahead_depth, MAX_AHEAD_DEPTH);
         assert!(!s.settings.batch_invariant);
         assert_eq!(s.settings.sync, GpuWait::Yield);
         let m = &s.measurement;
@@ -379,6 +386,8 @@ mod tests {
         assert_eq!(read(&[("SYNC", "nap")]).settings.sync, GpuWait::Yield);
         assert_eq!(s.settings.batch_lanes, 8);
         assert_eq!(s.settings.ahead_depth, 1);
+        let deep = read(&[("AHEAD_DEPTH", "9")]);
+        assert_eq!(deep.settings.ahead_depth, MAX_AHEAD_DEPTH);
         assert_eq!(s.settings.gather_margin, None);
         assert!(!s.measurement.graphs);
         assert_eq!(s.measurement.decode_cluster, Some((8, 256)));

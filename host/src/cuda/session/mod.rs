@@ -47,13 +47,14 @@ use super::ops::{KvLayer, Launcher};
 use crate::engine::{EngineError, GpuDtype};
 use crate::model::Gpt2Config;
 use crate::switches::Skip;
+use crate::switches::MAX_AHEAD_DEPTH;
 use cudarc::driver::CudaGraph;
 use read_out::ReadOut;
 use std::sync::{Arc, Mutex};
 
 /// Logits buffers of a session: the one the guest reads and one for each of the (at most
-/// two) steps run ahead of it (see [`super::batch`]).
-pub(crate) const LOGITS_BUFFERS: usize = 3;
+/// [`MAX_AHEAD_DEPTH`]) steps run ahead of it (see [`super::batch`]).
+pub(crate) const LOGITS_BUFFERS: usize = MAX_AHEAD_DEPTH + 1;
 
 /// Most edits of one processed draw in a session of `capacity` positions: every token of the
 /// bias list and of the sequence distinct.
@@ -202,6 +203,8 @@ impl CudaSession {
                 "attention scratch",
             )?,
             logits: [
+                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
+                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
                 DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,

@@ -23,7 +23,7 @@ pub(super) struct ReadOut {
     /// Positions in the KV cache.
     len: usize,
     /// Which logits buffer holds the last logits, the one the guest reads: 0 the session's
-    /// first, 1 and 2 the ones steps run ahead write (see [`super::LOGITS_BUFFERS`]).
+    /// first, the others the ones steps run ahead write (see [`super::LOGITS_BUFFERS`]).
     readable: usize,
     /// The argmax of the last logits when it is known on the host (a batched step brought
     /// it back, or a decode run ahead read it); None: its key is read from the GPU when

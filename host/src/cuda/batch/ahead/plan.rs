@@ -122,10 +122,10 @@ pub(crate) fn note_guests(
     serials
 }
 
-/// The next steps to run ahead (see "Two steps ahead" in `docs/design/batching.md`): for each greedy
-/// context of `serials`, the position after the last step run ahead for it (or after its
-/// guest's position), while fewer than `depth` steps are ahead of its guest and its cache
-/// has room. The token is the argmax of the position before: fed on the GPU from the pass in
+/// The next steps to run ahead (see "Several steps ahead" in `docs/design/batching.md`): for
+/// each greedy context of `serials`, the position after the last step run ahead for it (or
+/// after its guest's position), while fewer than `depth` steps are ahead of its guest and its
+/// cache has room. The token is the argmax of the position before: fed on the GPU from the pass in
 /// flight, or known on the host (a result resolved, or [`GuestState::argmax`]). Its logits go
 /// to a buffer that neither the guest reads nor another step run ahead writes.
 pub(crate) fn plan_ahead(ahead: &Ahead, serials: &[u64], depth: usize) -> Vec<(u64, NextStep)> {
@@ -276,7 +276,7 @@ pub(crate) fn take_late_results(ahead: &mut Ahead, items: &mut [StepItem<'_, Cud
 }
 
 /// A result run ahead and resolved for `seq`, whose guest is back with `token` at its
-/// position (see "Two steps ahead" in `docs/design/batching.md`): taken at once, without a
+/// position (see "Several steps ahead" in `docs/design/batching.md`): taken at once, without a
 /// step. False when there is none for that token.
 pub(crate) fn take_precomputed(ahead: &mut Ahead, seq: &mut CudaSeq, token: u32) -> bool {
     let serial = seq.serial;
@@ -316,7 +316,7 @@ mod tests {
             v: 2,
             layer_floats: 3,
             capacity,
-            logits: [10, 11, 12],
+            logits: [10, 11, 12, 13, 14],
             edits: None,
         }
     }
@@ -394,6 +394,19 @@ mod tests {
         // both resolved: still two ahead
         let ready = [((7, 10), guess(40, 0)), ((7, 11), guess(41, 1))];
         assert!(plan_7(&[], &ready, guest(10, 2), None, 2).is_none());
+    }
+
+    #[test]
+    fn at_depth_three_a_guest_two_behind_gets_a_third_step_in_the_last_free_buffer() {
+        // the guest reads buffer 2; 10 resolved (buffer 0), 11 in flight (row 4, buffer 1)
+        let in_flight = [row(7, 11, 4, 1)];
+        let ready = [((7, 10), guess(40, 0))];
+        let next = plan_7(&in_flight, &ready, guest(10, 2), None, 3).expect("a step");
+        assert_eq!((next.position, next.fed, next.buffer), (12, Some(4), 3));
+        // three ahead: no fourth, however many buffers are free
+        let in_flight = [row(7, 12, 4, 3)];
+        let ready = [((7, 10), guess(40, 0)), ((7, 11), guess(41, 1))];
+        assert!(plan_7(&in_flight, &ready, guest(10, 2), None, 3).is_none());
     }
 
     #[test]
