@@ -6,6 +6,7 @@
 #   read -r -a NEW <<< "$(kernel_arm new .device/kernels-new)"; checks new "${NEW[@]}"
 #   serve random:124M 256 WASI_NN_HOST_X=1; load sampled-64 --concurrency 64 ...; stop
 #   alternate 2 loads new "old BIN=/tmp/old"    # an A/B, a fresh server each arm and round
+#   peer sizes=124M cache=384 sampler=top_p     # PyTorch's captured step, the same call
 #   kernel_times 124M-64 3000 600 '^batch_' -- "$BIN/wasi-nn-bench" streams --device cuda ...
 #   service_kernels sampled-64 random:124M 256 -- --concurrency 64 --duration 60 --no-check
 #   memory_efficiency qkv 2300 '^batch_gemm_bf16_n64$' -- "$BIN/wasi-nn-bench" streams ...
@@ -166,6 +167,19 @@ later = r.get('after_first_wave') or {}
 print('$name', round(r['tokens_per_s']), 'ttft p50/p99', round(r['ttft_ms_p50'], 2), round(r['ttft_ms_p99'], 2),
       'gap p50/p99', round(r['gap_ms_p50'], 3), round(r['gap_ms_p99'], 3), r['texts_equal_single_stream'],
       'others gap p99', others, 'after the first wave ttft p50/p99', later.get('ttft_ms_p50'), later.get('ttft_ms_p99'))"
+}
+
+# PyTorch's step (`bench/torch_gpt2.py graph` with the arguments given), its lines added to
+# $OUT/peer.jsonl (one file for every peer run: the device tool brings back 8 files at most),
+# a line each printed.
+peer() {
+  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" 2>>"$OUT/peer.err" \
+    | tee -a "$OUT/peer.jsonl" | grep bfloat16 | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print('peer', r.get('size', ''), 'batch', r['batch'], 'cache', r['cache'], r['sampler'],
+          round(r['graph_tok_per_s']), 'tokens/s', r['graph_ms_per_step'], 'ms a step')"
 }
 
 # Every kernel's time at the GPU's own clocks (ncu, `--clock-control none`) over a command:

@@ -14,17 +14,6 @@ source bench/device-lib.sh
 describe
 unpack "${1:-.device/bin}" /tmp/real-traffic-bin
 
-# PyTorch's step (`graph`), its lines added to $OUT/peer.jsonl (one file for every peer run: the
-# device tool brings back 8 files at most), a line each printed.
-peer() {
-  timeout "${PEER_TIMEOUT:-200}" python3 bench/torch_gpt2.py graph "$@" 2>>"$OUT/peer.err" \
-    | tee -a "$OUT/peer.jsonl" | grep bfloat16 | python3 -c "
-import json, sys
-for line in sys.stdin:
-    r = json.loads(line)
-    print('peer', r.get('size', ''), 'batch', r['batch'], 'cache', r['cache'], r['sampler'],
-          round(r['graph_tok_per_s']), 'tokens/s', r['graph_ms_per_step'], 'ms a step')"
-}
 peer sizes=124M cache=384 sampler=argmax,top_p
 peer sizes=124M cache=136 sampler=argmax
 peer sizes=1558M cache=384 sampler=argmax,top_p
