@@ -361,8 +361,9 @@ pub(crate) enum TunedRun {
     Enqueued,
     /// Nothing: timing found cuBLAS's default faster, which the caller runs.
     Default,
-    /// Nothing: the shape has not been timed.
-    Untimed,
+    /// Nothing: no timed plan took the product (the shape is not timed yet, or its plan
+    /// declined these operands); the caller runs cuBLAS's default.
+    NotRun,
 }
 
 /// A cuBLASLt handle and the GPU's plans; the caller owns the workspace.
@@ -408,10 +409,10 @@ impl Lt {
     ) -> Result<TunedRun, CudaError> {
         let cache = self.plans.lock()?;
         let plan = match (cache.tuned.get(&shape), cache.plans.get(&shape)) {
-            (None, _) => return Ok(TunedRun::Untimed),
+            (None, _) => return Ok(TunedRun::NotRun),
             (Some(None), _) => return Ok(TunedRun::Default),
             (Some(Some(_)), Some(Some(plan))) => plan,
-            (Some(Some(_)), _) => return Ok(TunedRun::Untimed),
+            (Some(Some(_)), _) => return Ok(TunedRun::NotRun),
         };
         if output_overlaps_input(&shape, x, dst) {
             return Err(CudaError::Bounds(
@@ -422,7 +423,7 @@ impl Lt {
         // held).
         match unsafe { self.enqueue(stream, plan, &plan.algo, shape, (w, x, 0, dst)) }? {
             true => Ok(TunedRun::Enqueued),
-            false => Ok(TunedRun::Untimed),
+            false => Ok(TunedRun::NotRun),
         }
     }
 

@@ -104,7 +104,7 @@ impl Blas {
         match unsafe { lt.matmul_tuned(cu, shape, operands) }? {
             TunedRun::Enqueued => return Ok(true),
             TunedRun::Default => return Ok(false),
-            TunedRun::Untimed => {}
+            TunedRun::NotRun => {}
         }
         if !accumulate && !output_overlaps_input(&shape, operands.1, operands.2) {
             let mut untuned = self.untuned_lock()?;
