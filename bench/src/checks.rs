@@ -421,6 +421,19 @@ pub struct BatchCheckReport {
     pub passed: bool,
 }
 
+/// The steps a context of [`compare_batched`] is away for: five from the first step past a
+/// third of the way whose step before read no logits (so steps are run ahead from there), so
+/// that it comes back at a step that reads none and the first it reads is its third back
+/// (none when the run is too short).
+fn away_steps(steps: usize) -> std::ops::Range<usize> {
+    let first = (steps / 3..).find(|s| s % 3 == 1).unwrap_or(steps);
+    // back, it reads the logits of its third step: within the run
+    match first + 5 + 2 < steps {
+        true => first..first + 5,
+        false => 0..0,
+    }
+}
+
 /// Greedy steps of `streams` contexts (distinct prompts of different lengths) stepping
 /// together, each step one shared batched step (a barrier per step), against the CPU
 /// reference and against each context run alone. Context 0 also sends an id outside the
@@ -431,7 +444,9 @@ pub struct BatchCheckReport {
 /// run ahead for it may be under way); context 3 sends its prompt (150 tokens where the model
 /// allows: chunks beside the others' decodes) a quarter of the way in, to a step whose other
 /// contexts were run ahead (its rows usually run late, in their pass, and every later step of
-/// it too); once all are gone, no result run ahead is kept.
+/// it too); context 4 is away for five steps a third of the way in (no call while the others
+/// step, so steps are run ahead for it up to the depth), then takes the results one by one
+/// and reads the logits of the third; once all are gone, no result run ahead is kept.
 pub fn compare_batched(
     name: &str,
     weights: Gpt2Weights,
@@ -466,6 +481,10 @@ pub fn compare_batched(
         let (mut ids, mut logits, mut disagree, mut refused) = (Vec::new(), Vec::new(), 0, false);
         let mut failure = None;
         let stop = if i == 2 { steps / 2 } else { steps };
+        let away = match i {
+            4 => away_steps(steps),
+            _ => 0..0,
+        };
         // after a step whose logits were read (step % 3 == 2) nothing is run ahead
         let begin = match i {
             3 if (steps / 4).is_multiple_of(3) => steps / 4 + 1,
@@ -482,7 +501,7 @@ pub fn compare_batched(
             let Some(s) = session.as_mut() else {
                 continue;
             };
-            if step < begin {
+            if step < begin || away.contains(&step) {
                 continue;
             }
             let mut one_step = || -> Result<(), EngineError> {
@@ -740,4 +759,26 @@ pub fn kv_out_of_memory(seed: u64) -> Result<Vec<OomReport>, EngineError> {
         });
     }
     Ok(reports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::away_steps;
+
+    #[test]
+    fn a_context_is_away_from_a_step_run_ahead_and_reads_the_third_result_back() {
+        for steps in [24, 32, 100] {
+            let away = away_steps(steps);
+            assert_eq!(away.len(), 5, "{steps}");
+            assert!(away.start >= steps / 3 && away.end + 2 < steps, "{steps}");
+            // the step before read no logits (a read stops the run-ahead), nor does the
+            // first back; the third back does
+            assert_ne!((away.start - 1) % 3, 2, "{steps}");
+            assert_ne!(away.end % 3, 2, "{steps}");
+            assert_eq!((away.end + 2) % 3, 2, "{steps}");
+        }
+        assert_eq!(away_steps(24), 10..15);
+        assert_eq!(away_steps(12), 4..9);
+        assert!(away_steps(10).is_empty());
+    }
 }
