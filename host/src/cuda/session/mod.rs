@@ -46,8 +46,7 @@ use super::ops::persistent::{phases, LAYER_POINTERS, MAX_SPLITS, TRACE_SLOTS};
 use super::ops::{KvLayer, Launcher};
 use crate::engine::{EngineError, GpuDtype};
 use crate::model::Gpt2Config;
-use crate::switches::Skip;
-use crate::switches::MAX_AHEAD_DEPTH;
+use crate::switches::{Skip, MAX_AHEAD_DEPTH};
 use cudarc::driver::CudaGraph;
 use read_out::ReadOut;
 use std::sync::{Arc, Mutex};
@@ -80,11 +79,11 @@ pub struct CudaSession {
     fc: DevBuf<f32>,  // [capacity, 4C]
     /// The decode attention's partial results, per head and chunk of positions.
     attention_partials: DevBuf<f32>,
-    /// `[V]` each: the last logits in the one the guest reads (see [`ReadOut`]); the others
-    /// for steps run ahead (see [`super::batch`]): each writes a buffer the guest is not
-    /// reading and no other step run ahead for it is writing; when the guest's token is the
-    /// one guessed, the buffer of that step becomes the one read.
-    logits: [DevBuf<f32>; LOGITS_BUFFERS],
+    /// [`LOGITS_BUFFERS`] of `[V]` each: the last logits in the one the guest reads (see
+    /// [`ReadOut`]); the others for steps run ahead (see [`super::batch`]): each writes a
+    /// buffer the guest is not reading and no other step run ahead for it is writing; when the
+    /// guest's token is the one guessed, the buffer of that step becomes the one read.
+    logits: Vec<DevBuf<f32>>,
     /// Page-locked landing of the last logits the guest reads: a copy to pageable memory
     /// goes through the driver's one staging buffer, so many guests reading at once queue
     /// behind each other there (9 ms a read at 64 sampling streams, 0.17 ms alone).
@@ -202,13 +201,9 @@ impl CudaSession {
                 cfg.n_head * max_chunks * (cfg.head_dim() + 2),
                 "attention scratch",
             )?,
-            logits: [
-                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-                DevBuf::zeros(&stream, cfg.vocab_size, "logits")?,
-            ],
+            logits: (0..LOGITS_BUFFERS)
+                .map(|_| DevBuf::zeros(&stream, cfg.vocab_size, "logits"))
+                .collect::<Result<_, _>>()?,
             logits_host: Mutex::new(HostCopy::new(&stream, cfg.vocab_size)?),
             all_logits: None,
             ids: DevBuf::zeros(&stream, capacity + 1, "token buffer")?,

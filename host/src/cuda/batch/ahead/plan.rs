@@ -125,9 +125,9 @@ pub(crate) fn note_guests(
 /// The next steps to run ahead (see "Several steps ahead" in `docs/design/batching.md`): for
 /// each greedy context of `serials`, the position after the last step run ahead for it (or
 /// after its guest's position), while fewer than `depth` steps are ahead of its guest and its
-/// cache has room. The token is the argmax of the position before: fed on the GPU from the pass in
-/// flight, or known on the host (a result resolved, or [`GuestState::argmax`]). Its logits go
-/// to a buffer that neither the guest reads nor another step run ahead writes.
+/// cache has room. The token is the argmax of the position before: fed on the GPU from the
+/// pass in flight, or known on the host (a result resolved, or [`GuestState::argmax`]). Its
+/// logits go to a buffer that neither the guest reads nor another step run ahead writes.
 pub(crate) fn plan_ahead(ahead: &Ahead, serials: &[u64], depth: usize) -> Vec<(u64, NextStep)> {
     let in_flight = ahead.in_flight.as_ref().map_or(&[][..], |f| &f.rows[..]);
     plan_rows(in_flight, &ahead.results, &ahead.guests, serials, depth)
