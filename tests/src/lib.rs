@@ -43,12 +43,15 @@ pub fn gpt2_component_preinit() -> PathBuf {
         .clone()
 }
 
-/// `plain` pre-initialised into `name` beside it, reused while newer than `plain`.
+/// `plain` pre-initialised into `name` beside it, reused while newer than `plain` and marked
+/// as a snapshot (one written before the marker existed is made again).
 fn preinitialised(plain: &Path, name: &str) -> PathBuf {
     let out = plain.with_file_name(name);
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     if let (Some(made), Some(source)) = (modified(&out), modified(plain)) {
-        if made > source {
+        let marked =
+            std::fs::read(&out).is_ok_and(|w| wasi_nn_host::runtime::is_preinitialised(&w));
+        if made > source && marked {
             return out;
         }
     }

@@ -2,7 +2,7 @@
 //! the same text as the wasip1 command, streamed piece by piece, and the same perplexity.
 
 use integration_tests::*;
-use wasi_nn_host::runtime::Sampling;
+use wasi_nn_host::runtime::{ComponentSnapshot, Sampling};
 use wasi_nn_host::{Device, HostBuilder, RunOptions};
 
 fn sampling(max_tokens: u32, temperature: f32, stop: Vec<String>) -> Sampling {
@@ -181,8 +181,8 @@ fn the_component_generates_what_the_command_generates() {
 }
 
 /// The component pre-initialised by `wasi-nn-host preinit` (its tokenizer built into the
-/// snapshot) completes exactly like the plain one,
-/// greedy and sampled with a seed, and still reports errors as values.
+/// snapshot), and the plain one pre-initialised at load as `serve` loads it, complete exactly
+/// like the plain one, greedy and sampled with a seed, and still report errors as values.
 #[test]
 fn the_preinitialised_component_gives_the_plain_components_completions() {
     let host = HostBuilder::new(Device::Cpu)
@@ -196,9 +196,25 @@ fn the_preinitialised_component_gives_the_plain_components_completions() {
     let preinit_path = gpt2_component_preinit();
     let snapshot = std::fs::read(&preinit_path).expect("read the snapshot");
     assert!(wasi_nn_host::runtime::is_component(&snapshot));
+    assert!(wasi_nn_host::runtime::is_preinitialised(&snapshot));
+    assert!(!wasi_nn_host::runtime::is_preinitialised(
+        &std::fs::read(gpt2_component()).expect("read the component")
+    ));
     let preinit = host
         .load_component(&preinit_path)
         .expect("compile the pre-initialised component");
+    // what `serve` loads: a snapshot as it is, a plain component pre-initialised at load
+    let (_, given) = host
+        .load_component_preinitialised(&preinit_path)
+        .expect("load the snapshot");
+    assert_eq!(given, ComponentSnapshot::Given);
+    let (at_load, made) = host
+        .load_component_preinitialised(&gpt2_component())
+        .expect("load the plain component");
+    assert!(
+        matches!(made, ComponentSnapshot::MadeAtLoad { .. }),
+        "{made:?}"
+    );
     let limits = RunOptions {
         timeout: Some(std::time::Duration::from_secs(60)),
         max_memory_bytes: Some(1 << 30),
@@ -220,12 +236,14 @@ fn the_preinitialised_component_gives_the_plain_components_completions() {
             (completion, pieces)
         };
         let (want, want_pieces) = run(&plain);
-        let (got, got_pieces) = run(&preinit);
-        assert_eq!(got.prompt_ids, want.prompt_ids, "{prompt}");
-        assert_eq!(got.ids, want.ids, "{prompt}");
-        assert_eq!(got.text, want.text, "{prompt}");
-        assert_eq!(got.finish_reason, want.finish_reason, "{prompt}");
-        assert_eq!(got_pieces, want_pieces, "{prompt}");
+        for snapshot in [&preinit, &at_load] {
+            let (got, got_pieces) = run(snapshot);
+            assert_eq!(got.prompt_ids, want.prompt_ids, "{prompt}");
+            assert_eq!(got.ids, want.ids, "{prompt}");
+            assert_eq!(got.text, want.text, "{prompt}");
+            assert_eq!(got.finish_reason, want.finish_reason, "{prompt}");
+            assert_eq!(got_pieces, want_pieces, "{prompt}");
+        }
     }
     let err = host
         .generate_with_component(

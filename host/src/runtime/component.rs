@@ -94,6 +94,27 @@ impl ComponentGeneration<'_> {
     }
 }
 
+/// What [`Host::load_component_preinitialised`] did about its component's set-up.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ComponentSnapshot {
+    /// It was a snapshot already (or not a component, which fails to load anyway).
+    Given,
+    /// It was not, and has an init export: pre-initialised at load, taking `seconds`.
+    MadeAtLoad { seconds: f64 },
+    /// It has no init export: nothing to pre-initialise.
+    NoInitExport,
+    /// Pre-initialising it failed, for this reason: each instance runs its own set-up.
+    Failed(String),
+}
+
+/// The bytes of the guest at `path`.
+fn read_guest(path: &std::path::Path) -> Result<Vec<u8>, HostError> {
+    std::fs::read(path).map_err(|e| HostError::Module {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })
+}
+
 /// A guest component compiled and linked once ([`Host::load_component`]): each call only
 /// instantiates it. Cheap to clone (shared).
 #[derive(Clone)]
@@ -140,11 +161,48 @@ impl Host {
     /// Compile a guest component (`.wasm`) once and link it with WASI preview 2 and
     /// `wasi:nn` (a component that does not fit the `gpt2:text` world is an error here).
     pub fn load_component(&self, path: &std::path::Path) -> Result<GuestComponent, HostError> {
+        self.component_from(&read_guest(path)?, path)
+    }
+
+    /// [`Host::load_component`], pre-initialised first ([`super::preinitialize_component`],
+    /// in memory) when the component has an init export and is not a snapshot already
+    /// ([`super::is_preinitialised`]). Otherwise each instance, one a request in the
+    /// service, would build what the init function builds (`gpt2_component.wasm`'s
+    /// tokenizer, ~60 ms of CPU). `wasi-nn-host preinit` writes the snapshot once, ahead,
+    /// and saves the ~1 s this takes. A component that cannot be pre-initialised loads as
+    /// it is ([`ComponentSnapshot::Failed`]).
+    pub fn load_component_preinitialised(
+        &self,
+        path: &std::path::Path,
+    ) -> Result<(GuestComponent, ComponentSnapshot), HostError> {
+        let wasm = read_guest(path)?;
+        let (wasm, snapshot) = if !super::is_component(&wasm) || super::is_preinitialised(&wasm) {
+            (wasm, ComponentSnapshot::Given)
+        } else {
+            let started = std::time::Instant::now();
+            match super::preinitialize_component(&wasm) {
+                Ok(made) => {
+                    let seconds = started.elapsed().as_secs_f64();
+                    (made, ComponentSnapshot::MadeAtLoad { seconds })
+                }
+                Err(super::PreinitError::NoInitFunction) => (wasm, ComponentSnapshot::NoInitExport),
+                Err(e) => (wasm, ComponentSnapshot::Failed(e.to_string())),
+            }
+        };
+        Ok((self.component_from(&wasm, path)?, snapshot))
+    }
+
+    /// The component `wasm` (read from `path`) compiled and linked.
+    fn component_from(
+        &self,
+        wasm: &[u8],
+        path: &std::path::Path,
+    ) -> Result<GuestComponent, HostError> {
         let error = |e: wasmtime::Error| HostError::Module {
             path: path.to_owned(),
             message: format!("{e:?}"),
         };
-        let component = Component::from_file(self.engine(), path).map_err(error)?;
+        let component = Component::new(self.engine(), wasm).map_err(error)?;
         let pre = self
             .component_linker()
             .instantiate_pre(&component)

@@ -19,11 +19,13 @@ pub mod wit_nn;
 pub mod witx;
 
 pub use component::{
-    Completion, ComponentGeneration, ComponentState, GuestComponent, Piece, Prompt, Sampling,
-    Score, TokenLogprob, TopLogprob,
+    Completion, ComponentGeneration, ComponentSnapshot, ComponentState, GuestComponent, Piece,
+    Prompt, Sampling, Score, TokenLogprob, TopLogprob,
 };
 pub use module::{GuestModule, GuestState};
-pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
+pub use preinit::{
+    has_init_export, is_preinitialised, preinitialize, PreinitError, INIT_EXPORT, SNAPSHOT_SECTION,
+};
 pub use preinit_component::{is_component, preinitialize_component};
 
 use crate::engine::{Device, EngineOptions, GpuDtype};

@@ -28,6 +28,11 @@ use wasmtime_wizer::{InstanceState, SnapshotVal, ValType, Wizer};
 /// name, so `wasmtime wizer` finds it too.
 pub const INIT_EXPORT: &str = "wizer-initialize";
 
+/// The custom section [`preinitialize`] appends to every snapshot, module or component, so
+/// that a loader can tell a snapshot from a plain guest: a component keeps its init export
+/// (see [`super::preinitialize_component`]), so the export alone does not say.
+pub const SNAPSHOT_SECTION: &str = "wasi-nn-host:preinitialised";
+
 /// The WASI preview 1 imports the init function may call (see the module docs).
 const ALLOWED_WASI: &[&str] = &["random_get", "fd_write", "proc_exit"];
 
@@ -85,12 +90,39 @@ struct InitState {
 
 /// Run `wasm`'s [`INIT_EXPORT`] and return the pre-initialised module: its memories and
 /// mutable globals as the init function left them, the init export removed, everything
-/// else (`_start`, imports) unchanged. A component goes to
-/// [`super::preinitialize_component`].
+/// else (`_start`, imports) unchanged, and [`SNAPSHOT_SECTION`] appended. A component goes
+/// to [`super::preinitialize_component`].
 pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     if super::is_component(wasm) {
         return super::preinitialize_component(wasm);
     }
+    preinitialize_module(wasm).map(marked)
+}
+
+/// `snapshot` with [`SNAPSHOT_SECTION`] appended (a custom section is valid at the end of a
+/// module and of a component alike).
+pub(super) fn marked(mut snapshot: Vec<u8>) -> Vec<u8> {
+    snapshot.extend_from_slice(&snapshot_section());
+    snapshot
+}
+
+fn snapshot_section() -> Vec<u8> {
+    use wasm_encoder::Section;
+    let section = wasm_encoder::CustomSection {
+        name: SNAPSHOT_SECTION.into(),
+        data: (&[][..]).into(),
+    };
+    let mut bytes = Vec::new();
+    section.append_to(&mut bytes);
+    bytes
+}
+
+/// Whether `wasm` is a snapshot [`preinitialize`] wrote: it ends with [`SNAPSHOT_SECTION`].
+pub fn is_preinitialised(wasm: &[u8]) -> bool {
+    wasm.ends_with(&snapshot_section())
+}
+
+fn preinitialize_module(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     let mut wizer = Wizer::new();
     wizer.init_func(INIT_EXPORT);
     let (cx, instrumented) = wizer

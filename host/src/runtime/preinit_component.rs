@@ -10,7 +10,7 @@
 //! else: a call to any other import (environment, arguments, clocks, filesystem, sockets,
 //! `wasi:nn`) traps and stops the pre-initialisation with [`PreinitError::ForbiddenImport`].
 
-use super::preinit::{block_on, init_failure, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
+use super::preinit::{block_on, init_failure, marked, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
 use std::sync::{Arc, Mutex};
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{
@@ -47,7 +47,8 @@ fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
 
 /// Run the component's [`INIT_EXPORT`] and return the pre-initialised component: the
 /// memories and mutable globals of its core instances as the init function left them,
-/// everything else (the init export included) unchanged.
+/// everything else (the init export included) unchanged, and
+/// [`super::SNAPSHOT_SECTION`] appended.
 pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     let mut wizer = Wizer::new();
     wizer.init_func(INIT_EXPORT);
@@ -105,7 +106,9 @@ pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     if let Some(failure) = state.failed {
         return Err(PreinitError::Unsupported(failure));
     }
-    snapshot.map_err(|e| PreinitError::Unsupported(format!("{e:#}")))
+    snapshot
+        .map(marked)
+        .map_err(|e| PreinitError::Unsupported(format!("{e:#}")))
 }
 
 /// The WASI interfaces (names without their versions) the init function may call.

@@ -4,7 +4,7 @@
 
 use super::{serve, ChatTemplate, ServeError, Service, ServiceConfig};
 use crate::engine::{DeviceSpec, GpuDtype};
-use crate::runtime::Host;
+use crate::runtime::{ComponentSnapshot, Host};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -151,7 +151,17 @@ impl ServeArgs {
 /// Serve `host`'s graphs as `args` says until Ctrl-C or SIGTERM, on a multi-threaded runtime
 /// of its own. Build `host` with [`ServeArgs::instance_pool`].
 pub fn run(host: Host, args: &ServeArgs) -> Result<(), ServeError> {
-    let component = host.load_component(&args.component)?;
+    let (component, snapshot) = host.load_component_preinitialised(&args.component)?;
+    let path = args.component.display();
+    match snapshot {
+        ComponentSnapshot::MadeAtLoad { seconds } => eprintln!(
+            "pre-initialised {path} at load ({seconds:.1} s; `wasi-nn-host preinit` does it once, ahead)"
+        ),
+        ComponentSnapshot::Failed(why) => tracing::warn!(
+            "{path} could not be pre-initialised, so every request's instance runs its own set-up: {why}"
+        ),
+        ComponentSnapshot::Given | ComponentSnapshot::NoInitExport => {}
+    }
     let config = ServiceConfig {
         default_model: args.default_model()?,
         timeout: Duration::from_secs(args.timeout),
