@@ -182,6 +182,29 @@ for line in sys.stdin:
           round(r['graph_tok_per_s']), 'tokens/s', r['graph_ms_per_step'], 'ms a step')"
 }
 
+# The batched steps' trace in a service log (the server run with
+# RUST_LOG=wasi_nn_host::cuda::batch=debug): the steps past the first third, and for each of
+# their fields (contexts, rows run ahead, late rows, the pass's GPU time, the GPU's idle time
+# before it, the step's own time) the mean, p10, p50 and p90.
+#   step_trace "$OUT/serve.log"
+step_trace() {
+  python3 - "$1" <<'PY'
+import re, sys, statistics as st
+rows = []
+for line in open(sys.argv[1], errors="replace"):
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    if "batched step" not in line or "pass_gpu_us" not in line:
+        continue
+    rows.append({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)})
+rows = rows[len(rows) // 3:]
+print(f"  steps {len(rows)}")
+for k in ["items", "run_ahead", "late", "pass_gpu_us", "gap_gpu_us", "step_us"]:
+    v = sorted(r.get(k, 0) for r in rows)
+    if v:
+        print(f"  {k:12s} mean {st.mean(v):9.1f} p10 {v[len(v) // 10]:7d} p50 {v[len(v) // 2]:7d} p90 {v[9 * len(v) // 10]:7d}")
+PY
+}
+
 # Every kernel's time at the GPU's own clocks (ncu, `--clock-control none`) over a command:
 #   kernel_times NAME SKIP COUNT REGEX -- COMMAND...
 # the launches matching REGEX after the first SKIP, COUNT of them, into $OUT/ncu-NAME.csv.xz;

@@ -21,29 +21,12 @@ for skip in none gemm attn ln,epi head draw; do
   done
 done
 # the steps' trace
-summarize() {
-  python3 - "$1" <<'PY'
-import re, sys, statistics as st
-rows = []
-for line in open(sys.argv[1], errors="replace"):
-    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
-    if "batched step" not in line or "pass_gpu_us" not in line:
-        continue
-    rows.append({k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)})
-rows = rows[len(rows) // 3:]
-print(f"  steps {len(rows)}")
-for k in ["items", "run_ahead", "late", "pass_gpu_us", "gap_gpu_us", "step_us"]:
-    v = sorted(r.get(k, 0) for r in rows)
-    if v:
-        print(f"  {k:12s} mean {st.mean(v):9.1f} p10 {v[len(v) // 10]:7d} p50 {v[len(v) // 2]:7d} p90 {v[9 * len(v) // 10]:7d}")
-PY
-}
 for n in 64 256; do
   : > "$OUT/serve.log"
   serve random:124M 256 RUST_LOG=wasi_nn_host::cuda::batch=debug NO_COLOR=1
   load "sampled-$n-trace" --concurrency "$n" --duration 8 "${SAMPLED[@]}" --no-check
   stop
-  summarize "$OUT/serve.log"
+  step_trace "$OUT/serve.log"
 done
 rm -f "$OUT/serve.log"
 echo "end $(date +%T)"
