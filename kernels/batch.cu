@@ -392,7 +392,10 @@ __device__ void batch_attention_impl(int r, void* out, float* partial, const flo
 // has used its own, its values once the piece before has been summed. The warps' maxima,
 // sums and values meet once, in warp order, at the end. The row's own position, which the
 // block appends, is scored and summed from shared memory instead of read back. Which warp
-// takes which position depends on the row alone, so the result does too.
+// takes which position depends on the row and the block's warps alone, so the result does
+// too. A block has BW_WARPS warps, or half as many where the host wants twice the blocks an
+// SM (a pass of decodes alone whose blocks would not fit one wave of the whole ones; never
+// batch-invariant); `vbuf` holds a piece a warp.
 #define BA_HD 64
 #define BW_PIECE 32
 #define BW_WARPS (ATT_THREADS / 32)
@@ -462,7 +465,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         base = first + piece * BW_PIECE;
         count = piece < pieces ? min(BW_PIECE, end - base) : 0;
     };
-    int piece = warp, base, count;
+    int warps = blockDim.x >> 5, piece = warp, base, count;
     piece_at(piece, base, count);
     uint4 kw[2 * BW_ROUNDS];
     ba_load_keys(kw, kc, c, base, count, own, lane);
@@ -513,7 +516,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
             m_piece = fmaxf(m_piece, sc[i]);
         }
         int next_base, next_count;
-        piece_at(piece + BW_WARPS, next_base, next_count);
+        piece_at(piece + warps, next_base, next_count);
         ba_load_keys(kw, kc, c, next_base, next_count, own, lane);
         // a group's four lanes hold the same scores: the piece's max and sum over the groups
 #pragma unroll
@@ -551,7 +554,7 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
         acc.y = acc.y * rescale + (a0.y + a1.y);
         __syncwarp();  // every lane has read the piece's values before the next piece's land
         if (next_count > 0) bw_stage_values(wbuf, vc, c, next_base, next_count, own, lane);
-        piece += BW_WARPS;
+        piece += warps;
         base = next_base;
         count = next_count;
     }
@@ -565,17 +568,19 @@ __device__ void batch_attention_h64(int r, u32 (*vbuf)[BA_HD / 2], void* out, fl
     // a warp without positions has max -inf and adds nothing; the first warp always has some
     float m = warp_run[0][0];
 #pragma unroll
-    for (int w = 1; w < BW_WARPS; w++) m = fmaxf(m, warp_run[w][0]);
+    for (int w = 1; w < BW_WARPS; w++)
+        if (w < warps) m = fmaxf(m, warp_run[w][0]);
     float weight[BW_WARPS], sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < BW_WARPS; w++) {
-        weight[w] = warp_run[w][0] == -INFINITY ? 0.0f : __expf(warp_run[w][0] - m);
-        sum += weight[w] * warp_run[w][1];
+        weight[w] = w >= warps || warp_run[w][0] == -INFINITY ? 0.0f : __expf(warp_run[w][0] - m);
+        if (w < warps) sum += weight[w] * warp_run[w][1];
     }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = 0.0f;
 #pragma unroll
-        for (int w = 0; w < BW_WARPS; w++) a += weight[w] * warp_acc[w][d];
+        for (int w = 0; w < BW_WARPS; w++)
+            if (w < warps) a += weight[w] * warp_acc[w][d];
         if (spans == 1) store_act(out, rows, r, h * hd + d, c, a / sum, split_out);
         else part[2 + d] = a;
     }
@@ -754,7 +759,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     batch_attention_impl(r, out, partial, tmp, bias, split_in, positions, k_caches, v_caches, layer_off, c, hd, rows,
                          split_out, append, span_len);
 }
-// Six blocks an SM (80 registers a thread): the 768 blocks of 64 rows of GPT-2 124M in one wave.
+// Six blocks an SM (80 registers a thread): the 768 blocks of 64 rows of GPT-2 124M in one wave;
+// twelve of half the warps, the host's choice where more rows take more than one wave.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 6)
     batch_attention_bf16(void* out, float* partial, const float* tmp, const bf16_t* bias, int split_in,
                          const int* positions, const unsigned long long* k_caches, const unsigned long long* v_caches,
@@ -770,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 6)
         return;
     }
     if (r < 0) return;
-    if (hd == BA_HD && blockDim.x == BA_CHUNK)
+    if (hd == BA_HD && (blockDim.x == BA_CHUNK || blockDim.x == BA_CHUNK / 2))
         batch_attention_h64(r, reinterpret_cast<u32 (*)[BA_HD / 2]>(ba_dynamic), out, partial, tmp, bias, split_in,
                             positions, k_caches, v_caches, layer_off, c, rows, split_out, append, span_len);
     else

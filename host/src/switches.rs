@@ -190,6 +190,10 @@ pub struct Measurement {
     /// The batched step's attention takes a prompt's rows in tiles, their keys read once a
     /// tile (`NO_PROMPT_TILES`: one block a row and head, as a decode row).
     pub prompt_tiles: bool,
+    /// The batched step's bf16 attention runs a pass of decodes alone in blocks of half the
+    /// warps where those fit one wave and whole blocks do not (`NO_ATTENTION_HALVES`: whole
+    /// blocks always).
+    pub attention_halves: bool,
     /// The batched step's rows of chunks of long prompts keep their lo halves in cuBLAS's
     /// split products (`SPLIT_PROMPTS`; by default they are multiplied as bf16, as a
     /// prefill's rows are).
@@ -307,6 +311,7 @@ impl Switches {
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
+                attention_halves: !set("NO_ATTENTION_HALVES"),
                 split_prompts: set("SPLIT_PROMPTS"),
                 tuned_gemm: !set("NO_TUNED_GEMM"),
                 persistent_decode: var("PERSISTENT_DECODE").map(|v| v != "0"),
@@ -356,7 +361,7 @@ mod tests {
         assert_eq!(s.settings.sync, GpuWait::Yield);
         let m = &s.measurement;
         assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
-        assert!(m.logit_rows && m.prompt_tiles);
+        assert!(m.logit_rows && m.prompt_tiles && m.attention_halves);
         assert_eq!(m.l2_prefetch, 2 << 20);
         assert_eq!(
             (m.batch_wave, m.batch_gemm, m.decode_cluster),

@@ -5,7 +5,7 @@
 
 use super::{kernel_args, Epilogue, Launcher, Norm};
 use crate::cuda::buffer::{Act, DevPtr, Stored};
-use crate::cuda::error::{ensure, CudaError};
+use crate::cuda::error::{ensure, CudaError, DriverContext};
 use crate::engine::GpuDtype;
 use cudarc::driver::LaunchConfig;
 
@@ -31,8 +31,23 @@ pub const BT_SMEM: u32 = BT_Q * 68 * 4 + 2 * (32 * 72 * 2 + 32 * 64 * 2) + BT_Q 
 
 /// Dynamic shared memory of a bf16 decode block of the batched attention: each of its four
 /// warps' piece of 32 positions' values of a 64-dimension head, fp16 (`static_assert`ed in
-/// kernels/batch.cu).
+/// kernels/batch.cu); half of it for a block of half the warps.
 pub const BA_VALUES_SMEM: u32 = 4 * 32 * 64 * 2;
+
+/// The head size the bf16 batched attention's decode blocks take in warps of their own
+/// (`batch_attention_h64`), which may then run as blocks of half the warps.
+const BA_HD: usize = 64;
+
+/// Whether `blocks` of the batched attention run faster as blocks of half the warps, where
+/// the GPU holds `whole_wave` whole blocks at once and `half_wave` half ones: where they would
+/// take more than one wave of whole blocks and fit one of half blocks. A block's warps share
+/// its row's positions, so half the warps take twice the pieces each, in turn; past one wave
+/// of half blocks, both sizes take two rounds and the whole blocks' rounds are shorter. A
+/// decode pass of 128 rows of 124M is 1,536 blocks: about two waves of whole blocks, one of
+/// half blocks (H200).
+fn halves_fit(blocks: usize, whole_wave: usize, half_wave: usize) -> bool {
+    blocks > whole_wave && blocks <= half_wave
+}
 
 /// Whether a model of this weight type and head width can take its prompt rows in tiles:
 /// the tiles read the fp16 cache (bf16 weights), a pair or more of a head's dimensions a
@@ -313,11 +328,15 @@ impl Launcher {
             t.tiles.is_none() || (tiles_fit(self.dtype, hd) && !a.append),
             "batched attention in tiles",
         )?;
+        let blocks = heads * a.splits * t.rows;
+        let halves = bf16 && hd == BA_HD && t.tiles.is_none() && self.half_blocks_fit(blocks)?;
+        let threads = super::attention::ATT_THREADS;
         let grid = LaunchConfig {
             grid_dim: (heads as u32, a.splits as u32, t.rows as u32),
-            block_dim: (super::attention::ATT_THREADS, 1, 1),
+            block_dim: (if halves { threads / 2 } else { threads }, 1, 1),
             shared_mem_bytes: match (bf16, t.tiles) {
                 (false, _) => 0,
+                (true, None) if halves => BA_VALUES_SMEM / 2,
                 (true, None) => BA_VALUES_SMEM,
                 (true, Some(_)) => BT_SMEM.max(BA_VALUES_SMEM),
             },
@@ -374,6 +393,25 @@ impl Launcher {
                 "batched attention",
             )
         }
+    }
+
+    /// Whether the bf16 batched attention's `blocks` of 64-dimension heads run as blocks of
+    /// half the warps ([`halves_fit`], with the kernel's occupancy at either size). Never
+    /// batch-invariant: how many warps share a row's positions changes its sums' order.
+    fn half_blocks_fit(&self, blocks: usize) -> Result<bool, CudaError> {
+        if self.gpu.batch_invariant() || !self.gpu.measurement().attention_halves {
+            return Ok(false);
+        }
+        let threads = super::attention::ATT_THREADS;
+        let wave = |threads: u32, smem: u32| {
+            (self.kernels.batch_attention)
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                .map(|per_sm| per_sm as usize * self.gpu.sms())
+                .ctx("batched attention occupancy")
+        };
+        let whole = wave(threads, BA_VALUES_SMEM)?;
+        let half = wave(threads / 2, BA_VALUES_SMEM / 2)?;
+        Ok(halves_fit(blocks, whole, half))
     }
 
     /// The keys and values of every row (the QKV product's rows and bias) into the rows'
@@ -495,5 +533,23 @@ impl Launcher {
                 "batched token feed",
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::halves_fit;
+
+    #[test]
+    fn half_blocks_only_where_whole_ones_take_a_second_wave_and_half_ones_do_not() {
+        // an H200: six whole blocks an SM, twelve half ones
+        let (whole, half) = (6 * 132, 12 * 132);
+        // 124M: 64 rows fit one wave of whole blocks, 128 rows need halves, 160 rows overflow both
+        assert!(!halves_fit(64 * 12, whole, half));
+        assert!(halves_fit(128 * 12, whole, half));
+        assert!(!halves_fit(160 * 12, whole, half));
+        // 1558M's 64-row pass: 1,600 blocks, 16 past a wave of half blocks
+        assert!(!halves_fit(64 * 25, whole, half));
+        assert!(halves_fit(whole + 1, whole, half) && !halves_fit(half + 1, whole, half));
     }
 }
