@@ -110,7 +110,9 @@ scripts/setup.sh
 cargo build --quiet --release -p wasi-nn-host
 cargo build --quiet -p gpt2-component --lib --target wasm32-wasip2 --profile release-wasm
 wasm=target/wasm32-wasip2/release-wasm
-if [ ! "$wasm/gpt2_component.preinit.wasm" -nt "$wasm/gpt2_component.wasm" ]; then
+# made again when older than the component, or from before snapshots carried their marker
+if [ ! "$wasm/gpt2_component.preinit.wasm" -nt "$wasm/gpt2_component.wasm" ] ||
+  ! tail -c 64 "$wasm/gpt2_component.preinit.wasm" | grep -q 'wasi-nn-host:preinitialised'; then
   target/release/wasi-nn-host preinit "$wasm/gpt2_component.wasm" "$wasm/gpt2_component.preinit.wasm"
 fi
 

@@ -118,6 +118,9 @@ fn snapshot_section() -> Vec<u8> {
 }
 
 /// Whether `wasm` is a snapshot [`preinitialize`] wrote: it ends with [`SNAPSHOT_SECTION`].
+/// A tool that strips custom sections, or appends one, makes a snapshot read as plain, and
+/// [`super::Host::load_component_preinitialised`] then runs its init export again (which
+/// `gpt2_component.wasm`'s returns from at once).
 pub fn is_preinitialised(wasm: &[u8]) -> bool {
     wasm.ends_with(&snapshot_section())
 }

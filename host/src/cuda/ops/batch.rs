@@ -5,9 +5,9 @@
 
 use super::{kernel_args, Epilogue, Launcher, Norm};
 use crate::cuda::buffer::{Act, DevPtr, Stored};
-use crate::cuda::error::{ensure, CudaError, DriverContext};
+use crate::cuda::error::{ensure, CudaError};
 use crate::engine::GpuDtype;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 use super::batch_gemm::MAX_PARTS;
 
@@ -37,6 +37,22 @@ pub const BA_VALUES_SMEM: u32 = 4 * 32 * 64 * 2;
 /// The head size the bf16 batched attention's decode blocks take in warps of their own
 /// (`batch_attention_h64`), which may then run as blocks of half the warps.
 const BA_HD: usize = 64;
+
+/// Blocks of the bf16 batched attention (`func`) that `sms` SMs run at once as decode blocks
+/// of four warps and of two, from the driver's occupancy (None where it does not say).
+pub(crate) fn attention_waves(func: &CudaFunction, sms: usize) -> Option<(usize, usize)> {
+    let threads = super::attention::ATT_THREADS;
+    let per_sm = |threads: u32, smem: u32| {
+        func.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .inspect_err(|e| {
+                tracing::warn!("batched attention occupancy unknown ({e}): whole blocks")
+            })
+            .ok()
+    };
+    let whole = per_sm(threads, BA_VALUES_SMEM)?;
+    let half = per_sm(threads / 2, BA_VALUES_SMEM / 2)?;
+    Some((whole as usize * sms, half as usize * sms))
+}
 
 /// Whether `blocks` of the batched attention run faster as blocks of half the warps, where
 /// the GPU holds `whole_wave` whole blocks at once and `half_wave` half ones: where they would
@@ -328,8 +344,13 @@ impl Launcher {
             t.tiles.is_none() || (tiles_fit(self.dtype, hd) && !a.append),
             "batched attention in tiles",
         )?;
-        let blocks = heads * a.splits * t.rows;
-        let halves = bf16 && hd == BA_HD && t.tiles.is_none() && self.half_blocks_fit(blocks)?;
+        // passes of decodes alone, each row in one span (the rows are short)
+        let halves = bf16
+            && hd == BA_HD
+            && t.tiles.is_none()
+            && a.append
+            && a.splits == 1
+            && self.half_blocks_fit(heads * t.rows);
         let threads = super::attention::ATT_THREADS;
         let grid = LaunchConfig {
             grid_dim: (heads as u32, a.splits as u32, t.rows as u32),
@@ -395,23 +416,16 @@ impl Launcher {
         }
     }
 
-    /// Whether the bf16 batched attention's `blocks` of 64-dimension heads run as blocks of
-    /// half the warps ([`halves_fit`], with the kernel's occupancy at either size). Never
-    /// batch-invariant: how many warps share a row's positions changes its sums' order.
-    fn half_blocks_fit(&self, blocks: usize) -> Result<bool, CudaError> {
+    /// Whether the bf16 batched attention's `blocks` (one span a row) of 64-dimension heads
+    /// run as blocks of half the warps ([`halves_fit`], with the kernel's occupancy at either
+    /// size). Never batch-invariant: how many warps share a row's positions changes its sums'
+    /// order.
+    fn half_blocks_fit(&self, blocks: usize) -> bool {
         if self.gpu.batch_invariant() || !self.gpu.measurement().attention_halves {
-            return Ok(false);
+            return false;
         }
-        let threads = super::attention::ATT_THREADS;
-        let wave = |threads: u32, smem: u32| {
-            (self.kernels.batch_attention)
-                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-                .map(|per_sm| per_sm as usize * self.gpu.sms())
-                .ctx("batched attention occupancy")
-        };
-        let whole = wave(threads, BA_VALUES_SMEM)?;
-        let half = wave(threads / 2, BA_VALUES_SMEM / 2)?;
-        Ok(halves_fit(blocks, whole, half))
+        (self.kernels.batch_attention_waves)
+            .is_some_and(|(whole, half)| halves_fit(blocks, whole, half))
     }
 
     /// The keys and values of every row (the QKV product's rows and bias) into the rows'

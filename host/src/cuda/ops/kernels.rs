@@ -2,7 +2,7 @@
 //! compiled for the GPU.
 
 use super::attention::{self, valid_cluster};
-use super::{batch_gemm, persistent, DEFINES};
+use super::{batch, batch_gemm, persistent, DEFINES};
 use crate::cuda::device::Gpu;
 use crate::cuda::error::{CudaError, DriverContext};
 use crate::cuda::nvrtc::cached_image;
@@ -28,6 +28,9 @@ pub struct Kernels {
     pub(crate) batch_residual_norm: CudaFunction,
     pub(crate) batch_epilogue: CudaFunction,
     pub(crate) batch_attention: CudaFunction,
+    /// Blocks of `batch_attention` the GPU runs at once, whole (four warps) and half (two),
+    /// bf16 decode blocks; None where the driver did not say (whole blocks always).
+    pub(crate) batch_attention_waves: Option<(usize, usize)>,
     pub(crate) batch_append_kv: CudaFunction,
     pub(crate) batch_att_combine: CudaFunction,
     pub(crate) batch_logits: CudaFunction,
@@ -62,6 +65,11 @@ impl Kernels {
             GpuDtype::Bf16 => "bf16",
         };
         let f = |name: &str| Gpu::function(&module, name);
+        let batch_attention = f(&format!("batch_attention_{suffix}"))?;
+        // (the occupancy query needs the context current: a second dtype's load may run on a
+        // thread that did not load the module)
+        let batch_attention_waves = (gpu.ctx.bind_to_thread().ok())
+            .and_then(|()| batch::attention_waves(&batch_attention, gpu.sms()));
         Ok(Self {
             embed: f(&format!("embed_{suffix}"))?,
             layernorm: f(&format!("layernorm_{suffix}"))?,
@@ -94,7 +102,8 @@ impl Kernels {
             to_bf16: f("f32_to_bf16")?,
             batch_residual_norm: f(&format!("batch_residual_norm_{suffix}"))?,
             batch_epilogue: f(&format!("batch_epilogue_{suffix}"))?,
-            batch_attention: f(&format!("batch_attention_{suffix}"))?,
+            batch_attention,
+            batch_attention_waves,
             batch_append_kv: f(&format!("batch_append_kv_{suffix}"))?,
             batch_att_combine: f("batch_attention_combine")?,
             batch_logits: f("batch_logits")?,
