@@ -308,7 +308,9 @@ mod tests {
             (func (export "get") (result i32) (i32.add (global.get $g) (i32.load (i32.const 64))))
         )"#);
         let out = preinitialize(&wasm).expect("pre-initialise");
+        assert!(is_preinitialised(&out) && !is_preinitialised(&wasm));
         let engine = Engine::default();
+        // the marker section leaves a valid module
         let module = Module::new(&engine, &out).expect("valid output");
         assert!(!has_init_export(&module));
         let mut store = Store::new(&engine, ());

@@ -297,6 +297,7 @@ mod tests {
         assert!(is_component(&wasm));
         let out = super::super::preinitialize(&wasm).expect("pre-initialise");
         assert!(is_component(&out));
+        assert!(super::super::is_preinitialised(&out) && !super::super::is_preinitialised(&wasm));
         let engine = Engine::default();
         let component = Component::new(&engine, &out).expect("valid output");
         let mut store = Store::new(&engine, ());
@@ -307,6 +308,19 @@ mod tests {
             .get_typed_func::<(), (u32,)>(&mut store, "get")
             .expect("get");
         assert_eq!(get.call(&mut store, ()).expect("call").0, 7 + 0x2a2a2a2a);
+    }
+
+    #[test]
+    fn a_component_without_an_init_export_has_nothing_to_pre_initialise() {
+        let wasm = wat(r#"(component
+            (core module $m (func (export "get") (result i32) (i32.const 1)))
+            (core instance $i (instantiate $m))
+            (func (export "get") (result u32) (canon lift (core func $i "get")))
+        )"#);
+        assert!(matches!(
+            preinitialize_component(&wasm),
+            Err(PreinitError::NoInitFunction)
+        ));
     }
 
     #[test]
