@@ -70,6 +70,9 @@ pub struct Settings {
     pub sync: GpuWait,
 }
 
+/// The heuristic's candidates timed for a batched cuBLASLt product's shape by default.
+pub const LT_CANDIDATES: usize = 12;
+
 /// Most steps run ahead of a guest that `AHEAD_DEPTH` may ask for: each needs a logits buffer
 /// of its own in every session.
 pub const MAX_AHEAD_DEPTH: usize = 4;
@@ -181,6 +184,12 @@ pub struct Measurement {
     /// steps of at most this many rows (`BATCH_GEMM=ROWS`, 0 for cuBLAS everywhere; unset:
     /// the GPU's default).
     pub batch_gemm: Option<usize>,
+    /// The heuristic's candidates timed for each batched cuBLASLt product shape at start
+    /// (`LT_CANDIDATES=N`, 1 to 64; default [`LT_CANDIDATES`]).
+    pub lt_candidates: usize,
+    /// Bytes of each session's cuBLASLt workspace, which bounds the algorithms (split-K ones
+    /// among them) the heuristic offers (`LT_WORKSPACE_MB=N`, 1 to 256; default 4 MiB).
+    pub lt_workspace: usize,
     /// The CPU's packed products (the LM head, and small models' layers) instead of `gemm`
     /// (`NO_PACKED` turns them off).
     pub packed: bool,
@@ -308,6 +317,10 @@ impl Switches {
                 early_launch: !set("NO_EARLY_LAUNCH"),
                 batch_wave: number("BATCH_WAVE"),
                 batch_gemm: number("BATCH_GEMM"),
+                lt_candidates: number("LT_CANDIDATES")
+                    .unwrap_or(LT_CANDIDATES)
+                    .clamp(1, 64),
+                lt_workspace: number("LT_WORKSPACE_MB").unwrap_or(4).clamp(1, 256) << 20,
                 packed: !set("NO_PACKED"),
                 logit_rows: !set("NO_LOGIT_ROWS"),
                 prompt_tiles: !set("NO_PROMPT_TILES"),
@@ -363,6 +376,7 @@ mod tests {
         assert!(m.graphs && m.pdl && m.cublas && m.run_ahead && m.early_launch && m.packed);
         assert!(m.logit_rows && m.prompt_tiles && m.attention_halves);
         assert_eq!(m.l2_prefetch, 2 << 20);
+        assert_eq!((m.lt_candidates, m.lt_workspace), (LT_CANDIDATES, 4 << 20));
         assert_eq!(
             (m.batch_wave, m.batch_gemm, m.decode_cluster),
             (None, None, None)
@@ -384,7 +398,11 @@ mod tests {
             ("BATCH_GEMM", "0"),
             ("STEP_TOKENS", "0"),
             ("SYNC", "block"),
+            ("LT_CANDIDATES", "100"),
+            ("LT_WORKSPACE_MB", "32"),
         ]);
+        assert_eq!(s.measurement.lt_candidates, 64);
+        assert_eq!(s.measurement.lt_workspace, 32 << 20);
         assert_eq!(s.settings.sync, GpuWait::Block);
         assert_eq!(read(&[("SYNC", "spin")]).settings.sync, GpuWait::Spin);
         assert_eq!(read(&[("SYNC", "auto")]).settings.sync, GpuWait::Auto);

@@ -21,9 +21,6 @@ use cudarc::driver::CudaStream;
 use std::sync::{Arc, Mutex};
 use tuned::Untuned;
 
-/// cuBLASLt workspace per session.
-const LT_WORKSPACE_BYTES: usize = 4 << 20;
-
 /// The bias of a cuBLASLt product: in the weights' type, or f32 (cuBLASLt takes no bf16 bias
 /// with an f32 result).
 #[derive(Clone, Copy, Debug)]
@@ -94,9 +91,11 @@ impl Blas {
         let (lt, lt_workspace) = match lt {
             None => (None, None),
             Some(plans) => {
-                match DevBuf::<u8>::zeros(stream, LT_WORKSPACE_BYTES, "cuBLASLt workspace") {
+                // a session's own (`LT_WORKSPACE_MB`)
+                let bytes = crate::switches::get().measurement.lt_workspace;
+                match DevBuf::<u8>::zeros(stream, bytes, "cuBLASLt workspace") {
                     Ok(ws) => {
-                        let workspace = (ws.ptr().addr(), LT_WORKSPACE_BYTES);
+                        let workspace = (ws.ptr().addr(), bytes);
                         (lt::Lt::new(workspace, plans.clone()), Some(ws))
                     }
                     Err(_) => (None, None),

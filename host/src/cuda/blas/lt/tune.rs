@@ -10,8 +10,6 @@ use crate::cuda::error::CudaError;
 use cudarc::driver::{sys::CUevent_flags, CudaStream};
 use std::sync::Arc;
 
-/// The heuristic's candidates timed for a shape.
-const CANDIDATES: usize = 12;
 /// Rounds over the candidates; a candidate's time is its median round.
 const ROUNDS: usize = 3;
 /// Another candidate replaces the heuristic's first, and a cuBLASLt candidate replaces cuBLAS's
@@ -57,7 +55,8 @@ impl Lt {
         let Some(mut plan) = Plan::describe(shape) else {
             return Ok(None);
         };
-        let algos = plan.candidates(self.handle, self.workspace.1, CANDIDATES);
+        let most = crate::switches::get().measurement.lt_candidates;
+        let algos = plan.candidates(self.handle, self.workspace.1, most);
         if algos.is_empty() {
             return Ok(None);
         }
