@@ -16,8 +16,9 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 use wasmtime::{Config, Engine, ExternType, Instance, Linker, Module, Store, Val};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
@@ -35,6 +36,10 @@ pub const SNAPSHOT_SECTION: &str = "wasi-nn-host:preinitialised";
 
 /// The WASI preview 1 imports the init function may call (see the module docs).
 const ALLOWED_WASI: &[&str] = &["random_get", "fd_write", "proc_exit"];
+
+/// How long an init function may run before pre-initialisation gives it up: `serve` runs a
+/// plain component's at start, and a loop there must not hang the start.
+pub const INIT_TIME_LIMIT: Duration = Duration::from_secs(60);
 
 /// How much of the init function's stdout and stderr is kept for error messages.
 pub(super) const CAPTURE_BYTES: usize = 64 << 10;
@@ -96,7 +101,47 @@ pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     if super::is_component(wasm) {
         return super::preinitialize_component(wasm);
     }
-    preinitialize_module(wasm).map(marked)
+    preinitialize_module(wasm, INIT_TIME_LIMIT).map(marked)
+}
+
+/// An engine for an init function, which [`InitDeadline`] can interrupt.
+pub(super) fn init_engine() -> Result<Engine, PreinitError> {
+    let mut config = Config::new();
+    config.epoch_interruption(true);
+    Engine::new(&config).map_err(wasmtime_err)
+}
+
+/// Interrupts the init functions of `engine`'s stores (their epoch deadline one tick away)
+/// once `limit` has passed, unless dropped first.
+pub(super) struct InitDeadline {
+    done: Option<mpsc::Sender<()>>,
+    timer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl InitDeadline {
+    pub(super) fn start(engine: &Engine, limit: Duration) -> Self {
+        let (done, finished) = mpsc::channel::<()>();
+        let engine = engine.clone();
+        let timer = std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(limit) {
+                engine.increment_epoch();
+            }
+        });
+        InitDeadline {
+            done: Some(done),
+            timer: Some(timer),
+        }
+    }
+}
+
+impl Drop for InitDeadline {
+    fn drop(&mut self) {
+        // the timer sees the channel closed and ends
+        drop(self.done.take());
+        if let Some(timer) = self.timer.take() {
+            let _ = timer.join();
+        }
+    }
 }
 
 /// `snapshot` with [`SNAPSHOT_SECTION`] appended (a custom section is valid at the end of a
@@ -125,13 +170,13 @@ pub fn is_preinitialised(wasm: &[u8]) -> bool {
     wasm.ends_with(&snapshot_section())
 }
 
-fn preinitialize_module(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
+fn preinitialize_module(wasm: &[u8], limit: Duration) -> Result<Vec<u8>, PreinitError> {
     let mut wizer = Wizer::new();
     wizer.init_func(INIT_EXPORT);
     let (cx, instrumented) = wizer
         .instrument(wasm)
         .map_err(|e| PreinitError::Unsupported(format!("{e:#}")))?;
-    let engine = Engine::new(&Config::new()).map_err(wasmtime_err)?;
+    let engine = init_engine()?;
     let module = Module::new(&engine, &instrumented).map_err(wasmtime_err)?;
     if !has_init_export(&module) {
         return Err(PreinitError::NoInitFunction);
@@ -145,16 +190,19 @@ fn preinitialize_module(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
         .build_p1();
     let forbidden = Arc::new(Mutex::new(None));
     let mut store = Store::new(&engine, InitState { wasi });
+    store.set_epoch_deadline(1);
     let linker = init_linker(&engine, &module, &forbidden)?;
+    let deadline = InitDeadline::start(&engine, limit);
     let instance = linker
         .instantiate(&mut store, &module)
-        .map_err(wasmtime_err)?;
+        .map_err(|e| init_failure(&forbidden, &e, &stderr, limit))?;
     let init = instance
         .get_typed_func::<(), ()>(&mut store, INIT_EXPORT)
         .map_err(|_| PreinitError::NoInitFunction)?;
     if let Err(e) = init.call(&mut store, ()) {
-        return Err(init_failure(&forbidden, &e, &stderr));
+        return Err(init_failure(&forbidden, &e, &stderr, limit));
     }
+    drop(deadline);
 
     let mut state = SnapshotState {
         store: &mut store,
@@ -170,14 +218,13 @@ fn preinitialize_module(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     snapshot.map_err(|e| PreinitError::Unsupported(format!("{e:#}")))
 }
 
-/// WASI preview 1 for the init function, with every import outside [`ALLOWED_WASI`] (and
-/// every non-WASI import) replaced by one that records its name and traps.
-/// Why an init function failed: the forbidden import it called, else its exit code or trap
-/// with what it wrote to stderr.
+/// Why an init function failed: the forbidden import it called, else its exit code, its
+/// running past `limit`, or its trap, with what it wrote to stderr.
 pub(crate) fn init_failure(
     forbidden: &Mutex<Option<String>>,
     e: &wasmtime::Error,
     stderr: &MemoryOutputPipe,
+    limit: Duration,
 ) -> PreinitError {
     if let Some(import) = forbidden.lock().ok().and_then(|mut f| f.take()) {
         return PreinitError::ForbiddenImport(import);
@@ -185,14 +232,18 @@ pub(crate) fn init_failure(
     let exit = e
         .downcast_ref::<wasmtime_wasi::I32Exit>()
         .map(|exit| exit.0);
+    let interrupted = e.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt);
     let message = match exit {
         Some(code) => format!("it exited with code {code}"),
+        None if interrupted => format!("it ran longer than {} s", limit.as_secs_f64()),
         None => format!("{e:?}"),
     };
     let stderr = String::from_utf8_lossy(&stderr.contents()).into_owned();
     PreinitError::InitFailed { message, stderr }
 }
 
+/// WASI preview 1 for the init function, with every import outside [`ALLOWED_WASI`] (and
+/// every non-WASI import) replaced by one that records its name and traps.
 fn init_linker(
     engine: &Engine,
     module: &Module,
@@ -323,6 +374,19 @@ mod tests {
             preinitialize(&out),
             Err(PreinitError::NoInitFunction)
         ));
+    }
+
+    #[test]
+    fn an_init_that_never_returns_is_given_up_at_the_limit() {
+        let wasm = wat(r#"(module
+            (func (export "wizer-initialize") (loop $forever (br $forever)))
+        )"#);
+        match preinitialize_module(&wasm, Duration::from_millis(200)) {
+            Err(PreinitError::InitFailed { message, .. }) => {
+                assert!(message.contains("ran longer than 0.2 s"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

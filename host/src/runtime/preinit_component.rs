@@ -10,13 +10,17 @@
 //! else: a call to any other import (environment, arguments, clocks, filesystem, sockets,
 //! `wasi:nn`) traps and stops the pre-initialisation with [`PreinitError::ForbiddenImport`].
 
-use super::preinit::{block_on, init_failure, marked, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
+use super::preinit::{
+    block_on, init_engine, init_failure, marked, InitDeadline, PreinitError, CAPTURE_BYTES,
+    INIT_EXPORT, INIT_TIME_LIMIT,
+};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{
     Component, Instance, Lift, Linker, ResourceTable, ResourceType, WasmList,
 };
-use wasmtime::{Config, Engine, Store};
+use wasmtime::{Engine, Store};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use wasmtime_wizer::{ComponentInstanceState, Wizer};
@@ -50,6 +54,11 @@ fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
 /// everything else (the init export included) unchanged, and
 /// [`super::SNAPSHOT_SECTION`] appended.
 pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
+    preinitialize_component_within(wasm, INIT_TIME_LIMIT)
+}
+
+/// [`preinitialize_component`], the init function given up after `limit`.
+fn preinitialize_component_within(wasm: &[u8], limit: Duration) -> Result<Vec<u8>, PreinitError> {
     let mut wizer = Wizer::new();
     wizer.init_func(INIT_EXPORT);
     // wasmtime-wizer 48 removes the init export from the component *and* from the core
@@ -61,7 +70,7 @@ pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     let (cx, instrumented) = wizer
         .instrument_component(wasm)
         .map_err(|e| PreinitError::Unsupported(format!("{e:#}")))?;
-    let engine = Engine::new(&Config::new()).map_err(wasmtime_err)?;
+    let engine = init_engine()?;
     let component = Component::new(&engine, &instrumented).map_err(wasmtime_err)?;
     let init_index = match component.get_export(None, INIT_EXPORT) {
         Some((ComponentItem::ComponentFunc(ty), index))
@@ -85,17 +94,20 @@ pub fn preinitialize_component(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
             table: ResourceTable::new(),
         },
     );
+    store.set_epoch_deadline(1);
     let forbidden = Arc::new(Mutex::new(None));
     let linker = init_linker(&engine, &component, &forbidden)?;
+    let deadline = InitDeadline::start(&engine, limit);
     let instance = linker
         .instantiate(&mut store, &component)
-        .map_err(wasmtime_err)?;
+        .map_err(|e| init_failure(&forbidden, &e, &stderr, limit))?;
     let init = instance
         .get_typed_func::<(), ()>(&mut store, init_index)
         .map_err(|_| PreinitError::NoInitFunction)?;
     if let Err(e) = init.call(&mut store, ()) {
-        return Err(init_failure(&forbidden, &e, &stderr));
+        return Err(init_failure(&forbidden, &e, &stderr, limit));
     }
+    drop(deadline);
 
     let mut state = SnapshotState {
         store: &mut store,
@@ -308,6 +320,23 @@ mod tests {
             .get_typed_func::<(), (u32,)>(&mut store, "get")
             .expect("get");
         assert_eq!(get.call(&mut store, ()).expect("call").0, 7 + 0x2a2a2a2a);
+    }
+
+    #[test]
+    fn an_init_that_never_returns_is_given_up_at_the_limit() {
+        let wasm = wat(r#"(component
+            (core module $m (func (export "init") (loop $forever (br $forever))))
+            (core instance $i (instantiate $m))
+            (func (export "wizer-initialize") (canon lift (core func $i "init")))
+        )"#);
+        let started = std::time::Instant::now();
+        match preinitialize_component_within(&wasm, Duration::from_millis(200)) {
+            Err(PreinitError::InitFailed { message, .. }) => {
+                assert!(message.contains("ran longer than 0.2 s"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(30));
     }
 
     #[test]
