@@ -12,9 +12,11 @@
 //! tokenizer) is already in that image.
 
 mod component;
+mod init_deadline;
 mod module;
 mod preinit;
 mod preinit_component;
+mod snapshot_mark;
 pub mod wit_nn;
 pub mod witx;
 
@@ -22,11 +24,11 @@ pub use component::{
     Completion, ComponentGeneration, ComponentSnapshot, ComponentState, GuestComponent, Piece,
     Prompt, Sampling, Score, TokenLogprob, TopLogprob,
 };
+pub use init_deadline::INIT_TIME_LIMIT;
 pub use module::{GuestModule, GuestState};
-pub use preinit::{
-    has_init_export, is_preinitialised, preinitialize, PreinitError, INIT_EXPORT, SNAPSHOT_SECTION,
-};
+pub use preinit::{has_init_export, preinitialize, PreinitError, INIT_EXPORT};
 pub use preinit_component::{is_component, preinitialize_component};
+pub use snapshot_mark::{is_preinitialised, SNAPSHOT_SECTION};
 
 use crate::engine::{Device, EngineOptions, GpuDtype};
 use crate::wasi_nn::{Gpt2Backend, Gpt2Error, GraphSet};

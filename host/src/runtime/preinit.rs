@@ -16,30 +16,24 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
-use wasmtime::{Config, Engine, ExternType, Instance, Linker, Module, Store, Val};
+use wasmtime::{Engine, ExternType, Instance, Linker, Module, Store, Val};
 use wasmtime_wasi::p1::WasiP1Ctx;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::WasiCtxBuilder;
 use wasmtime_wizer::{InstanceState, SnapshotVal, ValType, Wizer};
 
+use super::init_deadline::{init_engine, InitDeadline, INIT_TIME_LIMIT};
+use super::snapshot_mark::marked;
+
 /// The init export `gpt2.wasm` has and [`preinitialize`] calls: wasmtime-wizer's default
 /// name, so `wasmtime wizer` finds it too.
 pub const INIT_EXPORT: &str = "wizer-initialize";
 
-/// The custom section [`preinitialize`] appends to every snapshot, module or component, so
-/// that a loader can tell a snapshot from a plain guest: a component keeps its init export
-/// (see [`super::preinitialize_component`]), so the export alone does not say.
-pub const SNAPSHOT_SECTION: &str = "wasi-nn-host:preinitialised";
-
 /// The WASI preview 1 imports the init function may call (see the module docs).
 const ALLOWED_WASI: &[&str] = &["random_get", "fd_write", "proc_exit"];
-
-/// How long an init function may run before pre-initialisation gives it up: `serve` runs a
-/// plain component's at start, and a loop there must not hang the start.
-pub const INIT_TIME_LIMIT: Duration = Duration::from_secs(60);
 
 /// How much of the init function's stdout and stderr is kept for error messages.
 pub(super) const CAPTURE_BYTES: usize = 64 << 10;
@@ -74,7 +68,7 @@ fn stderr_suffix(stderr: &str) -> String {
     }
 }
 
-fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
+pub(super) fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
     PreinitError::Wasmtime(format!("{e:?}"))
 }
 
@@ -95,79 +89,13 @@ struct InitState {
 
 /// Run `wasm`'s [`INIT_EXPORT`] and return the pre-initialised module: its memories and
 /// mutable globals as the init function left them, the init export removed, everything
-/// else (`_start`, imports) unchanged, and [`SNAPSHOT_SECTION`] appended. A component goes
+/// else (`_start`, imports) unchanged, and [`super::SNAPSHOT_SECTION`] appended. A component goes
 /// to [`super::preinitialize_component`].
 pub fn preinitialize(wasm: &[u8]) -> Result<Vec<u8>, PreinitError> {
     if super::is_component(wasm) {
         return super::preinitialize_component(wasm);
     }
     preinitialize_module(wasm, INIT_TIME_LIMIT).map(marked)
-}
-
-/// An engine for an init function, which [`InitDeadline`] can interrupt.
-pub(super) fn init_engine() -> Result<Engine, PreinitError> {
-    let mut config = Config::new();
-    config.epoch_interruption(true);
-    Engine::new(&config).map_err(wasmtime_err)
-}
-
-/// Interrupts the init functions of `engine`'s stores (their epoch deadline one tick away)
-/// once `limit` has passed, unless dropped first.
-pub(super) struct InitDeadline {
-    done: Option<mpsc::Sender<()>>,
-    timer: Option<std::thread::JoinHandle<()>>,
-}
-
-impl InitDeadline {
-    pub(super) fn start(engine: &Engine, limit: Duration) -> Self {
-        let (done, finished) = mpsc::channel::<()>();
-        let engine = engine.clone();
-        let timer = std::thread::spawn(move || {
-            if let Err(mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(limit) {
-                engine.increment_epoch();
-            }
-        });
-        InitDeadline {
-            done: Some(done),
-            timer: Some(timer),
-        }
-    }
-}
-
-impl Drop for InitDeadline {
-    fn drop(&mut self) {
-        // the timer sees the channel closed and ends
-        drop(self.done.take());
-        if let Some(timer) = self.timer.take() {
-            let _ = timer.join();
-        }
-    }
-}
-
-/// `snapshot` with [`SNAPSHOT_SECTION`] appended (a custom section is valid at the end of a
-/// module and of a component alike).
-pub(super) fn marked(mut snapshot: Vec<u8>) -> Vec<u8> {
-    snapshot.extend_from_slice(&snapshot_section());
-    snapshot
-}
-
-fn snapshot_section() -> Vec<u8> {
-    use wasm_encoder::Section;
-    let section = wasm_encoder::CustomSection {
-        name: SNAPSHOT_SECTION.into(),
-        data: (&[][..]).into(),
-    };
-    let mut bytes = Vec::new();
-    section.append_to(&mut bytes);
-    bytes
-}
-
-/// Whether `wasm` is a snapshot [`preinitialize`] wrote: it ends with [`SNAPSHOT_SECTION`].
-/// A tool that strips custom sections, or appends one, makes a snapshot read as plain, and
-/// [`super::Host::load_component_preinitialised`] then runs its init export again (which
-/// `gpt2_component.wasm`'s returns from at once).
-pub fn is_preinitialised(wasm: &[u8]) -> bool {
-    wasm.ends_with(&snapshot_section())
 }
 
 fn preinitialize_module(wasm: &[u8], limit: Duration) -> Result<Vec<u8>, PreinitError> {
@@ -359,7 +287,7 @@ mod tests {
             (func (export "get") (result i32) (i32.add (global.get $g) (i32.load (i32.const 64))))
         )"#);
         let out = preinitialize(&wasm).expect("pre-initialise");
-        assert!(is_preinitialised(&out) && !is_preinitialised(&wasm));
+        assert!(super::super::is_preinitialised(&out) && !super::super::is_preinitialised(&wasm));
         let engine = Engine::default();
         // the marker section leaves a valid module
         let module = Module::new(&engine, &out).expect("valid output");

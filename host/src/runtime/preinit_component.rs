@@ -10,10 +10,9 @@
 //! else: a call to any other import (environment, arguments, clocks, filesystem, sockets,
 //! `wasi:nn`) traps and stops the pre-initialisation with [`PreinitError::ForbiddenImport`].
 
-use super::preinit::{
-    block_on, init_engine, init_failure, marked, InitDeadline, PreinitError, CAPTURE_BYTES,
-    INIT_EXPORT, INIT_TIME_LIMIT,
-};
+use super::init_deadline::{init_engine, InitDeadline, INIT_TIME_LIMIT};
+use super::preinit::{block_on, init_failure, PreinitError, CAPTURE_BYTES, INIT_EXPORT};
+use super::snapshot_mark::marked;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use wasmtime::component::types::ComponentItem;
