@@ -3,7 +3,6 @@
 //! with epoch interruption, and a timer thread moves the epoch past the store's deadline once
 //! the limit has passed.
 
-use super::preinit::{wasmtime_err, PreinitError};
 use std::sync::mpsc;
 use std::time::Duration;
 use wasmtime::{Config, Engine};
@@ -12,10 +11,10 @@ use wasmtime::{Config, Engine};
 pub const INIT_TIME_LIMIT: Duration = Duration::from_secs(60);
 
 /// An engine for an init function, which [`InitDeadline`] can interrupt.
-pub(super) fn init_engine() -> Result<Engine, PreinitError> {
+pub(super) fn init_engine() -> wasmtime::Result<Engine> {
     let mut config = Config::new();
     config.epoch_interruption(true);
-    Engine::new(&config).map_err(wasmtime_err)
+    Engine::new(&config)
 }
 
 /// Interrupts the init functions of `engine`'s stores (their epoch deadline one tick away)

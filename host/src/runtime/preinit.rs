@@ -68,7 +68,7 @@ fn stderr_suffix(stderr: &str) -> String {
     }
 }
 
-pub(super) fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
+fn wasmtime_err(e: wasmtime::Error) -> PreinitError {
     PreinitError::Wasmtime(format!("{e:?}"))
 }
 
@@ -104,7 +104,7 @@ fn preinitialize_module(wasm: &[u8], limit: Duration) -> Result<Vec<u8>, Preinit
     let (cx, instrumented) = wizer
         .instrument(wasm)
         .map_err(|e| PreinitError::Unsupported(format!("{e:#}")))?;
-    let engine = init_engine()?;
+    let engine = init_engine().map_err(wasmtime_err)?;
     let module = Module::new(&engine, &instrumented).map_err(wasmtime_err)?;
     if !has_init_export(&module) {
         return Err(PreinitError::NoInitFunction);

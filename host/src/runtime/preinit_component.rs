@@ -69,7 +69,7 @@ fn preinitialize_component_within(wasm: &[u8], limit: Duration) -> Result<Vec<u8
     let (cx, instrumented) = wizer
         .instrument_component(wasm)
         .map_err(|e| PreinitError::Unsupported(format!("{e:#}")))?;
-    let engine = init_engine()?;
+    let engine = init_engine().map_err(wasmtime_err)?;
     let component = Component::new(&engine, &instrumented).map_err(wasmtime_err)?;
     let init_index = match component.get_export(None, INIT_EXPORT) {
         Some((ComponentItem::ComponentFunc(ty), index))
